@@ -1,0 +1,57 @@
+// Argument checks shared by the launchers of every device. The Python layer (dilated_attn/spec.py)
+// raises the spec's errors first; these keep a direct call of torch.ops.dilated_attn.* from reaching a
+// kernel with arguments it cannot handle. TORCH_CHECK_VALUE / TORCH_CHECK_TYPE surface in Python as
+// ValueError / TypeError.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "params.h"
+
+namespace dilated_attn {
+
+inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK_VALUE(q.dim() == 4, "q must be 4-D [batch, seq, heads, head_dim], got ", q.dim(), "-D");
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(), " and ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4, "k must be 4-D [batch, seq, heads, head_dim], got ", k.dim(), "-D");
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+                    "k and v must match q in batch, seq and head_dim: q ", q.sizes(), ", k ", k.sizes());
+  TORCH_CHECK_VALUE(q.size(2) > 0 && k.size(2) > 0 && q.size(2) % k.size(2) == 0,
+                    "q heads must be a positive multiple of k/v heads, got ", q.size(2), " and ", k.size(2));
+  TORCH_CHECK_VALUE(q.size(3) > 0, "head_dim must be >= 1");
+  TORCH_CHECK_VALUE(k.dtype() == q.dtype() && v.dtype() == q.dtype(), "q, k and v must share a dtype");
+  TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(), "q, k and v must share a device");
+}
+
+inline std::vector<Branch> make_branch_table(at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                                             int64_t num_heads, int64_t seq_len, bool split_heads) {
+  const int64_t m = static_cast<int64_t>(segment_lengths.size());
+  TORCH_CHECK_VALUE(m >= 1, "segment_lengths must not be empty");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(dilation_rates.size()) == m,
+                    "segment_lengths and dilation_rates must have the same length, got ", m, " and ",
+                    dilation_rates.size());
+  TORCH_CHECK_VALUE(!split_heads || num_heads >= m, "head_groups='split' needs at least one head per branch: ",
+                    num_heads, " heads < ", m, " branches");
+  std::vector<Branch> table;
+  for (int64_t i = 0; i < m; ++i) {
+    TORCH_CHECK_VALUE(segment_lengths[i] > 0, "segment_lengths[", i, "] must be positive");
+    TORCH_CHECK_VALUE(dilation_rates[i] > 0, "dilation_rates[", i, "] must be positive");
+    table.push_back(
+        make_branch(segment_lengths[i], dilation_rates[i], i, m, num_heads, seq_len, split_heads));
+  }
+  return table;
+}
+
+// A kernel reads rows with a contiguous last dim; other strides are free.
+inline at::Tensor rows_contiguous(const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); }
+
+inline Strides strides_of(const at::Tensor& x) { return Strides{x.stride(0), x.stride(1), x.stride(2)}; }
+
+inline at::ScalarType lse_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace dilated_attn

@@ -1,0 +1,46 @@
+// Every op schema of the package, and the few plain (non-op) helpers exposed through pybind11.
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+TORCH_LIBRARY(dilated_attn, m) {
+  // One dilated attention call: all branches merged. out: [B, N, Hq, D] in q's dtype; lse: [B, Hq, N] in
+  // float32 (float64 for float64 inputs).
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, int[] segment_lengths, int[] dilation_rates, bool split_heads, "
+      "bool causal, float scale) -> (Tensor out, Tensor lse)");
+  // Exact gradient of forward, from the merged out and lse; grad_lse (optional) is the gradient of lse.
+  m.def(
+      "backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "int[] segment_lengths, int[] dilation_rates, bool split_heads, bool causal, float scale) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+}
+
+#define DA_STR2(x) #x
+#define DA_STR(x) DA_STR2(x)
+
+// What this binary was built with, so that a load or dispatch failure can be explained.
+static pybind11::dict build_info() {
+  pybind11::dict info;
+  info["torch_version"] = DA_STR(TORCH_VERSION_MAJOR) "." DA_STR(TORCH_VERSION_MINOR) "." DA_STR(TORCH_VERSION_PATCH);
+#ifdef DILATED_ATTN_WITH_CUDA
+  info["with_cuda"] = true;
+  info["cuda_version"] = DILATED_ATTN_CUDA_VERSION;
+  info["cuda_archs"] = DILATED_ATTN_CUDA_ARCHS;
+#else
+  info["with_cuda"] = false;
+  info["cuda_version"] = pybind11::none();
+  info["cuda_archs"] = "";
+#endif
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+  info["cpu_kernels"] = "x86-64-v3 (AVX2+FMA) and baseline clones, chosen at load";
+#else
+  info["cpu_kernels"] = "baseline";
+#endif
+  return info;
+}
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dilated_attn compiled ops (registered under torch.ops.dilated_attn)";
+  m.def("build_info", &build_info, "Versions and targets this extension was compiled for");
+}

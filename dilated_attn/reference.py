@@ -1,0 +1,152 @@
+"""Pure-PyTorch implementations of the spec: the truth every backend, test and benchmark is compared with.
+
+* `dilated_attention_reference` gathers each branch's dilated rows into dense `[.., segment, member, D]`
+  blocks, attends within each block and merges branches by log-sum-exp. Memory is
+  O(B*H*N*w/r^2) scores per branch, never N x N, so it runs at N = 65536 on one GPU.
+* `dilated_attention_bruteforce` builds the full N x N membership mask of every branch straight from the
+  spec's wording (`(p mod s) mod r == o(h)`) in float64. It is for tests at small N only.
+
+Both are differentiated by PyTorch's autograd, so their gradients are exact for the merged function,
+merge weights included. Neither uses the package's kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .spec import Problem, lse_dtype, split_group_bounds, validate
+
+__all__ = ["dilated_attention_reference", "dilated_attention_bruteforce"]
+
+
+def _masked_attention(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor):
+    """softmax(scores) @ v and logsumexp(scores) over the keys where `mask` holds, along the last dim.
+
+    Rows without any key give out = 0 and lse = -inf, and their gradients are 0, not NaN: the max and the
+    normaliser are replaced by harmless values before exp/log on such rows.
+    """
+    scores = scores.masked_fill(~mask, -math.inf)
+    has_key = mask.any(-1)
+    row_max = scores.amax(-1, keepdim=True).detach()  # a shift: lse does not depend on it
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(scores - row_max)
+    denom = torch.where(has_key, e.sum(-1), torch.ones_like(row_max[..., 0]))
+    lse = torch.where(has_key, torch.log(denom) + row_max[..., 0], torch.full_like(denom, -math.inf))
+    out = (e / denom.unsqueeze(-1)) @ v
+    return out, lse
+
+
+def _merge_branches(outs: list[torch.Tensor], lses: list[torch.Tensor]):
+    """LSE = log sum_i exp(lse_i); out = sum_i exp(lse_i - LSE) out_i; rows where every lse_i = -inf give
+    (0, -inf). outs: [B, H, N, D], lses: [B, H, N]."""
+    lse_all = torch.stack(lses)  # [m, B, H, N]
+    covered = torch.isfinite(lse_all).any(0)
+    big = lse_all.amax(0).detach()
+    big = torch.where(covered, big, torch.zeros_like(big))
+    total = torch.where(covered, torch.exp(lse_all - big).sum(0), torch.ones_like(big))
+    lse = torch.where(covered, torch.log(total) + big, torch.full_like(big, -math.inf))
+    safe_lse = torch.where(covered, lse, torch.zeros_like(lse))
+    out = sum(torch.exp(li - safe_lse).unsqueeze(-1) * oi for oi, li in zip(outs, lses))
+    return out, lse
+
+
+def _finish(out_bhnd: torch.Tensor, lse: torch.Tensor, p: Problem):
+    out = out_bhnd.transpose(1, 2).to(p.dtype).contiguous()
+    return out, lse.to(lse_dtype(p.dtype)).contiguous()
+
+
+def _compute_dtype(dtype: torch.dtype, compute_dtype):
+    if compute_dtype is not None:
+        return compute_dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dilated_attention_reference(
+    q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, head_groups="all", compute_dtype=None
+):
+    """Gather-based reference. Returns `(out [B, N, Hq, D] in q.dtype, lse [B, Hq, N])`.
+
+    Arithmetic runs in `compute_dtype` (default: float64 for float64 inputs, else float32).
+    """
+    p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups)
+    B, N, Hq, D = q.shape
+    cdt = _compute_dtype(q.dtype, compute_dtype)
+    dev = q.device
+    group = Hq // p.num_kv_heads
+    kv_of_head = torch.arange(Hq, device=dev) // group
+
+    # [B, H, N + 1, D]: one zero row at index N is where the padding of short segments points.
+    def heads_first(x):
+        x = x.to(cdt).transpose(1, 2)
+        return torch.cat([x, x.new_zeros(B, x.shape[1], 1, D)], dim=2)
+
+    qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
+    outs, lses = [], []
+    for br in p.branches:
+        s, r = br.seg_len, br.dilation
+        heads = torch.arange(br.head_lo, br.head_hi, device=dev)
+        offsets = br.offset_base + (heads - br.head_lo) // br.offset_div
+        n_seg, n_max = -(-N // s), -(-s // r)
+        member = torch.arange(n_max, device=dev)
+        local = offsets[:, None, None] + r * member  # [nh, 1, n_max]: position inside the segment
+        pos = torch.arange(n_seg, device=dev)[None, :, None] * s + local  # [nh, n_seg, n_max]
+        valid = (local < s) & (pos < N)
+        pos = torch.where(valid, pos, N)
+        qg = qh[:, heads[:, None, None], pos]  # [B, nh, n_seg, n_max, D]
+        kg = kh[:, kv_of_head[heads][:, None, None], pos]
+        vg = vh[:, kv_of_head[heads][:, None, None], pos]
+        mask = valid.unsqueeze(-2)  # keys
+        if causal:
+            mask = mask & torch.ones(n_max, n_max, dtype=torch.bool, device=dev).tril()
+        out_b, lse_b = _masked_attention((qg @ kg.transpose(-1, -2)) * p.scale, mask, vg)
+        # Scatter back to sequence order; invalid rows (queries that are padding) land on the spare row N.
+        out_full = qh.new_zeros(B, Hq, N + 1, D)
+        lse_full = qh.new_full((B, Hq, N + 1), -math.inf)
+        out_full[:, heads[:, None, None], pos] = out_b
+        lse_full[:, heads[:, None, None], pos] = lse_b
+        outs.append(out_full[:, :, :N])
+        lses.append(lse_full[:, :, :N])
+    out, lse = _merge_branches(outs, lses)
+    return _finish(out, lse, p)
+
+
+def dilated_attention_bruteforce(
+    q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, head_groups="all"
+):
+    """Full N x N masked attention in float64, written from the spec's definitions. Small N only."""
+    p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups)
+    B, N, Hq, D = q.shape
+    dev = q.device
+    group = Hq // p.num_kv_heads
+    qd = q.double().transpose(1, 2)  # [B, Hq, N, D]
+    kd = k.double().transpose(1, 2).repeat_interleave(group, dim=1)
+    vd = v.double().transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = (qd @ kd.transpose(-1, -2)) * p.scale  # [B, Hq, N, N]
+    pos = torch.arange(N, device=dev)
+    m = len(p.segment_lengths)
+    outs, lses = [], []
+    for i, (w, r) in enumerate(zip(p.segment_lengths, p.dilation_rates)):
+        s = min(w, N)
+        offset = torch.empty(Hq, dtype=torch.long)
+        takes_part = torch.zeros(Hq, dtype=torch.bool)
+        for h in range(Hq):
+            if p.head_groups == "all":
+                takes_part[h] = True
+                offset[h] = h // math.ceil(Hq / r)
+            else:
+                lo, hi = split_group_bounds(Hq, m, i)
+                takes_part[h] = lo <= h < hi
+                offset[h] = i % r
+        offset, takes_part = offset.to(dev), takes_part.to(dev)
+        member = takes_part[:, None] & ((pos % s) % r == offset[:, None])  # [Hq, N]
+        segment = pos // s
+        mask = member[:, :, None] & member[:, None, :] & (segment[:, None] == segment[None, :])
+        if causal:
+            mask = mask & (pos[None, :] <= pos[:, None])
+        out_i, lse_i = _masked_attention(scores, mask.unsqueeze(0), vd)
+        outs.append(out_i)
+        lses.append(lse_i)
+    out, lse = _merge_branches(outs, lses)
+    return _finish(out, lse, p)
