@@ -128,7 +128,7 @@ def dilated_attention_bruteforce(
     m = len(p.segment_lengths)
     outs, lses = [], []
     for i, (w, r) in enumerate(zip(p.segment_lengths, p.dilation_rates)):
-        s = min(w, N)
+        s = max(min(w, N), 1)
         offset = torch.empty(Hq, dtype=torch.long)
         takes_part = torch.zeros(Hq, dtype=torch.bool)
         for h in range(Hq):

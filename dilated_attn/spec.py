@@ -52,7 +52,7 @@ def branch_table(
     m = len(segment_lengths)
     table = []
     for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        s = min(w, seq_len)
+        s = max(min(w, seq_len), 1)  # N = 0: no position, any s >= 1 will do
         if head_groups == "all":
             table.append(Branch(w, s, r, 0, num_heads, -(-num_heads // r), 0))
         else:

@@ -1,0 +1,25 @@
+"""The compiled extension is built, loaded and registered (a broken build must fail here, not skip)."""
+
+import torch
+
+import dilated_attn
+from dilated_attn import ops
+
+
+def test_extension_is_loaded():
+    info = dilated_attn.build_info()
+    assert info["loaded"], info.get("error")
+    assert info["torch_version"].split(".")[:2] == torch.__version__.split("+")[0].split(".")[:2]
+    assert isinstance(info["with_cuda"], bool)
+
+
+def test_ops_are_registered_with_a_cpu_kernel():
+    assert ops.has_kernel("cpu")
+    schema = str(torch.ops.dilated_attn.forward.default._schema)
+    assert "int[] segment_lengths" in schema and "-> (Tensor out, Tensor lse)" in schema
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attn::backward", "CPU")
+
+
+def test_a_cpu_only_build_has_no_cuda_kernel():
+    if not dilated_attn.build_info()["with_cuda"]:
+        assert not ops.has_kernel("cuda")

@@ -1,0 +1,109 @@
+"""Every invalid input of the spec's Errors section raises ValueError/TypeError naming the argument."""
+
+import math
+
+import pytest
+import torch
+
+import dilated_attn
+
+
+def _qkv(B=1, N=8, Hq=4, Hkv=2, D=4, dtype=torch.float32):
+    return (torch.randn(B, N, Hq, D, dtype=dtype), torch.randn(B, N, Hkv, D, dtype=dtype),
+            torch.randn(B, N, Hkv, D, dtype=dtype))
+
+
+def _call(**overrides):
+    q, k, v = _qkv()
+    args = dict(q=q, k=k, v=v, segment_lengths=[4, 8], dilation_rates=[1, 2])
+    args.update(overrides)
+    pos = [args.pop(n) for n in ("q", "k", "v", "segment_lengths", "dilation_rates")]
+    return dilated_attn.dilated_attention(*pos, **args)
+
+
+q0, k0, v0 = _qkv()
+
+INVALID = [
+    # (overrides, exception, words the message must contain)
+    (dict(q=[[1.0]]), TypeError, ["q", "torch.Tensor"]),
+    (dict(k=None), TypeError, ["k", "torch.Tensor"]),
+    (dict(v=3.0), TypeError, ["v", "torch.Tensor"]),
+    (dict(q=q0[0]), ValueError, ["q", "4-D"]),
+    (dict(k=k0[..., None]), ValueError, ["k", "4-D"]),
+    (dict(q=q0.to(torch.int32)), TypeError, ["q", "floating-point"]),
+    (dict(k=k0.double()), ValueError, ["k", "dtype"]),
+    (dict(v=v0.double()), ValueError, ["v", "dtype"]),
+    (dict(v=v0.to("meta")), ValueError, ["v", "device"]),
+    (dict(k=k0.to("meta"), v=v0.to("meta")), ValueError, ["k", "device"]),
+    (dict(v=v0[:, :, :1]), ValueError, ["k and v", "same shape"]),
+    (dict(k=torch.randn(2, 8, 2, 4), v=torch.randn(2, 8, 2, 4)), ValueError, ["batch"]),
+    (dict(k=torch.randn(1, 9, 2, 4), v=torch.randn(1, 9, 2, 4)), ValueError, ["sequence length"]),
+    (dict(k=torch.randn(1, 8, 2, 5), v=torch.randn(1, 8, 2, 5)), ValueError, ["head_dim"]),
+    (dict(k=torch.randn(1, 8, 3, 4), v=torch.randn(1, 8, 3, 4)), ValueError, ["heads", "multiple"]),
+    (dict(q=torch.randn(1, 8, 0, 4)), ValueError, ["head"]),
+    (dict(q=torch.randn(1, 8, 4, 0), k=torch.randn(1, 8, 2, 0), v=torch.randn(1, 8, 2, 0)), ValueError,
+     ["head_dim"]),
+    (dict(segment_lengths=[], dilation_rates=[]), ValueError, ["segment_lengths", "empty"]),
+    (dict(segment_lengths=[4], dilation_rates=[1, 2]), ValueError, ["segment_lengths and dilation_rates"]),
+    (dict(segment_lengths=[4, 0]), ValueError, ["segment_lengths[1]", "positive"]),
+    (dict(segment_lengths=[-4, 8]), ValueError, ["segment_lengths[0]", "positive"]),
+    (dict(dilation_rates=[0, 1]), ValueError, ["dilation_rates[0]", "positive"]),
+    (dict(dilation_rates=[1, -2]), ValueError, ["dilation_rates[1]", "positive"]),
+    (dict(segment_lengths=[4.0, 8]), TypeError, ["segment_lengths[0]", "int"]),
+    (dict(dilation_rates=[True, 2]), TypeError, ["dilation_rates[0]", "int"]),
+    (dict(segment_lengths=8), TypeError, ["segment_lengths", "sequence"]),
+    (dict(segment_lengths="48"), TypeError, ["segment_lengths", "sequence"]),
+    (dict(dilation_rates=None), TypeError, ["dilation_rates"]),
+    (dict(head_groups="heads"), ValueError, ["head_groups", "'all' or 'split'"]),
+    (dict(head_groups=None), TypeError, ["head_groups"]),
+    (dict(head_groups="split", segment_lengths=[1, 2, 3, 4, 5], dilation_rates=[1] * 5), ValueError,
+     ["head_groups='split'", "4 heads < 5 branches"]),
+    (dict(causal="yes"), TypeError, ["causal", "bool"]),
+    (dict(causal=None), TypeError, ["causal", "bool"]),
+    (dict(return_lse=1), TypeError, ["return_lse", "bool"]),
+    (dict(scale="0.5"), TypeError, ["scale"]),
+    (dict(scale=math.nan), ValueError, ["scale", "finite"]),
+    (dict(scale=math.inf), ValueError, ["scale", "finite"]),
+    (dict(backend="fast"), ValueError, ["backend", "'auto'"]),
+    (dict(backend=None), TypeError, ["backend"]),
+    (dict(backend="cuda"), ValueError, ["backend='cuda'", "CUDA tensors", "cpu: can run"]),
+    (dict(backend="triton"), ValueError, ["backend='triton'", "CUDA tensors", "reference: can run"]),
+]
+
+
+@pytest.mark.parametrize("overrides, exc, words", INVALID, ids=[str(i) for i in range(len(INVALID))])
+def test_invalid_input_raises_naming_the_argument(overrides, exc, words):
+    with pytest.raises(exc) as info:
+        _call(**overrides)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+def test_valid_variants_are_accepted():
+    """Things that look unusual but are valid by the spec."""
+    import numpy as np
+
+    _call(segment_lengths=(4, 8), dilation_rates=(1, 2))
+    _call(segment_lengths=torch.tensor([4, 8]), dilation_rates=[np.int64(1), 2])
+    _call(segment_lengths=[100, 3], dilation_rates=[7, 5])  # w > N, r > w
+    _call(scale=0)
+    _call(scale=-1.5)
+    _call(head_groups="split", segment_lengths=[1, 2, 3, 4], dilation_rates=[1, 2, 3, 4])
+
+
+def test_direct_op_calls_are_checked_too():
+    """torch.ops.dilated_attn.* called without the Python layer still raise ValueError, not crash."""
+    q, k, v = _qkv()
+    op = torch.ops.dilated_attn.forward
+    with pytest.raises(ValueError, match="segment_lengths"):
+        op(q, k, v, [], [], False, False, 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        op(q, k, v, [4], [0], False, False, 1.0)
+    with pytest.raises(ValueError, match="same length"):
+        op(q, k, v, [4], [1, 2], False, False, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        op(q, k[:, :, :1].expand(1, 8, 3, 4), v[:, :, :1].expand(1, 8, 3, 4), [4], [1], False, False, 1.0)
+    with pytest.raises(ValueError, match="split"):
+        op(q, k, v, [1] * 5, [1] * 5, True, False, 1.0)
+    with pytest.raises(ValueError, match="4-D"):
+        op(q[0], k, v, [4], [1], False, False, 1.0)
