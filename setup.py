@@ -40,12 +40,14 @@ def _with_cuda():
 
 def extension():
     with_cuda, why = _with_cuda()
-    sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
+    sources = ["csrc/registration.cpp", *_sources("csrc/cpu/*.cpp")]
     cxx = ["-O3", "-fvisibility=hidden", "-Wno-psabi"]
     macros = []
     if not with_cuda:
         print(f"dilated_attn: building the CPU-only extension ({why})", flush=True)
-        return cpp_extension.CppExtension("dilated_attn._C", sources, extra_compile_args={"cxx": cxx})
+        return cpp_extension.CppExtension(
+            "dilated_attn._C", sources, define_macros=macros, extra_compile_args={"cxx": cxx}
+        )
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     print(f"dilated_attn: building CPU + CUDA ({why}; TORCH_CUDA_ARCH_LIST={archs or 'torch default'})", flush=True)
     macros += [

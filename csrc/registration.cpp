@@ -16,6 +16,10 @@ TORCH_LIBRARY(dilated_attn, m) {
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
 }
 
+namespace dilated_attn::cpu {
+const char* selected_isa();  // csrc/cpu/attention_cpu.cpp
+}
+
 #define DA_STR2(x) #x
 #define DA_STR(x) DA_STR2(x)
 
@@ -32,11 +36,7 @@ static pybind11::dict build_info() {
   info["cuda_version"] = pybind11::none();
   info["cuda_archs"] = "";
 #endif
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-  info["cpu_kernels"] = "x86-64-v3 (AVX2+FMA) and baseline clones, chosen at load";
-#else
-  info["cpu_kernels"] = "baseline";
-#endif
+  info["cpu_isa"] = dilated_attn::cpu::selected_isa();
   return info;
 }
 

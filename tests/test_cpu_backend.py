@@ -18,6 +18,16 @@ NUM_CASES = 240
 CASES = [random_case(random.Random(index), max_seq=96) for index in range(NUM_CASES)]
 
 
+@pytest.fixture(params=["native", "baseline"])
+def isa(request, monkeypatch):
+    """Run the CPU kernels with the CPU's best instruction set, and again with the baseline build (what CPUs
+    without AVX2, and non-x86 CPUs, run)."""
+    if request.param == "baseline":
+        monkeypatch.setenv("DILATED_ATTN_CPU_ISA", "baseline")
+        assert dilated_attn.build_info()["cpu_isa"] == "baseline"
+    return request.param
+
+
 def _grads(out, lse, inputs, seed=7):
     g = torch.Generator().manual_seed(seed)
     go = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
@@ -45,7 +55,7 @@ def test_cases_cover_the_input_space():
 
 
 @pytest.mark.parametrize("index", range(NUM_CASES))
-def test_float64_parity(index):
+def test_float64_parity(index, isa):
     case = CASES[index]
     q, k, v = make_qkv(case, seed=index)
     args = (q, k, v, case.segment_lengths, case.dilation_rates)
@@ -75,7 +85,7 @@ GRAD_FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("index", range(0, NUM_CASES, 12))
-def test_reduced_precision_error_bound(dtype, index):
+def test_reduced_precision_error_bound(dtype, index, isa):
     case = CASES[index]
     q, k, v = make_qkv(case, dtype=dtype, seed=index)
     args = (case.segment_lengths, case.dilation_rates)
