@@ -8,6 +8,7 @@ backend of its preference list that can run.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -43,13 +44,14 @@ def _cuda_reason(p: Problem) -> Optional[str]:
 
 
 def _triton_reason(p: Problem) -> Optional[str]:
-    if p.device.type != "cuda":
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if p.device.type != "cuda" and not (p.device.type == "cpu" and interpret):
         return f"needs CUDA tensors, got {p.device.type}"
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    if importlib.util.find_spec("dilated_attn.triton") is None:
-        return "this version of dilated_attn has no Triton kernels"
-    return None  # pragma: no cover
+    from . import triton as triton_backend
+
+    return triton_backend.reason(p.device, p.dtype, p.head_dim)
 
 
 def _reference_reason(p: Problem) -> Optional[str]:
@@ -58,6 +60,12 @@ def _reference_reason(p: Problem) -> Optional[str]:
 
 def _run_compiled(q, k, v, p: Problem):
     return ops.forward(q, k, v, p)
+
+
+def _run_triton(q, k, v, p: Problem):
+    from . import triton as triton_backend
+
+    return triton_backend.forward(q, k, v, p)
 
 
 def _run_reference(q, k, v, p: Problem):
@@ -75,7 +83,7 @@ class Backend:
 
 BACKENDS = {
     "cuda": Backend("cuda", _cuda_reason, _run_compiled),
-    "triton": Backend("triton", _triton_reason, None),
+    "triton": Backend("triton", _triton_reason, _run_triton),
     "cpu": Backend("cpu", _cpu_reason, _run_compiled),
     "reference": Backend("reference", _reference_reason, _run_reference),
 }

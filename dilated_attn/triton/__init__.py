@@ -1,0 +1,193 @@
+"""Triton backend: launchers and the `torch.library.triton_op` registrations.
+
+`torch.ops.dilated_attn.triton_forward` / `triton_backward` are triton ops, so torch.compile traces
+through them into the kernels without graph breaks; autograd is registered on the forward op.
+Importing this module needs triton (dispatch.py checks before it imports).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from ..spec import branch_table
+from .bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
+from .common import interpreting
+from .fwd import _fwd_kernel
+
+LOG2E = 1.4426950408889634
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MIN_CAPABILITY = (7, 0)  # Volta: the oldest GPU Triton compiles for
+
+
+def reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None if the Triton kernels can run on such inputs, else why not. CPU tensors run only under
+    Triton's interpreter (TRITON_INTERPRET=1), which is for tests."""
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return f"needs CUDA tensors, got {device.type}"
+    if dtype not in DTYPES:
+        return f"dtype {str(dtype).removeprefix('torch.')} is not supported (float16, bfloat16, float32)"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        return f"compute capability {cc} < 7.0 (Triton needs Volta or newer)"
+    return None
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 follows torch's own matmul setting: TF32 only where the user allowed it for matmuls.
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _common(q, k, segment_lengths, dilation_rates, split_heads):
+    B, N, H, D = q.shape
+    table = branch_table(segment_lengths, dilation_rates, N, H, "split" if split_heads else "all")
+    meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)))
+    return table, meta
+
+
+def _branch_geometry(br, N):
+    """Segments of the branch, the most members one segment has, and that count's autotuning bucket."""
+    max_members = -(-br.seg_len // br.dilation)
+    return math.ceil(N / br.seg_len), max_members, min(triton.next_power_of_2(max_members), 8192)
+
+
+@triton_op("dilated_attn::triton_forward", mutates_args=())
+def triton_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    split_heads: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    B, N, H, D = q.shape
+    table, meta = _common(q, k, segment_lengths, dilation_rates, split_heads)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, N), -math.inf, dtype=torch.float32, device=q.device)
+    for i, br in enumerate(table):
+        n_seg, max_members, bucket = _branch_geometry(br, N)
+        n_heads = br.head_hi - br.head_lo
+        programs = B * n_heads * n_seg
+
+        def grid(m, programs=programs, max_members=max_members):
+            return (programs * triton.cdiv(max_members, m["BLOCK_M"]),)
+
+        wrap_triton(_fwd_kernel)[grid](
+            q, k, v, out, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
+            scale * LOG2E,
+            CAUSAL=causal, FIRST=i == 0, PRECISION=_precision(q.dtype), MAX_MEMBERS_BUCKET=bucket,
+            **meta,
+        )
+    return out, lse
+
+
+@triton_op("dilated_attn::triton_backward", mutates_args=())
+def triton_backward(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    split_heads: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    grad_out, out = _rows_contiguous(grad_out.to(q.dtype)), _rows_contiguous(out)
+    B, N, H, D = q.shape
+    Hkv = k.shape[2]
+    table, meta = _common(q, k, segment_lengths, dilation_rates, split_heads)
+    lse = lse.to(torch.float32).contiguous()
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    has_dlse = grad_lse is not None
+    dlse = grad_lse.to(torch.float32).contiguous() if has_dlse else delta
+    block = 16 if interpreting() else 64
+    wrap_triton(_delta_kernel)[(B * H, triton.cdiv(N, block))](
+        out, grad_out, dlse, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        N, H, HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], HAS_DLSE=has_dlse, BLOCK=block,
+    )
+    # fp32 accumulators across branches (the gradients themselves for float32 inputs)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    strides = (
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+    )
+    flags = dict(CAUSAL=causal, PRECISION=_precision(q.dtype), **meta)
+    for br in table:
+        n_seg, max_members, bucket = _branch_geometry(br, N)
+        n_heads = br.head_hi - br.head_lo
+
+        def kv_grid(m, programs=B * Hkv * n_seg, max_members=max_members):
+            return (programs * triton.cdiv(max_members, m["BLOCK_N"]),)
+
+        wrap_triton(_dkdv_kernel)[kv_grid](
+            q, k, v, grad_out, lse, delta, dk, dv, *strides,
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            N, H, Hkv, br.seg_len, br.dilation, n_seg, br.head_lo, br.head_hi, br.offset_div, br.offset_base,
+            max_members, scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
+        )
+
+        def q_grid(m, programs=B * n_heads * n_seg, max_members=max_members):
+            return (programs * triton.cdiv(max_members, m["BLOCK_M"]),)
+
+        wrap_triton(_dq_kernel)[q_grid](
+            q, k, v, grad_out, lse, delta, dq, *strides,
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
+            scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
+        )
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.config = (segment_lengths, dilation_rates, split_heads, causal, scale)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grads = torch.ops.dilated_attn.triton_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.config)
+    return (*grads, None, None, None, None, None)
+
+
+triton_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def forward(q, k, v, problem):
+    """The Triton op on a validated problem: returns (out, lse)."""
+    p = problem
+    return torch.ops.dilated_attn.triton_forward(
+        q, k, v, list(p.segment_lengths), list(p.dilation_rates), p.split_heads, p.causal, p.scale
+    )

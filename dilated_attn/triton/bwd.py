@@ -1,0 +1,215 @@
+"""Triton backward kernels: the exact gradient of the merged function.
+
+With the merged output O and log-sum-exp L of the forward, every key t a query p sees in any branch has
+P = exp(s_pt - L(p)), and dS = P * (dP - delta) with delta(p) = rowsum(dO * O)(p) - dL(p) (dL: the
+gradient reaching the returned LSE). Running each branch's flash-style backward with these merged O, L
+and delta gives the gradient of the merged function, merge weights included.
+
+- `_delta_kernel`: delta for every (batch, head, position).
+- `_dkdv_kernel`: per branch, a program owns BLOCK_N members of one (batch, kv head, segment) and loops
+  over the query heads of its group that take part, adding into fp32 dK/dV. Positions written by two
+  programs of one launch never coincide, so the read-add-write needs no atomics.
+- `_dq_kernel`: per branch, a program owns BLOCK_M query members, like the forward, adding into fp32 dQ.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import autotune_configs, members_of, segment_of
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _delta_kernel(
+    O, dO, dLse, Delta,
+    stride_ob, stride_on, stride_oh,
+    stride_db, stride_dn, stride_dh,
+    N, H,
+    HEAD_DIM,
+    BLOCK_D: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs < N)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    pos = offs.to(tl.int64)
+    o = tl.load(O + b * stride_ob + h * stride_oh + pos[:, None] * stride_on + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(dO + b * stride_db + h * stride_dh + pos[:, None] * stride_dn + offs_d[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = (b * H + h) * N + pos
+    if HAS_DLSE:
+        delta -= tl.load(dLse + row, mask=offs < N, other=0.0)
+    tl.store(Delta + row, delta, mask=offs < N)
+
+
+def _dkdv_configs():
+    return autotune_configs(
+        [
+            dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+            dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        ],
+        interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
+    )
+
+
+@triton.autotune(configs=_dkdv_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["dK", "dV"])
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, dO, Lse, Delta, dK, dV,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_don, stride_doh,
+    stride_gb, stride_gn, stride_gh,  # dK and dV: contiguous fp32 [B, N, Hkv, D]
+    N, H, H_KV, seg_len, dilation, n_seg, head_lo, head_hi, offset_div, offset_base, max_members,
+    sm_scale,
+    qk_scale,  # sm_scale * log2(e)
+    GROUP,  # query heads per kv head
+    HEAD_DIM,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MAX_MEMBERS_BUCKET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    n_blocks = tl.cdiv(max_members, BLOCK_N)  # 1-D grid, segment-major
+    pid_n = tl.program_id(0) % n_blocks
+    pid = tl.program_id(0) // n_blocks
+    seg = pid % n_seg
+    kvh = (pid // n_seg) % H_KV
+    b = (pid // (n_seg * H_KV)).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    h_begin = tl.maximum(kvh * GROUP, head_lo)
+    h_end = tl.minimum((kvh + 1) * GROUP, head_hi)
+    for h in range(h_begin, h_end):
+        first, n = members_of(h, seg, N, seg_len, dilation, head_lo, offset_div, offset_base)
+        if start_n < n:
+            n_mask = offs_n < n
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            pos_n = (first + offs_n * dilation).to(tl.int64)
+            k = tl.load(K + b * stride_kb + kvh * stride_kh + pos_n[:, None] * stride_kn + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + b * stride_vb + kvh * stride_vh + pos_n[:, None] * stride_vn + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            q_base = Q + b * stride_qb + h * stride_qh
+            do_base = dO + b * stride_dob + h * stride_doh
+            row_base = (b * H + h) * N
+            lo = 0
+            if CAUSAL:
+                lo = (start_n // BLOCK_M) * BLOCK_M  # earlier queries cannot see these keys
+            for start_m in range(lo, n, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < n
+                pos_m = (first + offs_m * dilation).to(tl.int64)
+                q_mask = m_mask[:, None] & d_mask[None, :]
+                q = tl.load(q_base + pos_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
+                do = tl.load(do_base + pos_m[:, None] * stride_don + offs_d[None, :], mask=q_mask, other=0.0)
+                lse2 = tl.load(Lse + row_base + pos_m, mask=m_mask, other=0.0) * LOG2E
+                delta = tl.load(Delta + row_base + pos_m, mask=m_mask, other=0.0)
+                qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+                valid = n_mask[:, None] & m_mask[None, :]
+                if CAUSAL:
+                    valid = valid & (offs_m[None, :] >= offs_n[:, None])
+                pT = tl.where(valid, tl.math.exp2(qkT - lse2[None, :]), 0.0)
+                dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+                dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+                dsT = pT * (dpT - delta[None, :])
+                dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
+            g_ptrs = b * stride_gb + kvh * stride_gh + pos_n[:, None] * stride_gn + offs_d[None, :]
+            tl.store(dK + g_ptrs, tl.load(dK + g_ptrs, mask=kv_mask, other=0.0) + dk * sm_scale, mask=kv_mask)
+            tl.store(dV + g_ptrs, tl.load(dV + g_ptrs, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+
+
+def _dq_configs():
+    return autotune_configs(
+        [
+            dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+        ],
+        interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
+    )
+
+
+@triton.autotune(configs=_dq_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["dQ"])
+@triton.jit
+def _dq_kernel(
+    Q, K, V, dO, Lse, Delta, dQ,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_don, stride_doh,
+    stride_gb, stride_gn, stride_gh,  # dQ: contiguous fp32 [B, N, H, D]
+    N, H, seg_len, dilation, n_seg, head_lo, n_heads, offset_div, offset_base, max_members,
+    sm_scale,
+    qk_scale,
+    GROUP,  # query heads per kv head
+    HEAD_DIM,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MAX_MEMBERS_BUCKET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # 1-D grid, the blocks of one segment adjacent so that they share its K/V in L2.
+    n_blocks = tl.cdiv(max_members, BLOCK_M)
+    pid_m = tl.program_id(0) % n_blocks
+    b, h, kvh, first, n = segment_of(tl.program_id(0) // n_blocks, N, seg_len, dilation, n_seg, head_lo, n_heads,
+                                     offset_div, offset_base, GROUP)
+    start_m = pid_m * BLOCK_M
+    if start_m < n:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < n
+        d_mask = offs_d < HEAD_DIM
+        q_mask = m_mask[:, None] & d_mask[None, :]
+        pos_m = (first + offs_m * dilation).to(tl.int64)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + pos_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask,
+                    other=0.0)
+        do = tl.load(dO + b * stride_dob + h * stride_doh + pos_m[:, None] * stride_don + offs_d[None, :],
+                     mask=q_mask, other=0.0)
+        row_base = (b * H + h) * N
+        lse2 = tl.load(Lse + row_base + pos_m, mask=m_mask, other=0.0) * LOG2E
+        delta = tl.load(Delta + row_base + pos_m, mask=m_mask, other=0.0)
+        k_base = K + b * stride_kb + kvh * stride_kh
+        v_base = V + b * stride_vb + kvh * stride_vh
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        hi = n
+        if CAUSAL:
+            hi = tl.minimum(n, start_m + BLOCK_M)
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
+            pos_n = (first + offs_n * dilation).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_base + pos_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + pos_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            valid = m_mask[:, None] & n_mask[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(valid, tl.math.exp2(qk - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        g_ptrs = dQ + b * stride_gb + h * stride_gh + pos_m[:, None] * stride_gn + offs_d[None, :]
+        tl.store(g_ptrs, tl.load(g_ptrs, mask=q_mask, other=0.0) + dq * sm_scale, mask=q_mask)

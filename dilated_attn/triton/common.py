@@ -1,0 +1,53 @@
+"""Pieces shared by the Triton kernels: where a program's segment lies, and autotuning configs."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: kernels run on CPU tensors through Triton's interpreter (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_configs(variants: list[dict], interpreter: dict) -> list[triton.Config]:
+    """triton.Config objects for `variants` (block sizes plus num_warps/num_stages). Under the interpreter,
+    where every config would be run and is slow, one small config; with DILATED_ATTN_TRITON_AUTOTUNE=0
+    (read at import), only the first variant: no tuning, fewer compilations (the GPU test suite)."""
+    if interpreting():
+        chosen = [interpreter]
+    elif os.environ.get("DILATED_ATTN_TRITON_AUTOTUNE", "1") == "0":
+        chosen = variants[:1]
+    else:
+        chosen = variants
+    configs = []
+    for v in chosen:
+        v = dict(v)
+        warps, stages = v.pop("num_warps"), v.pop("num_stages")
+        configs.append(triton.Config(v, num_warps=warps, num_stages=stages))
+    return configs
+
+
+@triton.jit
+def members_of(h, seg, N, seg_len, dilation, head_lo, offset_div, offset_base):
+    """Position of member 0 and the member count of segment `seg` for query head `h` of a branch."""
+    off = offset_base + (h - head_lo) // offset_div
+    start = seg * seg_len
+    length = tl.minimum(seg_len, N - start)
+    # off < dilation and length >= 1 make the numerator positive, and the count 0 when off >= length.
+    n = (length - off + dilation - 1) // dilation
+    return start + off, n
+
+
+@triton.jit
+def segment_of(pid, N, seg_len, dilation, n_seg, head_lo, n_heads, offset_div, offset_base, GROUP):
+    """Decode program id `pid` over (batch, head of the branch, segment) into the batch index, the query
+    head, its key/value head, the position of member 0 of the segment, and the member count."""
+    seg = pid % n_seg
+    h = head_lo + (pid // n_seg) % n_heads
+    b = (pid // (n_seg * n_heads)).to(tl.int64)
+    first, n = members_of(h, seg, N, seg_len, dilation, head_lo, offset_div, offset_base)
+    return b, h, h // GROUP, first, n

@@ -1,0 +1,112 @@
+"""Triton forward kernel: one launch per branch, merging into the running (out, lse) in place.
+
+A program owns BLOCK_M consecutive members j of one (batch, head, segment) of a branch, i.e. the query
+rows at positions `first + r*j` (first = seg*s + o(h)): strided row pointers straight into q/k/v, no
+gathered copies. It runs flash attention over the members of its segment and merges its result into
+`out`/`lse`, which hold the merge of the earlier branches (0 and -inf where nothing has landed yet).
+Within one launch every (batch, head, position) belongs to exactly one program, so the merge has no race.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import autotune_configs, segment_of
+
+LN2 = 0.6931471805599453
+
+
+def _fwd_configs():
+    return autotune_configs(
+        [
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+        ],
+        interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
+    )
+
+
+@triton.autotune(configs=_fwd_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["Out", "Lse"])
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    N, H, seg_len, dilation, n_seg, head_lo, n_heads, offset_div, offset_base, max_members,
+    qk_scale,  # scale * log2(e): the softmax runs in base 2
+    GROUP,  # query heads per kv head
+    HEAD_DIM,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    FIRST: tl.constexpr,  # first branch: nothing to merge with
+    PRECISION: tl.constexpr,
+    MAX_MEMBERS_BUCKET: tl.constexpr,  # autotune key only
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # 1-D grid, the blocks of one segment adjacent so that they share its K/V in L2.
+    n_blocks = tl.cdiv(max_members, BLOCK_M)
+    pid_m = tl.program_id(0) % n_blocks
+    b, h, kvh, first, n = segment_of(tl.program_id(0) // n_blocks, N, seg_len, dilation, n_seg, head_lo, n_heads,
+                                     offset_div, offset_base, GROUP)
+    start_m = pid_m * BLOCK_M
+    if start_m < n:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < n
+        d_mask = offs_d < HEAD_DIM
+        pos_m = (first + offs_m * dilation).to(tl.int64)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + pos_m[:, None] * stride_qn + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        k_base = K + b * stride_kb + kvh * stride_kh
+        v_base = V + b * stride_vb + kvh * stride_vh
+
+        # A finite start for the running max keeps fully masked rows NaN-free (their p is exp2(-inf) = 0).
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        hi = n
+        if CAUSAL:
+            hi = tl.minimum(n, start_m + BLOCK_M)
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
+            pos_n = (first + offs_n * dilation).to(tl.int64)
+            kt = tl.load(k_base + pos_n[None, :] * stride_kn + offs_d[:, None],
+                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+            valid = n_mask[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            qk = tl.where(valid, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + pos_n[:, None] * stride_vn + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        # Every member query sees at least itself: l_i > 0 on the rows that are stored.
+        l_safe = tl.where(m_mask, l_i, 1.0)
+        lse = (m_i + tl.math.log2(l_safe)) * LN2
+        o = acc / l_safe[:, None]
+        lse_ptrs = Lse + (b * H + h).to(tl.int64) * N + pos_m
+        o_ptrs = Out + b * stride_ob + h * stride_oh + pos_m[:, None] * stride_on + offs_d[None, :]
+        o_mask = m_mask[:, None] & d_mask[None, :]
+        if not FIRST:
+            old_lse = tl.load(lse_ptrs, mask=m_mask, other=float("-inf"))
+            old_o = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+            top = tl.maximum(old_lse, lse)
+            merged = top + tl.log(tl.exp(old_lse - top) + tl.exp(lse - top))
+            o = old_o * tl.exp(old_lse - merged)[:, None] + o * tl.exp(lse - merged)[:, None]
+            lse = merged
+        tl.store(lse_ptrs, lse, mask=m_mask)
+        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=o_mask)
