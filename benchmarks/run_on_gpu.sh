@@ -14,13 +14,13 @@ if ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-d
   exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
-python3 -c "import dilated_attn, json; print(json.dumps(dilated_attn.build_info()))"
+(cd /tmp && python3 -c "import dilated_attn, json; print(json.dumps(dilated_attn.build_info()))")
 
 for stage in $stages; do
   case $stage in
     tests|all)
       # from tests/, so that the installed package (with its compiled _C) is imported, not the source tree
-      (cd tests && python3 -m pytest -m "gpu" -q -rfE --maxfail=10 -p no:cacheprovider . 2>&1) \
+      (cd tests && python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfE --maxfail=10 -p no:cacheprovider . 2>&1) \
         | tee "$OUT/gpu_tests.log" | tail -40 ;;&
     quick)
       python3 benchmarks/bench_gpu.py --quick --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;

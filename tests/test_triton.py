@@ -87,7 +87,7 @@ def test_interpreter_long_segments_cross_block_borders():
     check_against_reference(case, torch.float32, "cpu", 0)
 
 
-GPU_CASES = [random_case(random.Random(7000 + i), max_seq=300) for i in range(60)]
+GPU_CASES = [random_case(random.Random(7000 + i), max_seq=300) for i in range(24)]
 
 
 @pytest.mark.gpu

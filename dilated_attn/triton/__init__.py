@@ -53,7 +53,8 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 def _common(q, k, segment_lengths, dilation_rates, split_heads):
     B, N, H, D = q.shape
     table = branch_table(segment_lengths, dilation_rates, N, H, "split" if split_heads else "all")
-    meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)))
+    block_d = max(16, triton.next_power_of_2(D))
+    meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=block_d == D)
     return table, meta
 
 

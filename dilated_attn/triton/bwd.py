@@ -17,12 +17,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, members_of, segment_of
+from .common import SIZE_ARGS, autotune_configs, members_of, segment_of
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "H", "HEAD_DIM"])
 def _delta_kernel(
     O, dO, dLse, Delta,
     stride_ob, stride_on, stride_oh,
@@ -64,7 +64,7 @@ def _dkdv_configs():
 
 
 @triton.autotune(configs=_dkdv_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["dK", "dV"])
-@triton.jit
+@triton.jit(do_not_specialize=SIZE_ARGS + ["H_KV", "head_hi"])
 def _dkdv_kernel(
     Q, K, V, dO, Lse, Delta, dK, dV,
     stride_qb, stride_qn, stride_qh,
@@ -78,6 +78,7 @@ def _dkdv_kernel(
     GROUP,  # query heads per kv head
     HEAD_DIM,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
     MAX_MEMBERS_BUCKET: tl.constexpr,
@@ -92,7 +93,7 @@ def _dkdv_kernel(
     b = (pid // (n_seg * H_KV)).to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
+    d_mask = (offs_d < BLOCK_D) if EVEN_D else (offs_d < HEAD_DIM)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     h_begin = tl.maximum(kvh * GROUP, head_lo)
     h_end = tl.minimum((kvh + 1) * GROUP, head_hi)
@@ -150,7 +151,7 @@ def _dq_configs():
 
 
 @triton.autotune(configs=_dq_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["dQ"])
-@triton.jit
+@triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
 def _dq_kernel(
     Q, K, V, dO, Lse, Delta, dQ,
     stride_qb, stride_qn, stride_qh,
@@ -164,6 +165,7 @@ def _dq_kernel(
     GROUP,  # query heads per kv head
     HEAD_DIM,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
     MAX_MEMBERS_BUCKET: tl.constexpr,
@@ -180,7 +182,7 @@ def _dq_kernel(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         m_mask = offs_m < n
-        d_mask = offs_d < HEAD_DIM
+        d_mask = (offs_d < BLOCK_D) if EVEN_D else (offs_d < HEAD_DIM)
         q_mask = m_mask[:, None] & d_mask[None, :]
         pos_m = (first + offs_m * dilation).to(tl.int64)
         q = tl.load(Q + b * stride_qb + h * stride_qh + pos_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask,

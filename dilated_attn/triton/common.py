@@ -8,6 +8,12 @@ import triton
 import triton.language as tl
 
 
+# Integer arguments that change with every shape. Triton would otherwise specialise on their values
+# (== 1, divisible by 16) and compile a new kernel for each; strides stay specialised (aligned loads).
+SIZE_ARGS = ["N", "H", "seg_len", "dilation", "n_seg", "head_lo", "offset_div", "offset_base", "max_members", "GROUP",
+             "HEAD_DIM"]
+
+
 def interpreting() -> bool:
     """TRITON_INTERPRET=1: kernels run on CPU tensors through Triton's interpreter (tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, segment_of
+from .common import SIZE_ARGS, autotune_configs, segment_of
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def _fwd_configs():
@@ -22,6 +22,8 @@ def _fwd_configs():
         [
             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
             dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
             dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
             dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
@@ -31,7 +33,7 @@ def _fwd_configs():
 
 
 @triton.autotune(configs=_fwd_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["Out", "Lse"])
-@triton.jit
+@triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
 def _fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qn, stride_qh,
@@ -43,6 +45,7 @@ def _fwd_kernel(
     GROUP,  # query heads per kv head
     HEAD_DIM,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,  # HEAD_DIM == BLOCK_D: no head-dim masks
     CAUSAL: tl.constexpr,
     FIRST: tl.constexpr,  # first branch: nothing to merge with
     PRECISION: tl.constexpr,
@@ -60,7 +63,7 @@ def _fwd_kernel(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         m_mask = offs_m < n
-        d_mask = offs_d < HEAD_DIM
+        d_mask = (offs_d < BLOCK_D) if EVEN_D else (offs_d < HEAD_DIM)
         pos_m = (first + offs_m * dilation).to(tl.int64)
         q = tl.load(Q + b * stride_qb + h * stride_qh + pos_m[:, None] * stride_qn + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
@@ -78,9 +81,9 @@ def _fwd_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_mask = offs_n < hi
             pos_n = (first + offs_n * dilation).to(tl.int64)
-            kt = tl.load(k_base + pos_n[None, :] * stride_kn + offs_d[:, None],
-                         mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-            qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_base + pos_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             valid = n_mask[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
@@ -89,8 +92,7 @@ def _fwd_kernel(
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + pos_n[:, None] * stride_vn + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            v = tl.load(v_base + pos_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
