@@ -19,6 +19,10 @@ from .reference import dilated_attention_reference
 from .spec import Problem
 
 CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Looked up once: torch.compile cannot trace importlib, and the answer does not change.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON:
+    from . import triton as triton_backend
 
 
 def _compiled_reason(p: Problem, device_type: str, dtypes) -> Optional[str]:
@@ -47,10 +51,8 @@ def _triton_reason(p: Problem) -> Optional[str]:
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if p.device.type != "cuda" and not (p.device.type == "cpu" and interpret):
         return f"needs CUDA tensors, got {p.device.type}"
-    if importlib.util.find_spec("triton") is None:
+    if not HAS_TRITON:
         return "triton is not installed"
-    from . import triton as triton_backend
-
     return triton_backend.reason(p.device, p.dtype, p.head_dim)
 
 
@@ -63,8 +65,6 @@ def _run_compiled(q, k, v, p: Problem):
 
 
 def _run_triton(q, k, v, p: Problem):
-    from . import triton as triton_backend
-
     return triton_backend.forward(q, k, v, p)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import SIZE_ARGS, autotune_configs, members_of, segment_of
+from .common import SIZE_ARGS, autotune_configs, members_of, prune_by_shared_memory, segment_of
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -58,12 +58,18 @@ def _dkdv_configs():
             dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
             dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
         ],
         interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
     )
 
 
-@triton.autotune(configs=_dkdv_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["dK", "dV"])
+@triton.autotune(
+    configs=_dkdv_configs(),
+    key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
+    restore_value=["dK", "dV"],
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (2 * c["BLOCK_N"], 2 * c["BLOCK_M"]))},
+)
 @triton.jit(do_not_specialize=SIZE_ARGS + ["H_KV", "head_hi"])
 def _dkdv_kernel(
     Q, K, V, dO, Lse, Delta, dK, dV,
@@ -145,12 +151,18 @@ def _dq_configs():
             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
             dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+            dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=2),
         ],
         interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
     )
 
 
-@triton.autotune(configs=_dq_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["dQ"])
+@triton.autotune(
+    configs=_dq_configs(),
+    key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
+    restore_value=["dQ"],
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (2 * c["BLOCK_M"], 2 * c["BLOCK_N"]))},
+)
 @triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
 def _dq_kernel(
     Q, K, V, dO, Lse, Delta, dQ,

@@ -20,21 +20,39 @@ def interpreting() -> bool:
 
 
 def autotune_configs(variants: list[dict], interpreter: dict) -> list[triton.Config]:
-    """triton.Config objects for `variants` (block sizes plus num_warps/num_stages). Under the interpreter,
-    where every config would be run and is slow, one small config; with DILATED_ATTN_TRITON_AUTOTUNE=0
-    (read at import), only the first variant: no tuning, fewer compilations (the GPU test suite)."""
-    if interpreting():
-        chosen = [interpreter]
-    elif os.environ.get("DILATED_ATTN_TRITON_AUTOTUNE", "1") == "0":
-        chosen = variants[:1]
-    else:
-        chosen = variants
+    """triton.Config objects for `variants` (block sizes plus num_warps/num_stages); under the interpreter,
+    where every config would be run and is slow, one small config."""
+    chosen = [interpreter] if interpreting() else variants
     configs = []
     for v in chosen:
         v = dict(v)
         warps, stages = v.pop("num_warps"), v.pop("num_stages")
         configs.append(triton.Config(v, num_warps=warps, num_stages=stages))
     return configs
+
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper has 227 KiB a block, Ampere 163 KiB (then the smallest fits)
+
+
+def prune_by_shared_memory(rows_per_stage):
+    """An `early_config_prune` for triton.autotune: drop configs whose tiles would not fit in shared memory
+    (`rows_per_stage(config)` -> (rows held for the whole loop, rows loaded per pipeline stage), each row
+    BLOCK_D elements). With DILATED_ATTN_TRITON_AUTOTUNE=0 (read at import) it keeps only the first config
+    that fits: no tuning, far fewer compilations (the GPU test suite)."""
+    tune = os.environ.get("DILATED_ATTN_TRITON_AUTOTUNE", "1") != "0"
+
+    def prune(configs, named_args, **kwargs):
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        elt = named_args["Q"].element_size()
+
+        def need(c):
+            resident, streamed = rows_per_stage(c.kwargs)
+            return (resident + streamed * max(c.num_stages, 1)) * block_d * elt
+
+        fits = [c for c in configs if need(c) <= SHARED_MEMORY_BUDGET] or [min(configs, key=need)]
+        return fits if tune else fits[:1]
+
+    return prune
 
 
 @triton.jit

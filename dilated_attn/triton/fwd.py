@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import SIZE_ARGS, autotune_configs, segment_of
+from .common import SIZE_ARGS, autotune_configs, prune_by_shared_memory, segment_of
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -32,7 +32,12 @@ def _fwd_configs():
     )
 
 
-@triton.autotune(configs=_fwd_configs(), key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"], restore_value=["Out", "Lse"])
+@triton.autotune(
+    configs=_fwd_configs(),
+    key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
+    restore_value=["Out", "Lse"],
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (c["BLOCK_M"], 2 * c["BLOCK_N"]))},
+)
 @triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
 def _fwd_kernel(
     Q, K, V, Out, Lse,
