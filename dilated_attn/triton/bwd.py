@@ -130,7 +130,7 @@ def _dkdv_kernel(
                 do = tl.load(do_base + pos_m[:, None] * stride_don + offs_d[None, :], mask=q_mask, other=0.0)
                 lse2 = tl.load(Lse + row_base + pos_m, mask=m_mask, other=0.0) * LOG2E
                 delta = tl.load(Delta + row_base + pos_m, mask=m_mask, other=0.0)
-                qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+                qkT = (tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale).to(tl.float32)  # [BLOCK_N, BLOCK_M]
                 valid = n_mask[:, None] & m_mask[None, :]
                 if CAUSAL:
                     valid = valid & (offs_m[None, :] >= offs_n[:, None])
@@ -217,7 +217,7 @@ def _dq_kernel(
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_base + pos_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + pos_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)
             valid = m_mask[:, None] & n_mask[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])

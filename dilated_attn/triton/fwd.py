@@ -88,7 +88,8 @@ def _fwd_kernel(
             pos_n = (first + offs_n * dilation).to(tl.int64)
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_base + pos_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            # (cast: torch.compile may hand qk_scale over as a float64 scalar)
+            qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)
             valid = n_mask[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
