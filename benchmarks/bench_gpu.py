@@ -160,6 +160,12 @@ def main(argv=None):
         del q, k, v, grad
         torch.cuda.empty_cache()
 
+    from dilated_attn.triton import bwd as triton_bwd, fwd as triton_fwd
+
+    tuned = {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()}
+             for name, kernel in (("forward", triton_fwd._fwd_kernel), ("dkdv", triton_bwd._dkdv_kernel),
+                                  ("dq", triton_bwd._dq_kernel))}
+    print("Triton configs chosen (autotune key -> config):", json.dumps(tuned, indent=1), flush=True)
     record = dict(
         benchmark="gpu_backends_vs_baselines",
         command=" ".join(["python", *sys.argv]),
@@ -170,6 +176,7 @@ def main(argv=None):
                       dilated_attn=dilated_attn.__version__),
         config=dict(batch=1, heads=args.heads, head_dim=args.dim, dtype=args.dtype),
         tuned_kernel_check=check,
+        triton_configs=tuned,
         results=rows,
     )
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

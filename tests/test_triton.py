@@ -79,11 +79,13 @@ def test_interpreter_parity_float16(index):
 
 
 @interpreter
-def test_interpreter_long_segments_cross_block_borders():
-    """More members than one block (16 under the interpreter), causal, GQA with differing head offsets."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_interpreter_long_segments_cross_block_borders(causal):
+    """More members than one block (16 under the interpreter): mask-free inner blocks, masked diagonal and
+    partial blocks; GQA with differing head offsets."""
     from cases import Case
 
-    case = Case(1, 70, 4, 2, 8, (70, 35), (1, 2), "all", True, "contiguous")
+    case = Case(1, 70, 4, 2, 8, (70, 35), (1, 2), "all", causal, "contiguous")
     check_against_reference(case, torch.float32, "cpu", 0)
 
 
@@ -148,7 +150,9 @@ def test_gpu_torch_compile_fullgraph():
     compiled = torch.compile(f, fullgraph=True)
     eager = f(q, k, v)
     out = compiled(q, k, v)
-    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    # Under torch.compile the scale reaches the kernel as a float64 scalar, so a few scores round
+    # differently: allow one bf16 ulp.
+    torch.testing.assert_close(out, eager, rtol=1e-2, atol=2e-3)
     (g_eager,) = torch.autograd.grad(eager.float().square().sum(), (q,))
     (g_comp,) = torch.autograd.grad(out.float().square().sum(), (q,))
     torch.testing.assert_close(g_comp, g_eager, rtol=1e-2, atol=1e-2)

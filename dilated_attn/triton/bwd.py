@@ -51,6 +51,49 @@ def _delta_kernel(
     tl.store(Delta + row, delta, mask=offs < N)
 
 
+@triton.jit
+def _load_rows(ptrs, rows_ok, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    if MASKED:
+        x = tl.load(ptrs, mask=rows_ok[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qn, stride_don, first, dilation, offs_n,
+                 offs_d, d_mask, n, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dK/dV contributions of the query blocks [lo, hi); MASKED: queries >= n and (causal) queries before a
+    key are masked, else every query of every block sees every key of the program."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < n
+        pos_m = (first + offs_m * dilation).to(tl.int64)
+        q = _load_rows(q_base + pos_m[:, None] * stride_qn + offs_d[None, :], m_ok, d_mask, MASKED, EVEN_D)
+        do = _load_rows(do_base + pos_m[:, None] * stride_don + offs_d[None, :], m_ok, d_mask, MASKED, EVEN_D)
+        if MASKED:
+            lse2 = tl.load(lse_row + pos_m, mask=m_ok, other=0.0) * LOG2E
+            delta = tl.load(delta_row + pos_m, mask=m_ok, other=0.0)
+        else:
+            lse2 = tl.load(lse_row + pos_m) * LOG2E
+            delta = tl.load(delta_row + pos_m)
+        qkT = (tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale).to(tl.float32)  # [BLOCK_N, BLOCK_M]
+        pT = tl.math.exp2(qkT - lse2[None, :])
+        if MASKED:
+            valid = m_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            pT = tl.where(valid, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
 def _dkdv_configs():
     return autotune_configs(
         [
@@ -118,30 +161,52 @@ def _dkdv_kernel(
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = dO + b * stride_dob + h * stride_doh
             row_base = (b * H + h) * N
+            # Query blocks: masked near the diagonal (causal) and at the partial end, mask-free between.
+            # Key rows past n are zero and never stored, so only query rows need masks.
             lo = 0
+            diag_end = 0
             if CAUSAL:
                 lo = (start_n // BLOCK_M) * BLOCK_M  # earlier queries cannot see these keys
-            for start_m in range(lo, n, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                m_mask = offs_m < n
-                pos_m = (first + offs_m * dilation).to(tl.int64)
-                q_mask = m_mask[:, None] & d_mask[None, :]
-                q = tl.load(q_base + pos_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
-                do = tl.load(do_base + pos_m[:, None] * stride_don + offs_d[None, :], mask=q_mask, other=0.0)
-                lse2 = tl.load(Lse + row_base + pos_m, mask=m_mask, other=0.0) * LOG2E
-                delta = tl.load(Delta + row_base + pos_m, mask=m_mask, other=0.0)
-                qkT = (tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale).to(tl.float32)  # [BLOCK_N, BLOCK_M]
-                valid = n_mask[:, None] & m_mask[None, :]
-                if CAUSAL:
-                    valid = valid & (offs_m[None, :] >= offs_n[:, None])
-                pT = tl.where(valid, tl.math.exp2(qkT - lse2[None, :]), 0.0)
-                dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
-                dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-                dsT = pT * (dpT - delta[None, :])
-                dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
+                diag_end = lo + tl.cdiv(start_n + BLOCK_N - 1 - lo, BLOCK_M) * BLOCK_M
+            full = lo + (n - lo) // BLOCK_M * BLOCK_M
+            mid = tl.minimum(tl.maximum(diag_end, lo), full)
+            lse_row = Lse + row_base
+            delta_row = Delta + row_base
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qn, stride_don, first,
+                                  dilation, offs_n, offs_d, d_mask, n, qk_scale, lo, mid,
+                                  True, CAUSAL, EVEN_D, PRECISION, BLOCK_M)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qn, stride_don, first,
+                                  dilation, offs_n, offs_d, d_mask, n, qk_scale, mid, full,
+                                  False, CAUSAL, EVEN_D, PRECISION, BLOCK_M)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qn, stride_don, first,
+                                  dilation, offs_n, offs_d, d_mask, n, qk_scale, full, n,
+                                  True, CAUSAL, EVEN_D, PRECISION, BLOCK_M)
             g_ptrs = b * stride_gb + kvh * stride_gh + pos_n[:, None] * stride_gn + offs_d[None, :]
             tl.store(dK + g_ptrs, tl.load(dK + g_ptrs, mask=kv_mask, other=0.0) + dk * sm_scale, mask=kv_mask)
             tl.store(dV + g_ptrs, tl.load(dV + g_ptrs, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m, offs_d, d_mask,
+               lo, hi, key_end, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+               PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        pos_n = (first + offs_n * dilation).to(tl.int64)
+        n_ok = offs_n < key_end
+        k = _load_rows(k_base + pos_n[:, None] * stride_kn + offs_d[None, :], n_ok, d_mask, MASKED, EVEN_D)
+        v = _load_rows(v_base + pos_n[:, None] * stride_vn + offs_d[None, :], n_ok, d_mask, MASKED, EVEN_D)
+        qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)
+        p = tl.math.exp2(qk - lse2[:, None])
+        if MASKED:
+            valid = n_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
 
 
 def _dq_configs():
@@ -207,23 +272,17 @@ def _dq_kernel(
         k_base = K + b * stride_kb + kvh * stride_kh
         v_base = V + b * stride_vb + kvh * stride_vh
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # Mask-free key blocks first (whole, visible to every query), then the diagonal/partial ones. Rows
+        # past n hold q = dO = 0 and are never stored, so they need no mask.
         hi = n
         if CAUSAL:
             hi = tl.minimum(n, start_m + BLOCK_M)
-        for start_n in range(0, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < hi
-            pos_n = (first + offs_n * dilation).to(tl.int64)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_base + pos_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + pos_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)
-            valid = m_mask[:, None] & n_mask[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(valid, tl.math.exp2(qk - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        full = n // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, (start_m + 1) // BLOCK_N * BLOCK_N)
+        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m, offs_d,
+                        d_mask, 0, full, hi, qk_scale, False, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
+        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m, offs_d,
+                        d_mask, full, hi, hi, qk_scale, True, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
         g_ptrs = dQ + b * stride_gb + h * stride_gh + pos_m[:, None] * stride_gn + offs_d[None, :]
         tl.store(g_ptrs, tl.load(g_ptrs, mask=q_mask, other=0.0) + dq * sm_scale, mask=q_mask)

@@ -17,6 +17,43 @@ from .common import SIZE_ARGS, autotune_configs, prune_by_shared_memory, segment
 LN2 = tl.constexpr(0.6931471805599453)
 
 
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m, offs_d, d_mask,
+                lo, hi, key_end, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) of one query block; MASKED: keys >= key_end and (causal)
+    keys after the query are masked, else every key of every block is visible."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        pos_n = (first + offs_n * dilation).to(tl.int64)
+        k_ptrs = k_base + pos_n[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = v_base + pos_n[:, None] * stride_vn + offs_d[None, :]
+        if MASKED:
+            n_mask = offs_n < key_end
+            k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        # (cast: torch.compile may hand qk_scale over as a float64 scalar)
+        qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)
+        if MASKED:
+            valid = n_mask[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 def _fwd_configs():
     return autotune_configs(
         [
@@ -79,28 +116,18 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # Key blocks wholly inside the segment and wholly visible to every query of the block need no
+        # masks; only the diagonal (causal) and the last, partial block take the masked path.
         hi = n
         if CAUSAL:
             hi = tl.minimum(n, start_m + BLOCK_M)
-        for start_n in range(0, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < hi
-            pos_n = (first + offs_n * dilation).to(tl.int64)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_base + pos_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            # (cast: torch.compile may hand qk_scale over as a float64 scalar)
-            qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)
-            valid = n_mask[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            qk = tl.where(valid, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + pos_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        full = n // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, (start_m + 1) // BLOCK_N * BLOCK_N)
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m,
+                                    offs_d, d_mask, 0, full, hi, qk_scale, False, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m,
+                                    offs_d, d_mask, full, hi, hi, qk_scale, True, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
 
         # Every member query sees at least itself: l_i > 0 on the rows that are stored.
         l_safe = tl.where(m_mask, l_i, 1.0)
