@@ -34,6 +34,25 @@ def has_kernel(device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attn::forward", key)
 
 
+def register_attention_autograd(forward_op: str, backward_op: str) -> None:
+    """Autograd for a forward op with the schema of dilated_attn::forward, through `backward_op` (a
+    dilated_attn op with the schema of dilated_attn::backward). Shared by the compiled and Triton ops."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.config = (segment_lengths, dilation_rates, split_heads, causal, scale)
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        op = getattr(torch.ops.dilated_attn, backward_op)
+        grad_q, grad_k, grad_v = op(grad_out, grad_lse, q, k, v, out, lse, *ctx.config)
+        return grad_q, grad_k, grad_v, None, None, None, None, None
+
+    torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
+
+
 if _C is not None:
 
     @torch.library.register_fake("dilated_attn::forward")
@@ -52,18 +71,7 @@ if _C is not None:
             torch.empty(v.shape, dtype=v.dtype, device=v.device),
         )
 
-    def _setup_context(ctx, inputs, output):
-        q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = (segment_lengths, dilation_rates, split_heads, causal, scale)
-
-    def _backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        grad_q, grad_k, grad_v = torch.ops.dilated_attn.backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.config)
-        return grad_q, grad_k, grad_v, None, None, None, None, None
-
-    torch.library.register_autograd("dilated_attn::forward", _backward, setup_context=_setup_context)
+    register_attention_autograd("dilated_attn::forward", "backward")
 
 
 def forward(q, k, v, problem):

@@ -13,6 +13,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
+from ..ops import register_attention_autograd
 from ..spec import branch_table
 from .bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .common import interpreting
@@ -170,20 +171,7 @@ def triton_backward(
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.config = (segment_lengths, dilation_rates, split_heads, causal, scale)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    grads = torch.ops.dilated_attn.triton_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.config)
-    return (*grads, None, None, None, None, None)
-
-
-triton_forward.register_autograd(_backward, setup_context=_setup_context)
+register_attention_autograd("dilated_attn::triton_forward", "triton_backward")
 
 
 def forward(q, k, v, problem):
