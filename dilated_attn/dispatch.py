@@ -7,7 +7,6 @@ backend of its preference list that can run.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -19,10 +18,15 @@ from .reference import dilated_attention_reference
 from .spec import Problem
 
 CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Looked up once: torch.compile cannot trace importlib, and the answer does not change.
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON:
+# Imported once, here: torch.compile cannot trace an import, and a missing or broken triton must not
+# break the package, only this backend.
+try:
     from . import triton as triton_backend
+
+    TRITON_ERROR: Optional[str] = None
+except Exception as exc:  # noqa: BLE001 - triton missing, or failing to load on this machine
+    triton_backend = None
+    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
 
 def _compiled_reason(p: Problem, device_type: str, dtypes) -> Optional[str]:
@@ -51,8 +55,8 @@ def _triton_reason(p: Problem) -> Optional[str]:
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if p.device.type != "cuda" and not (p.device.type == "cpu" and interpret):
         return f"needs CUDA tensors, got {p.device.type}"
-    if not HAS_TRITON:
-        return "triton is not installed"
+    if triton_backend is None:
+        return f"triton is not available ({TRITON_ERROR})"
     return triton_backend.reason(p.device, p.dtype, p.head_dim)
 
 
