@@ -26,12 +26,17 @@ def build_info() -> dict:
     return {"loaded": True, **_C.build_info()}
 
 
+# Which devices the compiled forward op has kernels for: fixed once the library is loaded, and read here
+# once because torch.compile cannot trace the dispatcher query.
+_KERNELS = {
+    device: _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attn::forward", key)
+    for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+}
+
+
 def has_kernel(device_type: str) -> bool:
     """True if the compiled forward op has a kernel for `device_type` ("cpu", "cuda")."""
-    if _C is None:
-        return False
-    key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]
-    return torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attn::forward", key)
+    return _KERNELS.get(device_type, False)
 
 
 def register_attention_autograd(forward_op: str, backward_op: str) -> None:

@@ -215,3 +215,18 @@ def test_lse_is_natural_log_of_the_normaliser():
     _, lse = dilated_attn.dilated_attention(q, k, v, [5], [1], scale=0.7, return_lse=True, backend="cpu")
     scores = 0.7 * torch.einsum("nd,md->nm", q[0, :, 0], k[0, :, 0])
     assert math.isclose(lse[0, 0, 2].item(), torch.logsumexp(scores[2], 0).item(), rel_tol=1e-12)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """The CPU op traces under torch.compile(fullgraph=True) (no graph break), forward and backward."""
+    q, k, v = (torch.randn(2, 70, 4, 16, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        return dilated_attn.dilated_attention(q, k, v, [16, 32], [1, 2], causal=True)
+
+    compiled = torch.compile(f, fullgraph=True)
+    out, eager = compiled(q, k, v), f(q, k, v)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    go = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(eager, (q, k, v), go)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
