@@ -134,10 +134,11 @@ def triton_backward(
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         N, H, HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], HAS_DLSE=has_dlse, BLOCK=block,
     )
-    # fp32 accumulators across branches (the gradients themselves for float32 inputs)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    # The gradients accumulate across branches in place (fp32 within a branch): no gradient-sized
+    # scratch. Zero-filled because positions no branch covers get no contribution.
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=q.device)
     strides = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -168,7 +169,7 @@ def triton_backward(
             N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
             scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
         )
-    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    return dq, dk, dv
 
 
 register_attention_autograd("dilated_attn::triton_forward", "triton_backward")

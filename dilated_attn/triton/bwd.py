@@ -7,9 +7,13 @@ and delta gives the gradient of the merged function, merge weights included.
 
 - `_delta_kernel`: delta for every (batch, head, position).
 - `_dkdv_kernel`: per branch, a program owns BLOCK_N members of one (batch, kv head, segment) and loops
-  over the query heads of its group that take part, adding into fp32 dK/dV. Positions written by two
-  programs of one launch never coincide, so the read-add-write needs no atomics.
-- `_dq_kernel`: per branch, a program owns BLOCK_M query members, like the forward, adding into fp32 dQ.
+  over the query heads of its group that take part, accumulating in fp32 and adding the sum into dK/dV.
+  Positions written by two programs of one launch never coincide, so the read-add-write needs no atomics.
+- `_dq_kernel`: per branch, a program owns BLOCK_M query members, like the forward, adding into dQ.
+
+Within a branch every sum is fp32; the gradients themselves (input dtype) carry the sum across branches,
+so the backward allocates nothing gradient-sized beyond the gradients (one rounding per branch in
+fp16/bf16, the same as a per-branch reference summed in that dtype).
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ def _dkdv_kernel(
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_don, stride_doh,
-    stride_gb, stride_gn, stride_gh,  # dK and dV: contiguous fp32 [B, N, Hkv, D]
+    stride_gb, stride_gn, stride_gh,  # dK and dV: contiguous [B, N, Hkv, D], the input dtype
     N, H, H_KV, seg_len, dilation, n_seg, head_lo, head_hi, offset_div, offset_base, max_members,
     sm_scale,
     qk_scale,  # sm_scale * log2(e)
@@ -182,8 +186,10 @@ def _dkdv_kernel(
                                   dilation, offs_n, offs_d, d_mask, n, qk_scale, full, n,
                                   True, CAUSAL, EVEN_D, PRECISION, BLOCK_M)
             g_ptrs = b * stride_gb + kvh * stride_gh + pos_n[:, None] * stride_gn + offs_d[None, :]
-            tl.store(dK + g_ptrs, tl.load(dK + g_ptrs, mask=kv_mask, other=0.0) + dk * sm_scale, mask=kv_mask)
-            tl.store(dV + g_ptrs, tl.load(dV + g_ptrs, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+            dk = tl.load(dK + g_ptrs, mask=kv_mask, other=0.0).to(tl.float32) + dk * sm_scale
+            dv = tl.load(dV + g_ptrs, mask=kv_mask, other=0.0).to(tl.float32) + dv
+            tl.store(dK + g_ptrs, dk.to(dK.dtype.element_ty), mask=kv_mask)
+            tl.store(dV + g_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -235,7 +241,7 @@ def _dq_kernel(
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_don, stride_doh,
-    stride_gb, stride_gn, stride_gh,  # dQ: contiguous fp32 [B, N, H, D]
+    stride_gb, stride_gn, stride_gh,  # dQ: contiguous [B, N, H, D], the input dtype
     N, H, seg_len, dilation, n_seg, head_lo, n_heads, offset_div, offset_base, max_members,
     sm_scale,
     qk_scale,
@@ -285,4 +291,5 @@ def _dq_kernel(
         dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m, offs_d,
                         d_mask, full, hi, hi, qk_scale, True, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
         g_ptrs = dQ + b * stride_gb + h * stride_gh + pos_m[:, None] * stride_gn + offs_d[None, :]
-        tl.store(g_ptrs, tl.load(g_ptrs, mask=q_mask, other=0.0) + dq * sm_scale, mask=q_mask)
+        dq = tl.load(g_ptrs, mask=q_mask, other=0.0).to(tl.float32) + dq * sm_scale
+        tl.store(g_ptrs, dq.to(dQ.dtype.element_ty), mask=q_mask)
