@@ -58,7 +58,7 @@ def extension():
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr", "-std=c++17"]
     return cpp_extension.CUDAExtension(
         "dilated_attn._C",
-        sources + _sources("csrc/cuda/*.cu"),
+        sources + _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp"),
         define_macros=macros,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
     )

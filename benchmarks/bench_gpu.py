@@ -9,7 +9,8 @@ Providers (each measured in the same process, on the same inputs):
   sdpa_recipe_cudnn           the same with cuDNN attention
   sdpa_recipe_compiled        the flash recipe under torch.compile
   dense_cudnn                 dense cuDNN SDPA over the whole sequence, for scale (N <= 65536)
-Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed between runs); TFLOP/s use
+The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
+every row also gives its fraction of it. Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed between runs); TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; "extra memory"
 is the peak allocated above the inputs during one call. Before timing, the tuned Triton kernels are
 checked against dilated_attn.reference at N = 16384. Results go to benchmarks/results/ as JSON.
@@ -26,6 +27,7 @@ from datetime import datetime, timezone
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 
 import dilated_attn
@@ -87,6 +89,37 @@ def check_tuned_kernels(dtype, head_dim, heads):
     return report
 
 
+@triton.jit
+def _fma_chains(X, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    # Eight independent FMA chains per element keep every FP32 lane busy; the result is stored so that
+    # nothing is optimised away.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs)
+    a, b, c, d, e, f, g, h = x, x + 1, x + 2, x + 3, x + 4, x + 5, x + 6, x + 7
+    for _ in range(ITERS):
+        a = a * 0.9999 + 0.5
+        b = b * 0.9999 + 0.5
+        c = c * 0.9999 + 0.5
+        d = d * 0.9999 + 0.5
+        e = e * 0.9999 + 0.5
+        f = f * 0.9999 + 0.5
+        g = g * 0.9999 + 0.5
+        h = h * 0.9999 + 0.5
+    tl.store(X + offs, a + b + c + d + e + f + g + h)
+
+
+def fp32_fma_peak():
+    """The device's measured fp32 FMA throughput in TFLOP/s (2 FLOPs per FMA): the bar of the CUDA
+    kernels, which use no tensor cores."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    block, iters = 1024, 4096
+    x = torch.rand(sms * 16 * block, device="cuda")
+    grid = (x.numel() // block,)
+    ms = triton.testing.do_bench(lambda: _fma_chains[grid](x, ITERS=iters, BLOCK=block, num_warps=8),
+                                 warmup=25, rep=200, return_mode="median")
+    return 2.0 * 8 * iters * x.numel() / ms / 1e9
+
+
 def measure(fn, args, grad, backward):
     q, k, v = args[:3]
     if backward:
@@ -121,6 +154,8 @@ def main(argv=None):
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
 
+    peak = fp32_fma_peak()
+    print(f"measured fp32 FMA peak: {peak:.1f} TFLOP/s", flush=True)
     check = check_tuned_kernels(dtype, args.dim, args.heads)
     print("tuned Triton kernels vs reference (relative error):", json.dumps(check), flush=True)
 
@@ -154,8 +189,10 @@ def main(argv=None):
                     continue
                 row = dict(N=N, segment_lengths=segs, dilation_rates=dils, causal=causal, provider=name, mode=mode,
                            median_ms=ms, tflops=run_flops / ms / 1e9, extra_memory_gib=extra / 2**30)
+                row["fraction_of_fp32_peak"] = row["tflops"] / peak
                 rows.append(row)
                 print(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: {ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+                      f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
                       f"  extra {row['extra_memory_gib']:.2f} GiB", flush=True)
         del q, k, v, grad
         torch.cuda.empty_cache()
@@ -175,6 +212,7 @@ def main(argv=None):
         versions=dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                       dilated_attn=dilated_attn.__version__),
         config=dict(batch=1, heads=args.heads, head_dim=args.dim, dtype=args.dtype),
+        fp32_fma_peak_tflops=peak,
         tuned_kernel_check=check,
         triton_configs=tuned,
         results=rows,

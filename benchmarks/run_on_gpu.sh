@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
-# JSON go under $OUT (default ./gpu_out). Usage: bash benchmarks/run_on_gpu.sh [tests|bench|quick|all]...
+# JSON go under $OUT (default ./gpu_out). Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|bench|quick|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -22,6 +22,11 @@ for stage in $stages; do
       # from tests/, so that the installed package (with its compiled _C) is imported, not the source tree
       (cd tests && python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfE --maxfail=10 -p no:cacheprovider . 2>&1) \
         | tee "$OUT/gpu_tests.log" | tail -40 ;;&
+    sanitize)
+      for tool in memcheck racecheck initcheck; do
+        compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cuda.py > "$OUT/sanitize_$tool.log" 2>&1
+        echo "compute-sanitizer $tool: exit $? ($(tail -1 "$OUT/sanitize_$tool.log"))"
+      done ;;
     quick)
       python3 benchmarks/bench_gpu.py --quick --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench|all)

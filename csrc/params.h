@@ -4,6 +4,13 @@
 
 #include <cstdint>
 
+// Members used by CUDA kernels too are callable on host and device.
+#ifdef __CUDACC__
+#define DA_HOST_DEVICE __host__ __device__
+#else
+#define DA_HOST_DEVICE
+#endif
+
 namespace dilated_attn {
 
 // One branch (w, r) of the spec resolved for a sequence length and head count.
@@ -17,12 +24,12 @@ struct Branch {
   int64_t head_lo, head_hi;
   int64_t offset_div, offset_base;
 
-  inline int64_t offset(int64_t head) const { return offset_base + (head - head_lo) / offset_div; }
-  inline int64_t num_segments(int64_t seq_len) const { return (seq_len + seg_len - 1) / seg_len; }
+  DA_HOST_DEVICE inline int64_t offset(int64_t head) const { return offset_base + (head - head_lo) / offset_div; }
+  DA_HOST_DEVICE inline int64_t num_segments(int64_t seq_len) const { return (seq_len + seg_len - 1) / seg_len; }
   // Largest member count of a segment (offset 0, full segment).
-  inline int64_t max_members() const { return (seg_len + dilation - 1) / dilation; }
+  DA_HOST_DEVICE inline int64_t max_members() const { return (seg_len + dilation - 1) / dilation; }
   // Members of segment `seg` for a head with offset `off`: positions seg*s + off + r*j, j < count.
-  inline int64_t members(int64_t seq_len, int64_t seg, int64_t off) const {
+  DA_HOST_DEVICE inline int64_t members(int64_t seq_len, int64_t seg, int64_t off) const {
     int64_t start = seg * seg_len;
     int64_t len = seq_len - start < seg_len ? seq_len - start : seg_len;
     return off < len ? (len - off + dilation - 1) / dilation : 0;
@@ -59,7 +66,7 @@ struct AttentionShape {
   int64_t batch, seq_len, num_heads, num_kv_heads, head_dim;
   bool causal;
   double scale;
-  inline int64_t kv_head(int64_t head) const { return head / (num_heads / num_kv_heads); }
+  DA_HOST_DEVICE inline int64_t kv_head(int64_t head) const { return head / (num_heads / num_kv_heads); }
 };
 
 }  // namespace dilated_attn

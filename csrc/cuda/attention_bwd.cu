@@ -1,0 +1,365 @@
+// CUDA backward: the exact gradient of the merged function, one branch at a time.
+//
+// With the merged output O and log-sum-exp L of the forward, every key t a query p sees in any branch has
+// P = exp(s_pt - L(p)) and dS = P * (dP - delta), delta(p) = rowsum(dO * O)(p) - dL(p). Running each
+// branch's flash-style backward with these merged O, L, delta gives the gradient of the merged function,
+// merge weights included (see the spec).
+//
+// - delta_kernel: one warp per (batch, position, head) row.
+// - dq_kernel: a block owns 64 query members of one (batch, head, segment), like the forward, and walks
+//   the segment's keys: S = Q K^T and dP = dO V^T reduced over the head dim in chunks gathered into
+//   transposed shared tiles, dS through shared memory, dQ += dS K with K's rows streamed.
+// - dkdv_kernel: a block owns 64 (32 for head dim 256) key members of one (batch, kv head, segment) and,
+//   for each query head of its group that takes part, walks the query members 32 at a time:
+//   S^T = K Q^T, dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
+// Every block adds its fp32 sums into fp32 accumulators with a plain read-add-write: within one launch no
+// two blocks write the same position (the blocks of a segment own disjoint members, heads of one block
+// are visited by the same threads in turn), so there are no atomics and results are deterministic.
+#include "common.cuh"
+
+namespace dilated_attn {
+namespace cuda {
+namespace {
+
+constexpr int kChunkD = 16;  // head-dim chunk of the two score reductions (four tiles in flight)
+constexpr int kTileFloats = 4352;  // shared floats for the chunked tiles, as in the forward (17 KiB)
+
+template <int ROWS_MAX, int DMAX>
+__host__ __device__ constexpr int row_chunk() {  // rows of a [rows][DMAX] tile that fit the tile space
+  int rows = ROWS_MAX;
+  while (rows * DMAX > kTileFloats) rows /= 2;
+  return rows;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) delta_kernel(const DeltaParams p) {
+  const AttentionShape& sh = p.shape;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  if (row >= sh.batch * sh.seq_len * sh.num_heads) return;
+  const int64_t h = row % sh.num_heads, n = (row / sh.num_heads) % sh.seq_len, b = row / sh.num_heads / sh.seq_len;
+  const T* o = static_cast<const T*>(p.out) + b * p.so.batch + n * p.so.seq + h * p.so.head;
+  const T* g = static_cast<const T*>(p.dout) + b * p.sdo.batch + n * p.sdo.seq + h * p.sdo.head;
+  float acc = 0.f;
+  for (int64_t d = threadIdx.x % 32; d < sh.head_dim; d += 32) acc = fmaf(to_float(o[d]), to_float(g[d]), acc);
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (threadIdx.x % 32 == 0) {
+    const int64_t idx = (b * sh.num_heads + h) * sh.seq_len + n;
+    p.delta[idx] = acc - (p.grad_lse != nullptr ? p.grad_lse[idx] : 0.f);
+  }
+}
+
+struct Pointers {  // the rows of one (batch, query head) and its kv head for one segment's members
+  int64_t b, head, kvh;
+  Members mem;
+};
+
+template <typename T>
+__device__ __forceinline__ DilatedRows<T> rows_of(const void* x, const Strides& s, int64_t b, int64_t head,
+                                                  const Members& mem, int64_t dilation) {
+  return DilatedRows<T>{static_cast<const T*>(x) + b * s.batch + head * s.head, s.seq, mem.first, dilation,
+                        mem.count};
+}
+
+template <typename T, int DMAX>
+__global__ void __launch_bounds__(kThreads, 2) dq_kernel(const BackwardParams p) {
+  constexpr int BM = 64, BN = 64, R = BM / kRowsY, C = BN / kColsX, J = DMAX / kColsX, LD = 68;
+  constexpr int KC = row_chunk<BN, DMAX>();
+  __shared__ __align__(16) float tiles[kTileFloats];  // Q^T, dO^T, K^T, V^T chunks; then K row chunks
+  __shared__ __align__(16) float ds_t[BN * LD];       // dS^T: [key][query]
+  float* q_t = tiles;
+  float* do_t = tiles + kChunkD * LD;
+  float* k_t = tiles + 2 * kChunkD * LD;
+  float* v_t = tiles + 3 * kChunkD * LD;
+
+  const AttentionShape& sh = p.shape;
+  const Branch& br = p.branch;
+  const int64_t n_seg = br.num_segments(sh.seq_len);
+  const int64_t n_tiles = (br.max_members() + BM - 1) / BM;
+  const int64_t n_heads = br.head_hi - br.head_lo;
+  const int64_t tile = blockIdx.x % n_tiles;
+  const int64_t seg = (blockIdx.x / n_tiles) % n_seg;
+  const int64_t head = br.head_lo + (blockIdx.x / n_tiles / n_seg) % n_heads;
+  const int64_t b = blockIdx.x / n_tiles / n_seg / n_heads;
+  const Members mem = members_of(br, sh.seq_len, head, seg);
+  const int64_t start_m = tile * BM;
+  if (start_m >= mem.count) return;
+  const int64_t kvh = sh.kv_head(head);
+  const auto q_rows = rows_of<T>(p.q, p.sq, b, head, mem, br.dilation);
+  const auto do_rows = rows_of<T>(p.dout, p.sdo, b, head, mem, br.dilation);
+  const auto k_rows = rows_of<T>(p.k, p.sk, b, kvh, mem, br.dilation);
+  const auto v_rows = rows_of<T>(p.v, p.sv, b, kvh, mem, br.dilation);
+  const int ty = threadIdx.x / kColsX, tx = threadIdx.x % kColsX;
+  const int dim = static_cast<int>(sh.head_dim);
+  const float scale2 = static_cast<float>(sh.scale) * kLog2e;
+  const int64_t row_base = (b * sh.num_heads + head) * sh.seq_len;
+
+  float lse2[R], delta[R], dq[R][J];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t qi = start_m + ty * R + r;
+    const int64_t pos = mem.first + min(qi, mem.count - 1) * br.dilation;
+    lse2[r] = p.lse[row_base + pos] * kLog2e;
+    delta[r] = p.delta[row_base + pos];
+#pragma unroll
+    for (int j = 0; j < J; ++j) dq[r][j] = 0.f;
+  }
+
+  const int64_t key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
+  for (int64_t start_n = 0; start_n < key_end; start_n += BN) {
+    float s[R][C], dp[R][C];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < C; ++c) s[r][c] = dp[r][c] = 0.f;
+    for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
+      __syncthreads();
+      gather_transposed<T, BM, kChunkD, LD>(q_t, q_rows, start_m, d0, dim);
+      gather_transposed<T, BM, kChunkD, LD>(do_t, do_rows, start_m, d0, dim);
+      gather_transposed<T, BN, kChunkD, LD>(k_t, k_rows, start_n, d0, dim);
+      gather_transposed<T, BN, kChunkD, LD>(v_t, v_rows, start_n, d0, dim);
+      __syncthreads();
+#pragma unroll 4
+      for (int d = 0; d < kChunkD; ++d) {
+        float a[R], g[R], kk[C], vv[C];
+        load_row_values(a, q_t + d * LD + ty * R);
+        load_row_values(g, do_t + d * LD + ty * R);
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          kk[c] = k_t[d * LD + tx + c * kColsX];
+          vv[c] = v_t[d * LD + tx + c * kColsX];
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int c = 0; c < C; ++c) {
+            s[r][c] = fmaf(a[r], kk[c], s[r][c]);
+            dp[r][c] = fmaf(g[r], vv[c], dp[r][c]);
+          }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int64_t kj = start_n + tx + c * kColsX;
+      float col[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t qi = start_m + ty * R + r;
+        const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
+        const float pr = visible ? exp2f(s[r][c] * scale2 - lse2[r]) : 0.f;
+        col[r] = pr * (dp[r][c] - delta[r]);
+      }
+      store_row_values(ds_t + (tx + c * kColsX) * LD + ty * R, col);
+    }
+    for (int k0 = 0; k0 < BN; k0 += KC) {
+      __syncthreads();
+      gather_rows<T, KC, DMAX>(tiles, k_rows, start_n + k0, dim);
+      __syncthreads();
+#pragma unroll 4
+      for (int kk = 0; kk < KC; ++kk) {
+        float dsr[R], kv[J];
+        load_row_values(dsr, ds_t + (k0 + kk) * LD + ty * R);
+#pragma unroll
+        for (int j = 0; j < J; ++j) kv[j] = tiles[kk * DMAX + tx + j * kColsX];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int j = 0; j < J; ++j) dq[r][j] = fmaf(dsr[r], kv[j], dq[r][j]);
+      }
+    }
+  }
+
+  const float scale = static_cast<float>(sh.scale);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t qi = start_m + ty * R + r;
+    if (qi < mem.count) {
+      float* row = p.dq + ((b * sh.seq_len + mem.first + qi * br.dilation) * sh.num_heads + head) * sh.head_dim;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int d = tx + j * kColsX;
+        if (d < dim) row[d] += dq[r][j] * scale;
+      }
+    }
+  }
+}
+
+template <int DMAX>
+__host__ __device__ constexpr int kv_block() {  // key members per dK/dV block
+  return DMAX > 128 ? 32 : 64;
+}
+
+template <typename T, int DMAX>
+__global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(const BackwardParams p) {
+  constexpr int BN = kv_block<DMAX>(), BM = 32, R = BN / kRowsY, C = BM / kColsX, J = DMAX / kColsX;
+  constexpr int LDN = BN + 4, LDM = BM + 4;
+  constexpr int QC = row_chunk<BM, DMAX>() / 2;  // query rows per chunk: Q and dO side by side
+  static_assert(2 * kChunkD * (LDN + LDM) <= kTileFloats, "score tiles");
+  __shared__ __align__(16) float tiles[kTileFloats];  // K^T, V^T, Q^T, dO^T chunks; then Q, dO row chunks
+  __shared__ __align__(16) float p_s[BM * LDN];       // P: [query][key]
+  __shared__ __align__(16) float ds_s[BM * LDN];      // dS: [query][key]
+  float* k_t = tiles;
+  float* v_t = tiles + kChunkD * LDN;
+  float* q_t = tiles + 2 * kChunkD * LDN;
+  float* do_t = tiles + 2 * kChunkD * LDN + kChunkD * LDM;
+
+  const AttentionShape& sh = p.shape;
+  const Branch& br = p.branch;
+  const int64_t n_seg = br.num_segments(sh.seq_len);
+  const int64_t n_tiles = (br.max_members() + BN - 1) / BN;
+  const int64_t tile = blockIdx.x % n_tiles;
+  const int64_t seg = (blockIdx.x / n_tiles) % n_seg;
+  const int64_t kvh = (blockIdx.x / n_tiles / n_seg) % sh.num_kv_heads;
+  const int64_t b = blockIdx.x / n_tiles / n_seg / sh.num_kv_heads;
+  const int64_t group = sh.num_heads / sh.num_kv_heads;
+  const int64_t h_begin = max(kvh * group, br.head_lo), h_end = min((kvh + 1) * group, br.head_hi);
+  const int64_t start_n = tile * BN;
+  const int ty = threadIdx.x / kColsX, tx = threadIdx.x % kColsX;
+  const int dim = static_cast<int>(sh.head_dim);
+  const float scale2 = static_cast<float>(sh.scale) * kLog2e;
+  const float scale = static_cast<float>(sh.scale);
+
+  for (int64_t head = h_begin; head < h_end; ++head) {
+    const Members mem = members_of(br, sh.seq_len, head, seg);
+    if (start_n >= mem.count) continue;  // uniform over the block
+    const auto q_rows = rows_of<T>(p.q, p.sq, b, head, mem, br.dilation);
+    const auto do_rows = rows_of<T>(p.dout, p.sdo, b, head, mem, br.dilation);
+    const auto k_rows = rows_of<T>(p.k, p.sk, b, kvh, mem, br.dilation);
+    const auto v_rows = rows_of<T>(p.v, p.sv, b, kvh, mem, br.dilation);
+    const int64_t row_base = (b * sh.num_heads + head) * sh.seq_len;
+
+    float dk[R][J], dv[R][J];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < J; ++j) dk[r][j] = dv[r][j] = 0.f;
+
+    // Causal: queries before the block's first key never see it.
+    for (int64_t start_m = sh.causal ? start_n / BM * BM : 0; start_m < mem.count; start_m += BM) {
+      float s[R][C], dp[R][C];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) s[r][c] = dp[r][c] = 0.f;
+      for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
+        __syncthreads();
+        gather_transposed<T, BN, kChunkD, LDN>(k_t, k_rows, start_n, d0, dim);
+        gather_transposed<T, BN, kChunkD, LDN>(v_t, v_rows, start_n, d0, dim);
+        gather_transposed<T, BM, kChunkD, LDM>(q_t, q_rows, start_m, d0, dim);
+        gather_transposed<T, BM, kChunkD, LDM>(do_t, do_rows, start_m, d0, dim);
+        __syncthreads();
+#pragma unroll 4
+        for (int d = 0; d < kChunkD; ++d) {
+          float kr[R], vr[R], qc[C], gc[C];
+          load_row_values(kr, k_t + d * LDN + ty * R);
+          load_row_values(vr, v_t + d * LDN + ty * R);
+#pragma unroll
+          for (int c = 0; c < C; ++c) {
+            qc[c] = q_t[d * LDM + tx + c * kColsX];
+            gc[c] = do_t[d * LDM + tx + c * kColsX];
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+              s[r][c] = fmaf(kr[r], qc[c], s[r][c]);
+              dp[r][c] = fmaf(vr[r], gc[c], dp[r][c]);
+            }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int64_t qi = start_m + tx + c * kColsX;
+        const int64_t pos = mem.first + min(qi, mem.count - 1) * br.dilation;
+        const float lse2 = p.lse[row_base + pos] * kLog2e, delta = p.delta[row_base + pos];
+        float pc[R], dsc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int64_t kj = start_n + ty * R + r;
+          const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
+          pc[r] = visible ? exp2f(s[r][c] * scale2 - lse2) : 0.f;
+          dsc[r] = pc[r] * (dp[r][c] - delta);
+        }
+        store_row_values(p_s + (tx + c * kColsX) * LDN + ty * R, pc);
+        store_row_values(ds_s + (tx + c * kColsX) * LDN + ty * R, dsc);
+      }
+      for (int q0 = 0; q0 < BM; q0 += QC) {
+        __syncthreads();
+        gather_rows<T, QC, DMAX>(tiles, q_rows, start_m + q0, dim);
+        gather_rows<T, QC, DMAX>(tiles + QC * DMAX, do_rows, start_m + q0, dim);
+        __syncthreads();
+#pragma unroll 2
+        for (int qq = 0; qq < QC; ++qq) {
+          float pr[R], dsr[R], qv[J], gv[J];
+          load_row_values(pr, p_s + (q0 + qq) * LDN + ty * R);
+          load_row_values(dsr, ds_s + (q0 + qq) * LDN + ty * R);
+#pragma unroll
+          for (int j = 0; j < J; ++j) {
+            qv[j] = tiles[qq * DMAX + tx + j * kColsX];
+            gv[j] = tiles[(QC + qq) * DMAX + tx + j * kColsX];
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+              dv[r][j] = fmaf(pr[r], gv[j], dv[r][j]);
+              dk[r][j] = fmaf(dsr[r], qv[j], dk[r][j]);
+            }
+        }
+      }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t kj = start_n + ty * R + r;
+      if (kj < mem.count) {
+        const int64_t off = ((b * sh.seq_len + mem.first + kj * br.dilation) * sh.num_kv_heads + kvh) * sh.head_dim;
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          const int d = tx + j * kColsX;
+          if (d < dim) {
+            p.dk[off + d] += dk[r][j] * scale;
+            p.dv[off + d] += dv[r][j];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t stream) {
+  const int64_t rows = p.shape.batch * p.shape.seq_len * p.shape.num_heads;
+  const int64_t blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  return dispatch_scalar(kind, [&](auto tag) {
+    delta_kernel<decltype(tag)><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, cudaStream_t stream) {
+  const AttentionShape& sh = p.shape;
+  const Branch& br = p.branch;
+  const int64_t segs = br.num_segments(sh.seq_len);
+  return dispatch_scalar(kind, [&](auto tag) {
+    using T = decltype(tag);
+    return dispatch_head_dim(sh.head_dim, [&](auto dmax) {
+      constexpr int DMAX = decltype(dmax)::value;
+      const int64_t kv_blocks = sh.batch * sh.num_kv_heads * segs * ((br.max_members() + kv_block<DMAX>() - 1) / kv_block<DMAX>());
+      const int64_t q_blocks = sh.batch * (br.head_hi - br.head_lo) * segs * ((br.max_members() + 63) / 64);
+      if (kv_blocks > 0x7fffffffLL || q_blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+      if (kv_blocks == 0 || q_blocks == 0) return cudaSuccess;
+      dkdv_kernel<T, DMAX><<<static_cast<unsigned>(kv_blocks), kThreads, 0, stream>>>(p);
+      cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      dq_kernel<T, DMAX><<<static_cast<unsigned>(q_blocks), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace dilated_attn

@@ -1,0 +1,93 @@
+"""The hand-written CUDA kernels (backend="cuda") against the reference, on the GPU (marker `gpu`)."""
+
+import pytest
+import torch
+
+import dilated_attn
+from dilated_attn import ops
+
+from cases import Case, make_qkv
+from parity import GPU_CASES, check_against_reference, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_kernels():
+    if torch.cuda.is_available() and not ops.has_kernel("cuda"):
+        pytest.fail("a GPU is present but dilated_attn._C was built without CUDA kernels")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("index", range(len(GPU_CASES)))
+def test_parity(index, dtype):
+    check_against_reference(GPU_CASES[index], dtype, "cuda", index, "cuda")
+
+
+# 32, 64, 96, 128, 256 have their own kernels; the others run zero-padded in the next larger one.
+@pytest.mark.parametrize("head_dim", [1, 8, 32, 40, 64, 72, 96, 100, 128, 160, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dims(head_dim, causal):
+    case = Case(2, 777, 6, 2, head_dim, (256, 512, 1024), (1, 2, 4), "all", causal, "contiguous")
+    check_against_reference(case, torch.bfloat16, "cuda", head_dim, "cuda")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_many_blocks_per_segment(causal):
+    """Segments with several query and key blocks (64 members each), GQA heads with differing offsets,
+    a partial last segment, and split heads."""
+    for split in ("all", "split"):
+        case = Case(1, 1500, 4, 2, 64, (700, 1400), (1, 3), split, causal, "contiguous")
+        check_against_reference(case, torch.float32, "cuda", 3, "cuda")
+
+
+@pytest.mark.parametrize("index", range(0, len(GPU_CASES), 4))
+def test_poisoned_memory(index):
+    poison_allocator()
+    check_against_reference(GPU_CASES[index], torch.bfloat16, "cuda", index, "cuda")
+
+
+def test_forward_allocates_only_out_and_lse():
+    B, N, H, D = 1, 16384, 8, 128
+    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    segs, dils = [2048, 4096, 8192], [1, 2, 4]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out, lse = dilated_attn.dilated_attention(q, k, v, segs, dils, backend="cuda", return_lse=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra <= out.numel() * out.element_size() + lse.numel() * lse.element_size() + (1 << 20)
+
+
+def test_bitwise_repeatable():
+    """No atomics: the same inputs give the same bits, forward and backward."""
+    case = GPU_CASES[0]
+    q, k, v = make_qkv(case, dtype=torch.bfloat16, seed=1, device="cuda")
+    runs = []
+    for _ in range(2):
+        out = dilated_attn.dilated_attention(q, k, v, case.segment_lengths, case.dilation_rates, backend="cuda",
+                                             **case.kwargs())
+        runs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_opcheck():
+    q = torch.randn(1, 100, 4, 32, device="cuda", requires_grad=True)
+    k, v = (torch.randn(1, 100, 2, 32, device="cuda", requires_grad=True) for _ in range(2))
+    args = (q, k, v, [32, 64], [1, 2], False, True, 0.2)
+    torch.library.opcheck(torch.ops.dilated_attn.forward.default, args)
+    out, lse = torch.ops.dilated_attn.forward(*args)
+    torch.library.opcheck(torch.ops.dilated_attn.backward.default,
+                          (torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, *args[3:]))
+
+
+def test_direct_op_rejects_bad_input():
+    q = torch.randn(1, 16, 2, 300, device="cuda")
+    with pytest.raises(ValueError, match="head_dim"):
+        torch.ops.dilated_attn.forward(q, q, q, [8], [1], False, False, 1.0)
+    q = torch.randn(1, 16, 2, 8, device="cuda", dtype=torch.float64)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        torch.ops.dilated_attn.forward(q, q, q, [8], [1], False, False, 1.0)
