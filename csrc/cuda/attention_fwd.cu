@@ -30,13 +30,22 @@ __host__ __device__ constexpr int value_chunk() {
   return rows;
 }
 
-template <typename T, int DMAX>
+// Shared memory of a block (floats): with RESIDENT_Q the block's whole Q^T tile stays in shared memory and
+// only K is gathered per step (where the device allows that much shared memory per block; not Pascal's
+// 48 KiB from head dim 64 on), else Q^T is gathered again chunk by chunk beside K^T.
+template <int DMAX, bool RESIDENT_Q>
+__host__ __device__ constexpr int forward_smem_floats() {
+  return (RESIDENT_Q ? DMAX * kLdM : 0) + kScoreTiles + kBlockN * kLdM;
+}
+
+template <typename T, int DMAX, bool RESIDENT_Q>
 __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(const ForwardParams p) {
   constexpr int J = DMAX / kColsX;  // output columns per thread
   constexpr int KC = value_chunk<DMAX>();
-  __shared__ __align__(16) float tiles[kScoreTiles];  // Q^T and K^T chunks, then V chunks
-  __shared__ __align__(16) float probs[kBlockN * kLdM];  // P^T: [key][query]
-  float* q_t = tiles;
+  extern __shared__ __align__(16) float smem[];
+  float* q_resident = smem;                                   // RESIDENT_Q: Q^T, [DMAX][kLdM]
+  float* tiles = smem + (RESIDENT_Q ? DMAX * kLdM : 0);       // Q^T and K^T chunks, then V chunks
+  float* probs = tiles + kScoreTiles;                         // P^T: [key][query]
   float* k_t = tiles + kChunkD * kLdM;
 
   const AttentionShape& sh = p.shape;
@@ -73,6 +82,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
     for (int j = 0; j < J; ++j) o[r][j] = 0.f;
   }
 
+  if constexpr (RESIDENT_Q) {
+    for (int d0 = 0; d0 < DMAX; d0 += kChunkD)
+      gather_transposed<T, kBlockM, kChunkD, kLdM>(q_resident + d0 * kLdM, q_rows, start_m, d0, dim);
+  }
+
   // Causal: keys after the block's last query are never seen.
   const int64_t key_end = sh.causal ? min(mem.count, start_m + kBlockM) : mem.count;
   for (int64_t start_n = 0; start_n < key_end; start_n += kBlockN) {
@@ -84,7 +98,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
 
     for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
       __syncthreads();  // the previous chunk (or P V step) is done with the tiles
-      gather_transposed<T, kBlockM, kChunkD, kLdM>(q_t, q_rows, start_m, d0, dim);
+      const float* q_t = RESIDENT_Q ? q_resident + d0 * kLdM : tiles;
+      if constexpr (!RESIDENT_Q) gather_transposed<T, kBlockM, kChunkD, kLdM>(tiles, q_rows, start_m, d0, dim);
       gather_transposed<T, kBlockN, kChunkD, kLdN>(k_t, k_rows, start_n, d0, dim);
       __syncthreads();
 #pragma unroll 8
@@ -202,7 +217,22 @@ cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, cudaStream_t
   return dispatch_scalar(kind, [&](auto tag) {
     using T = decltype(tag);
     return dispatch_head_dim(p.shape.head_dim, [&](auto dmax) {
-      forward_kernel<T, decltype(dmax)::value><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+      constexpr int DMAX = decltype(dmax)::value;
+      constexpr size_t kResident = forward_smem_floats<DMAX, true>() * sizeof(float);
+      if (kResident <= max_shared_memory_per_block()) {
+        // Above 48 KiB a kernel must opt in; harmless to repeat, so no caching per device needed.
+        cudaError_t err = cudaFuncSetAttribute(forward_kernel<T, DMAX, true>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kResident);
+        if (err != cudaSuccess) return err;
+        // Three blocks of ~70 KiB per SM need the largest shared-memory carveout of L1.
+        err = cudaFuncSetAttribute(forward_kernel<T, DMAX, true>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared);
+        if (err != cudaSuccess) return err;
+        forward_kernel<T, DMAX, true><<<static_cast<unsigned>(blocks), kThreads, kResident, stream>>>(p);
+      } else {
+        constexpr size_t kStreamed = forward_smem_floats<DMAX, false>() * sizeof(float);
+        forward_kernel<T, DMAX, false><<<static_cast<unsigned>(blocks), kThreads, kStreamed, stream>>>(p);
+      }
       return cudaGetLastError();
     });
   });

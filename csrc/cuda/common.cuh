@@ -171,6 +171,14 @@ __host__ __device__ constexpr int min_blocks() {
   return DMAX > 128 ? 2 : 3;
 }
 
+// The current device's shared memory per block with opt-in (48 KiB without).
+inline size_t max_shared_memory_per_block() {
+  int device = 0, bytes = 48 * 1024;
+  if (cudaGetDevice(&device) == cudaSuccess)
+    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return static_cast<size_t>(bytes);
+}
+
 // Head-dim buckets compiled: the smallest of 32, 64, 96, 128, 256 that holds `dim`.
 template <typename F>
 cudaError_t dispatch_head_dim(int64_t dim, F&& launch) {
