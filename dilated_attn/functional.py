@@ -30,7 +30,9 @@ def dilated_attention(
         head_groups: "all" (LongNet/torchscale: every head in every branch, head offsets
             `h // ceil(Hq / r)`) or "split" (heads cut into one group per branch, offset `i % r`).
         return_lse: also return the merged log-sum-exp `[B, Hq, N]` (float32; float64 for float64).
-        backend: "auto", "cuda", "triton", "cpu" or "reference".
+        backend: "auto", "cuda", "triton", "cpu" or "reference". "auto" follows the environment variable
+            DILATED_ATTN_BACKEND when it names a backend, else `dispatch.auto_preference`;
+            `dilated_attn.explain(...)` tells which backend runs and why.
 
     Returns:
         `out` `[B, N, Hq, D]` (contiguous, q's dtype), or `(out, lse)` with `return_lse=True`.

@@ -1,0 +1,281 @@
+"""Backend selection: every backend's verdict, the auto rule and its one-time fallback warnings, explicit
+backends, the DILATED_ATTN_BACKEND override, explain(), and torch.compile(fullgraph=True) through it all."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import dilated_attn
+from dilated_attn import dispatch, ops
+from dilated_attn.reference import dilated_attention_reference
+from dilated_attn.spec import validate
+
+SEGS, DILS = [8, 16], [1, 2]
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    """Every test starts with no warning given yet, no backend forced and no compiled code of another test (the
+    environment variable is read when a compiled function is traced, so a stale trace would hide it)."""
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+@pytest.fixture
+def no_cpu_kernels(monkeypatch):
+    """A build of the extension without CPU kernels, as the CPU backend sees it."""
+    monkeypatch.setattr(ops, "_KERNELS", {"cpu": False, "cuda": False})
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Which backends actually ran (each backend's run wrapped by a recorder)."""
+    calls = []
+    for name, b in list(dispatch.BACKENDS.items()):
+        def run(q, k, v, p, _name=name, _run=b.run):
+            calls.append(_name)
+            return _run(q, k, v, p)
+        monkeypatch.setitem(dispatch.BACKENDS, name, dispatch.Backend(name, b.reason, run))
+    return calls
+
+
+def _qkv(B=2, N=37, Hq=4, Hkv=2, D=8, dtype=torch.float32, device="cpu", requires_grad=False):
+    g = torch.Generator().manual_seed(1)
+    shapes = ((B, N, Hq, D), (B, N, Hkv, D), (B, N, Hkv, D))
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+            .requires_grad_(requires_grad) for s in shapes]
+
+
+def _recorded(fn):
+    """fn()'s result and the dilated_attn warnings it gave (all of them: the 'always' filter defeats Python's
+    own once-per-location rule, so only the package's once-per-reason rule is seen)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [str(w.message) for w in caught if "dilated_attn" in str(w.message)]
+
+
+def _fake_cuda_problem(monkeypatch, capability=(9, 0), dtype=torch.bfloat16, head_dim=128, cuda_kernels=True):
+    """A Problem on a CUDA device of the given compute capability, without a GPU: the verdicts only read the
+    problem, the extension's kernel table and the device's capability."""
+    monkeypatch.setattr(ops, "_KERNELS", {"cpu": True, "cuda": cuda_kernels})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    q = torch.empty(1, 64, 4, head_dim, dtype=dtype, device="meta")
+    return dataclasses.replace(validate(q, q, q, SEGS, DILS), device=torch.device("cuda", 0))
+
+
+# --- the auto rule ------------------------------------------------------------------------------------------
+
+
+def test_auto_runs_the_cpu_kernels_on_cpu_without_warning(runs):
+    q, k, v = _qkv()
+    out, warned = _recorded(lambda: dilated_attn.dilated_attention(q, k, v, SEGS, DILS))
+    assert runs == ["cpu"] and warned == []  # cuda/triton do not apply to CPU tensors: nothing to warn about
+    torch.testing.assert_close(out, dilated_attention_reference(q, k, v, SEGS, DILS)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_falls_back_to_the_reference_and_warns_once_per_reason(no_cpu_kernels, monkeypatch, runs):
+    q, k, v = _qkv()
+    out, warned = _recorded(lambda: dilated_attn.dilated_attention(q, k, v, SEGS, DILS))
+    assert runs == ["reference"]
+    assert len(warned) == 1 and "runs reference" in warned[0] and "without CPU kernels" in warned[0], warned
+    assert torch.equal(out, dilated_attention_reference(q, k, v, SEGS, DILS)[0])
+    _, warned = _recorded(lambda: dilated_attn.dilated_attention(q, k, v, SEGS, DILS, causal=True))
+    assert warned == []  # the same reason again: no second warning
+    # A different reason (the extension not loaded at all) is worth its own warning.
+    monkeypatch.setattr(dispatch, "LOAD_ERROR", "ImportError: no _C")
+    _, warned = _recorded(lambda: dilated_attn.dilated_attention(q, k, v, SEGS, DILS))
+    assert len(warned) == 1 and "not loaded (ImportError: no _C)" in warned[0], warned
+
+
+def test_other_devices_run_the_reference_without_warning():
+    q, k, v = _qkv(device="meta")
+    d, warned = _recorded(lambda: dilated_attn.explain(q, k, v, SEGS, DILS))
+    assert d.backend == "reference" and d.fallback is None and warned == []
+
+
+def test_cuda_backend_rules(monkeypatch):
+    """The hand-written CUDA kernels: float16/bfloat16/float32, head_dim <= 256, compute capability >= 6.0,
+    and an extension built with CUDA kernels."""
+    cuda = dispatch.BACKENDS["cuda"].reason
+    assert cuda(_fake_cuda_problem(monkeypatch)) is None
+    assert cuda(_fake_cuda_problem(monkeypatch, capability=(6, 0), dtype=torch.float16, head_dim=256)) is None
+    assert "dtype float64 is not supported" in cuda(_fake_cuda_problem(monkeypatch, dtype=torch.float64))
+    assert "head_dim 320 > 256" in cuda(_fake_cuda_problem(monkeypatch, head_dim=320))
+    assert "compute capability 5.2 < 6.0" in cuda(_fake_cuda_problem(monkeypatch, capability=(5, 2)))
+    assert "built without CUDA kernels" in cuda(_fake_cuda_problem(monkeypatch, cuda_kernels=False))
+
+
+@pytest.mark.parametrize(
+    "capability, triton_missing, cuda_kernels, dtype, chosen, skipped",
+    [
+        ((9, 0), False, True, torch.bfloat16, "triton", []),
+        ((6, 1), False, True, torch.bfloat16, "cuda", ["triton cannot (compute capability 6.1 < 7.0"]),
+        ((9, 0), True, True, torch.float16, "cuda", ["triton cannot (triton is not available"]),
+        ((9, 0), True, False, torch.float32, "reference", ["triton cannot", "cuda cannot (dilated_attn._C was"]),
+        ((9, 0), False, True, torch.float64, "reference", ["triton cannot (dtype float64", "cuda cannot (dtype"]),
+    ],
+)
+def test_auto_rule_on_cuda(monkeypatch, capability, triton_missing, cuda_kernels, dtype, chosen, skipped):
+    """triton (sm >= 7.0, importable), else cuda, else reference; each passed-over preference says why."""
+    if triton_missing:
+        monkeypatch.setattr(dispatch, "triton_backend", None)
+        monkeypatch.setattr(dispatch, "TRITON_ERROR", "ModuleNotFoundError: No module named 'triton'")
+    p = _fake_cuda_problem(monkeypatch, capability=capability, dtype=dtype, cuda_kernels=cuda_kernels)
+    d = dispatch.decide(p, "auto")
+    assert d.backend == chosen and "auto rule for cuda tensors: triton > cuda > reference" in d.decided_by
+    if skipped:
+        assert all(s in d.fallback for s in skipped), d.fallback
+    else:
+        assert d.fallback is None
+
+
+# --- explicit backends and the environment variable ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_explicit_backend_runs(backend, runs):
+    q, k, v = _qkv()
+    dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend=backend)
+    assert runs == [backend]
+
+
+def test_explicit_backend_that_cannot_run_lists_every_verdict(no_cpu_kernels, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would let triton run CPU tensors
+    q, k, v = _qkv()
+    with pytest.raises(ValueError) as info:
+        dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend="cpu")
+    message = str(info.value)
+    assert message.startswith("backend='cpu' cannot run this input: dilated_attn._C was built without CPU kernels")
+    assert "Backends that can: reference" in message
+    for name, why in dispatch.verdicts(validate(q, k, v, SEGS, DILS)).items():
+        assert f"{name}: {why or 'can run'}" in message
+
+
+def test_env_var_forces_a_backend_and_the_argument_wins(monkeypatch, runs):
+    q, k, v = _qkv()
+    monkeypatch.setenv("DILATED_ATTN_BACKEND", "reference")
+    out = dilated_attn.dilated_attention(q, k, v, SEGS, DILS)
+    assert runs == ["reference"] and torch.equal(out, dilated_attention_reference(q, k, v, SEGS, DILS)[0])
+    d = dilated_attn.explain(q, k, v, SEGS, DILS)
+    assert d.backend == "reference" and "DILATED_ATTN_BACKEND='reference'" in d.decided_by
+    dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend="cpu")  # an explicit argument wins
+    assert runs == ["reference", "cpu"]
+    for unset in ("", "auto"):
+        monkeypatch.setenv("DILATED_ATTN_BACKEND", unset)
+        dilated_attn.dilated_attention(q, k, v, SEGS, DILS)
+    assert runs == ["reference", "cpu", "cpu", "cpu"]
+
+
+def test_env_var_errors(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setenv("DILATED_ATTN_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="environment variable DILATED_ATTN_BACKEND must be .* got 'fastest'"):
+        dilated_attn.dilated_attention(q, k, v, SEGS, DILS)
+    dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend="cpu")  # not read when the argument decides
+    monkeypatch.setenv("DILATED_ATTN_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="DILATED_ATTN_BACKEND='cuda' cannot run this input: needs CUDA tensors"):
+        dilated_attn.dilated_attention(q, k, v, SEGS, DILS)
+
+
+# --- explain --------------------------------------------------------------------------------------------------
+
+
+def test_explain_reports_without_running(runs):
+    q, k, v = _qkv()
+    d = dilated_attn.explain(q, k, v, SEGS, DILS, causal=True, return_lse=True)
+    assert runs == []
+    assert d.backend == "cpu" and d.fallback is None and d.error is None
+    assert d.verdicts == dispatch.verdicts(validate(q, k, v, SEGS, DILS))
+    table = str(d)
+    assert "cpu        can run  <- runs" in table and "decided by: the auto rule for cpu tensors" in table
+    for name, why in d.verdicts.items():
+        assert f"{name:<9}  {why or 'can run'}" in table
+    assert "B=2 N=37 Hq=4 Hkv=2 D=8 float32 on cpu; branches (8, 1), (16, 2); causal=True" in table
+
+
+def test_explain_an_explicit_backend_that_cannot_run(no_cpu_kernels):
+    q, k, v = _qkv()
+    d, warned = _recorded(lambda: dilated_attn.explain(q, k, v, SEGS, DILS, backend="cpu"))
+    assert d.backend is None and d.error.startswith("backend='cpu' cannot run") and warned == []
+    assert "none (dilated_attention raises ValueError)" in str(d)
+    d = dilated_attn.explain(q, k, v, SEGS, DILS)
+    assert d.backend == "reference" and "cpu cannot (dilated_attn._C was built without CPU kernels)" in d.fallback
+    with pytest.raises(ValueError, match="segment_lengths"):
+        dilated_attn.explain(q, k, v, [], [])
+
+
+# --- torch.compile ---------------------------------------------------------------------------------------------
+
+
+def _graph_capturing_compile(fn):
+    """torch.compile(fn, fullgraph=True) with a backend that keeps dynamo's graph (and runs it as it is)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
+def _attend(q, k, v):
+    return dilated_attn.dilated_attention(q, k, v, SEGS, DILS, causal=True)
+
+
+@pytest.mark.parametrize("env", [None, "reference"])
+def test_compile_fullgraph_follows_the_env_var(env, monkeypatch):
+    if env is not None:
+        monkeypatch.setenv("DILATED_ATTN_BACKEND", env)
+    q, k, v = _qkv()
+    compiled, graphs = _graph_capturing_compile(_attend)
+    torch.testing.assert_close(compiled(q, k, v), _attend(q, k, v), rtol=0, atol=0)
+    assert len(graphs) == 1
+    assert ("dilated_attn.forward" in graphs[0]) == (env is None)  # the compiled CPU op, or the reference's ops
+
+
+def test_compile_fullgraph_warns_once_when_auto_falls_back(no_cpu_kernels):
+    q, k, v = _qkv()
+    compiled, graphs = _graph_capturing_compile(_attend)
+    (out, warned) = _recorded(lambda: compiled(q, k, v))
+    assert len(graphs) == 1 and "dilated_attn.forward" not in graphs[0]
+    assert len(warned) == 1 and "without CPU kernels" in warned[0]
+    torch.testing.assert_close(out, dilated_attention_reference(q, k, v, SEGS, DILS, causal=True)[0])
+    _, warned = _recorded(lambda: (compiled(q, k, v), _attend(q, k, v)))
+    assert warned == []
+
+
+def _compiled_matches_eager(device, dtype, tol):
+    q, k, v = _qkv(B=2, N=70, Hq=6, Hkv=2, D=16, dtype=dtype, device=device, requires_grad=True)
+
+    def f(q, k, v):
+        out, lse = dilated_attn.dilated_attention(q, k, v, [16, 32, 64], [1, 2, 4], causal=True, return_lse=True)
+        return out * 2, lse
+
+    compiled = torch.compile(f, fullgraph=True)
+    (out, lse), (out_e, lse_e) = compiled(q, k, v), f(q, k, v)
+    torch.testing.assert_close(out, out_e, **tol)
+    torch.testing.assert_close(lse, lse_e, **tol)
+    go = torch.randn_like(out)
+    gl = torch.randn_like(lse)
+    grads = torch.autograd.grad((out * go).sum() + (lse * gl).sum(), (q, k, v))
+    grads_e = torch.autograd.grad((out_e * go).sum() + (lse_e * gl).sum(), (q, k, v))
+    for a, b in zip(grads, grads_e):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_compile_fullgraph_forward_backward_matches_eager_cpu():
+    _compiled_matches_eager("cpu", torch.float32, dict(rtol=0, atol=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compile_fullgraph_forward_backward_matches_eager_gpu(dtype):
+    # Under torch.compile the scale reaches the kernels as a float64 scalar: a few low bits may differ.
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    _compiled_matches_eager("cuda", dtype, tol)
