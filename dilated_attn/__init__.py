@@ -1,8 +1,17 @@
 """dilated_attn: LongNet dilated attention for PyTorch (see README.md and ../shared/SPEC.md)."""
 
+from .dispatch import explain
 from .functional import dilated_attention
+from .nn import DilatedAttention, MultiheadDilatedAttention
 from .ops import build_info
 
 __version__ = "0.1.0"
 
-__all__ = ["dilated_attention", "build_info", "__version__"]
+__all__ = [
+    "dilated_attention",
+    "explain",
+    "DilatedAttention",
+    "MultiheadDilatedAttention",
+    "build_info",
+    "__version__",
+]

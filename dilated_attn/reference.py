@@ -21,11 +21,12 @@ from .spec import Problem, lse_dtype, split_group_bounds, validate
 __all__ = ["dilated_attention_reference", "dilated_attention_bruteforce"]
 
 
-def _masked_attention(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor):
+def _masked_attention(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
     """softmax(scores) @ v and logsumexp(scores) over the keys where `mask` holds, along the last dim.
 
     Rows without any key give out = 0 and lse = -inf, and their gradients are 0, not NaN: the max and the
-    normaliser are replaced by harmless values before exp/log on such rows.
+    normaliser are replaced by harmless values before exp/log on such rows. `dropout_p` drops (and rescales)
+    the normalised probabilities before they weight `v`; lse stays that of the undropped scores.
     """
     scores = scores.masked_fill(~mask, -math.inf)
     has_key = mask.any(-1)
@@ -34,8 +35,10 @@ def _masked_attention(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor)
     e = torch.exp(scores - row_max)
     denom = torch.where(has_key, e.sum(-1), torch.ones_like(row_max[..., 0]))
     lse = torch.where(has_key, torch.log(denom) + row_max[..., 0], torch.full_like(denom, -math.inf))
-    out = (e / denom.unsqueeze(-1)) @ v
-    return out, lse
+    probs = e / denom.unsqueeze(-1)
+    if dropout_p > 0:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
+    return probs @ v, lse
 
 
 def _merge_branches(outs: list[torch.Tensor], lses: list[torch.Tensor]):
@@ -64,11 +67,27 @@ def _compute_dtype(dtype: torch.dtype, compute_dtype):
 
 
 def dilated_attention_reference(
-    q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, head_groups="all", compute_dtype=None
+    q,
+    k,
+    v,
+    segment_lengths,
+    dilation_rates,
+    *,
+    causal=False,
+    scale=None,
+    head_groups="all",
+    compute_dtype=None,
+    dropout_p=0.0,
 ):
     """Gather-based reference. Returns `(out [B, N, Hq, D] in q.dtype, lse [B, Hq, N])`.
 
     Arithmetic runs in `compute_dtype` (default: float64 for float64 inputs, else float32).
+
+    `dropout_p > 0` applies attention dropout (not part of the spec; for `dilated_attn.nn` in training) to the
+    merged attention probabilities, i.e. to every entry of the one softmax over the multiset union of the
+    branches' keys, each entry kept with probability 1 - p and scaled by 1 / (1 - p). The merge is linear in
+    each branch's output with weights exp(lse_i - LSE), so this is dropout on each branch's normalised
+    probabilities before they weight v, with the merge weights of the undropped branches; `lse` is unchanged.
     """
     p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups)
     B, N, Hq, D = q.shape
@@ -100,7 +119,7 @@ def dilated_attention_reference(
         mask = valid.unsqueeze(-2)  # keys
         if causal:
             mask = mask & torch.ones(n_max, n_max, dtype=torch.bool, device=dev).tril()
-        out_b, lse_b = _masked_attention((qg @ kg.transpose(-1, -2)) * p.scale, mask, vg)
+        out_b, lse_b = _masked_attention((qg @ kg.transpose(-1, -2)) * p.scale, mask, vg, dropout_p)
         # Scatter back to sequence order; invalid rows (queries that are padding) land on the spare row N.
         out_full = qh.new_zeros(B, Hq, N + 1, D)
         lse_full = qh.new_full((B, Hq, N + 1), -math.inf)

@@ -1,0 +1,227 @@
+"""nn.Module front ends, argument-compatible with fkodom's dilated-attention-pytorch.
+
+* `DilatedAttention`: the attention alone, on `[B, N, H, D]` query/key/value.
+* `MultiheadDilatedAttention`: q/k/v projections, dilated attention, optional sub-LayerNorm (MAGNETO) and the
+  output projection, on `[B, N, embed_dim]`.
+
+Attention dropout is not part of the spec and no kernel implements it: in training mode with a dropout
+probability p > 0 the modules run the pure-PyTorch reference, which drops entries of the merged attention
+probabilities (see `dilated_attention_reference`), and warn once that this is slower than the kernel that
+would have run. In eval mode, or with p = 0, they dispatch like `dilated_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import dispatch
+from .functional import dilated_attention
+from .reference import dilated_attention_reference
+from .spec import Problem, _int_list, validate
+
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def _check_real(name: str, value, rule: str, ok) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number ({rule}), got {type(value).__name__}")
+    if not ok(float(value)):
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return float(value)
+
+
+def _check_dropout(name: str, value, backend) -> float:
+    p = _check_real(name, value, "a probability in [0, 1]", lambda x: 0.0 <= x <= 1.0)
+    if p > 0 and backend not in ("auto", "reference"):
+        raise ValueError(
+            f"{name} > 0 needs backend 'auto' or 'reference', got backend={backend!r}: no kernel implements "
+            f"dropout, so training runs the reference backend"
+        )
+    return p
+
+
+def _check_attention_args(
+    segment_lengths, dilation_rates, *, scale=None, head_groups="all", backend="auto", num_heads=None, num_kv_heads=None
+) -> Problem:
+    """The spec's own checks of the attention arguments, run at construction on placeholder meta tensors (no
+    memory, no compute), so a bad configuration fails when the module is built, with the functional call's
+    messages. Returns the Problem, whose branch lists are normalised to tuples of ints."""
+    if num_heads is None:  # unknown until forward: one head per branch passes the "split" rule until then
+        num_heads = len(_int_list("segment_lengths", segment_lengths))
+    q = torch.empty(1, 1, num_heads, 1, device="meta")
+    kv = torch.empty(1, 1, num_kv_heads or num_heads, 1, device="meta")
+    return validate(q, kv, kv, segment_lengths, dilation_rates, scale=scale, head_groups=head_groups, backend=backend)
+
+
+class DilatedAttention(nn.Module):
+    """LongNet dilated attention (`dilated_attn.dilated_attention`) as a module.
+
+    Args:
+        segment_lengths, dilation_rates: the branches `(w_i, r_i)`, positive ints, same length >= 1.
+        softmax_scale: score scale, default `head_dim ** -0.5`.
+        attention_dropout: dropout probability on the attention probabilities, in training mode only. With
+            p > 0 training runs the reference backend (no kernel implements dropout; a one-time warning says
+            so), which drops each entry of the merged softmax over the branches' keys independently and
+            scales the kept ones by 1 / (1 - p). Needs `backend` "auto" or "reference".
+        head_groups: "all" (LongNet) or "split" (dilated-attention-pytorch), as in `dilated_attention`.
+        backend: "auto", "cuda", "triton", "cpu" or "reference", as in `dilated_attention`.
+
+    `forward(q, k, v, is_causal=False)`: q `[B, N, Hq, D]`, k and v `[B, N, Hkv, D]` with `Hq % Hkv == 0`;
+    returns `[B, N, Hq, D]`.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        softmax_scale: Optional[float] = None,
+        attention_dropout: float = 0.0,
+        head_groups: str = "all",
+        backend: str = "auto",
+    ):
+        super().__init__()
+        p = _check_attention_args(
+            segment_lengths, dilation_rates, scale=softmax_scale, head_groups=head_groups, backend=backend
+        )
+        self.attention_dropout = _check_dropout("attention_dropout", attention_dropout, backend)
+        self.segment_lengths = p.segment_lengths
+        self.dilation_rates = p.dilation_rates
+        self.softmax_scale = softmax_scale
+        self.head_groups = head_groups
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        args = (q, k, v, self.segment_lengths, self.dilation_rates)
+        kwargs = dict(causal=is_causal, scale=self.softmax_scale, head_groups=self.head_groups)
+        if not (self.training and self.attention_dropout > 0):
+            return dilated_attention(*args, **kwargs, backend=self.backend)
+        # Dispatch as usual (same errors, same fallback warnings), but run the reference, which has dropout.
+        usual = dispatch.select(validate(*args, **kwargs, backend=self.backend), self.backend).name
+        if usual != "reference":
+            dispatch.warn_once(
+                f"dilated_attn: attention_dropout={self.attention_dropout} in training mode runs the reference "
+                f"backend instead of {usual} (no kernel implements dropout; slower)"
+            )
+        out, _ = dilated_attention_reference(*args, **kwargs, dropout_p=self.attention_dropout)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
+            f"softmax_scale={self.softmax_scale}, attention_dropout={self.attention_dropout}, "
+            f"head_groups={self.head_groups!r}, backend={self.backend!r}"
+        )
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """Multi-head dilated attention with projections, as fkodom's dilated-attention-pytorch defines it.
+
+    `forward(query, key=None, value=None, is_causal=False)` on `[B, N, embed_dim]` (key and value default to
+    query: self-attention) returns `(out [B, N, embed_dim], None)`:
+
+        q = q_proj(query), k = k_proj(key), v = v_proj(value), split into heads of head_dim = embed_dim / num_heads
+        x = DilatedAttention(q, k, v), heads merged back       (dropout: see DilatedAttention)
+        out = out_proj(norm(x))                                 (norm: LayerNorm, when layer_norm=True)
+
+    Parameters are initialised as in MAGNETO (arXiv:2210.06423): xavier_normal_ weights, with gain
+    `gamma_init` for v_proj and out_proj, zero biases.
+
+    Args beyond dilated-attention-pytorch's: `num_kv_heads` (GQA/MQA: k_proj and v_proj produce
+    `num_kv_heads * head_dim` features; default num_heads), `head_groups` and `backend` (see
+    `dilated_attention`). `dropout` is the attention dropout probability.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dilation_rates: Sequence[int],
+        segment_lengths: Sequence[int],
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_norm: bool = True,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        device=None,
+        dtype=None,
+        num_kv_heads: Optional[int] = None,
+        head_groups: str = "all",
+        backend: str = "auto",
+    ):
+        super().__init__()
+        embed_dim = _check_positive_int("embed_dim", embed_dim)
+        num_heads = _check_positive_int("num_heads", num_heads)
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+        # With the head count known, "split" can be checked against the branches now.
+        _check_attention_args(
+            segment_lengths, dilation_rates, head_groups=head_groups, backend=backend, num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+        )
+        dropout = _check_dropout("dropout", dropout, backend)
+        for name, flag in (("bias", bias), ("layer_norm", layer_norm)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        layer_norm_eps = _check_real("layer_norm_eps", layer_norm_eps, "positive", lambda x: x > 0)
+        self.gamma_init = _check_real("gamma_init", gamma_init, "finite", math.isfinite)
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.layer_norm = layer_norm
+        factory = dict(device=device, dtype=dtype)
+        kv_dim = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.attention = DilatedAttention(
+            segment_lengths, dilation_rates, attention_dropout=dropout, head_groups=head_groups, backend=backend
+        )
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        # MAGNETO, Fig. 2: the gain (set by the caller, who knows the depth of the model) scales only the value
+        # and output projections.
+        for proj, gain in ((self.q_proj, 1.0), (self.k_proj, 1.0), (self.v_proj, self.gamma_init),
+                           (self.out_proj, self.gamma_init)):
+            nn.init.xavier_normal_(proj.weight, gain=gain)
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor] = None,
+        value: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        key = query if key is None else key
+        value = query if value is None else value
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                raise ValueError(f"{name} must be [batch, seq, embed_dim={self.embed_dim}], got {tuple(x.shape)}")
+        q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        x = self.attention(q, k, v, is_causal=is_causal).flatten(-2)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out_proj(x), None

@@ -1,0 +1,289 @@
+"""The nn.Module front ends against a float64 composition of torch.nn.Linear/LayerNorm and the reference,
+their argument checks, MAGNETO initialisation, and attention dropout (routed to the reference)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dilated_attn
+from dilated_attn import DilatedAttention, MultiheadDilatedAttention, dispatch
+from dilated_attn.reference import dilated_attention_reference
+
+SEGS, DILS = [4, 8, 16], [1, 2, 4]
+# The expected one-time notices that training with dropout runs the reference; the tests that check them record
+# warnings themselves.
+pytestmark = pytest.mark.filterwarnings("ignore:dilated_attn.*attention_dropout:UserWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+
+
+def _dropout_warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [str(w.message) for w in caught if "attention_dropout" in str(w.message)]
+
+
+def _composition(m: MultiheadDilatedAttention, query, key, value, causal):
+    """What MultiheadDilatedAttention computes, written with plain torch.nn modules holding copies of its
+    parameters and the reference. Returns the output and {m's parameter name: the copy}."""
+    mods = {}
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        src = getattr(m, name)
+        mods[name] = nn.Linear(src.in_features, src.out_features, bias=src.bias is not None, dtype=torch.float64)
+    if m.layer_norm:
+        mods["norm"] = nn.LayerNorm(m.embed_dim, eps=m.norm.eps, dtype=torch.float64)
+    for name, mod in mods.items():
+        mod.load_state_dict(getattr(m, name).state_dict())
+    B, N, E = query.shape
+    D = E // m.num_heads
+    q = mods["q_proj"](query).reshape(B, N, m.num_heads, D)
+    k = mods["k_proj"](key).reshape(B, N, -1, D)
+    v = mods["v_proj"](value).reshape(B, N, -1, D)
+    a = m.attention
+    x, _ = dilated_attention_reference(q, k, v, a.segment_lengths, a.dilation_rates, causal=causal,
+                                       head_groups=a.head_groups)
+    x = x.reshape(B, N, E)
+    if m.layer_norm:
+        x = mods["norm"](x)
+    params = {f"{name}.{p}": t for name, mod in mods.items() for p, t in mod.named_parameters()}
+    return mods["out_proj"](x), params
+
+
+def _perturb(module):
+    """Non-trivial values for every parameter (the MAGNETO init has zero biases and unit LayerNorm)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_groups, causal, layer_norm, bias, separate_kv",
+    [
+        (4, None, "all", False, True, True, False),
+        (6, 2, "all", True, True, True, True),  # GQA
+        (6, 1, "split", False, False, True, False),  # MQA
+        (5, 5, "split", True, True, False, True),
+        (3, 3, "split", True, False, False, False),
+    ],
+)
+def test_multihead_matches_linear_plus_reference(num_heads, num_kv_heads, head_groups, causal, layer_norm, bias,
+                                                 separate_kv):
+    torch.manual_seed(0)
+    E = num_heads * 6
+    m = MultiheadDilatedAttention(E, num_heads, DILS, SEGS, bias=bias, layer_norm=layer_norm, dtype=torch.float64,
+                                  num_kv_heads=num_kv_heads, head_groups=head_groups)
+    _perturb(m)
+    x = torch.randn(2, 29, E, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(2, 29, E, dtype=torch.float64, requires_grad=True) if separate_kv else None
+    out, weights = m(x, kv, kv, is_causal=causal) if separate_kv else m(x, is_causal=causal)
+    assert weights is None and out.shape == x.shape
+    expected, copies = _composition(m, x, kv if separate_kv else x, kv if separate_kv else x, causal)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    names = [name for name, _ in m.named_parameters()]
+    assert sorted(names) == sorted(copies)
+    go = torch.randn_like(out)
+    inputs = [x] + ([kv] if separate_kv else [])
+    got = torch.autograd.grad(out, inputs + [dict(m.named_parameters())[n] for n in names], go)
+    want = torch.autograd.grad(expected, inputs + [copies[n] for n in names], go)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_key_and_value_default_to_query():
+    m = MultiheadDilatedAttention(16, 4, DILS, SEGS, dtype=torch.float64)
+    x = torch.randn(1, 20, 16, dtype=torch.float64)
+    torch.testing.assert_close(m(x)[0], m(x, x, x)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head_groups", ["all", "split"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_attention_module_matches_reference(head_groups, causal):
+    q = torch.randn(2, 33, 6, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 33, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    m = DilatedAttention(SEGS, DILS, softmax_scale=0.3, head_groups=head_groups)
+    out = m(q, k, v, is_causal=causal)
+    ref, _ = dilated_attention_reference(q, k, v, SEGS, DILS, causal=causal, scale=0.3, head_groups=head_groups)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    go = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_magneto_init():
+    m = MultiheadDilatedAttention(512, 8, DILS, SEGS, num_kv_heads=8, gamma_init=0.5)
+    xavier = math.sqrt(2.0 / (512 + 512))
+    for name, gain in (("q_proj", 1.0), ("k_proj", 1.0), ("v_proj", 0.5), ("out_proj", 0.5)):
+        proj = getattr(m, name)
+        assert abs(proj.weight.std().item() / (gain * xavier) - 1) < 0.02, name
+        assert torch.count_nonzero(proj.bias) == 0, name
+    assert m.norm is not None and m.gamma_init == 0.5
+    assert MultiheadDilatedAttention(16, 4, DILS, SEGS, bias=False, layer_norm=False).norm is None
+
+
+def test_device_and_dtype_reach_every_parameter():
+    m = MultiheadDilatedAttention(16, 4, DILS, SEGS, num_kv_heads=2, dtype=torch.float64, device="meta")
+    assert {(p.dtype, p.device.type) for p in m.parameters()} == {(torch.float64, "meta")}
+    assert m.k_proj.out_features == 8 and m.v_proj.out_features == 8  # num_kv_heads * head_dim
+
+
+BAD_MULTIHEAD = [
+    # (overrides, exception, words the message must contain)
+    (dict(embed_dim=16.0), TypeError, ["embed_dim", "int"]),
+    (dict(embed_dim=0), ValueError, ["embed_dim", "positive"]),
+    (dict(num_heads=-2), ValueError, ["num_heads", "positive"]),
+    (dict(embed_dim=18), ValueError, ["embed_dim (18)", "divisible by num_heads (4)"]),
+    (dict(num_kv_heads=3), ValueError, ["num_heads (4)", "divisible by num_kv_heads (3)"]),
+    (dict(num_kv_heads=0), ValueError, ["num_kv_heads", "positive"]),
+    (dict(dropout=1.5), ValueError, ["dropout", "[0, 1]"]),
+    (dict(dropout="0.1"), TypeError, ["dropout"]),
+    (dict(dropout=0.1, backend="cpu"), ValueError, ["dropout > 0", "backend='cpu'"]),
+    (dict(bias=1), TypeError, ["bias", "bool"]),
+    (dict(layer_norm=None), TypeError, ["layer_norm", "bool"]),
+    (dict(layer_norm_eps=0.0), ValueError, ["layer_norm_eps", "positive"]),
+    (dict(gamma_init=math.inf), ValueError, ["gamma_init", "finite"]),
+    (dict(segment_lengths=[]), ValueError, ["segment_lengths", "empty"]),
+    (dict(segment_lengths=[4, 8]), ValueError, ["segment_lengths and dilation_rates", "same length"]),
+    (dict(dilation_rates=[1, 0, 2]), ValueError, ["dilation_rates[1]", "positive"]),
+    (dict(head_groups="split", num_heads=2, embed_dim=8), ValueError, ["head_groups='split'", "2 heads < 3"]),
+    (dict(head_groups="some"), ValueError, ["head_groups"]),
+    (dict(backend="fast"), ValueError, ["backend"]),
+]
+
+
+@pytest.mark.parametrize("overrides, exc, words", BAD_MULTIHEAD, ids=[str(i) for i in range(len(BAD_MULTIHEAD))])
+def test_multihead_argument_checks(overrides, exc, words):
+    args = dict(embed_dim=16, num_heads=4, dilation_rates=DILS, segment_lengths=SEGS)
+    args.update(overrides)
+    with pytest.raises(exc) as info:
+        MultiheadDilatedAttention(**args)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+BAD_MODULE = [
+    (dict(softmax_scale="big"), TypeError, ["scale"]),
+    (dict(attention_dropout=-0.1), ValueError, ["attention_dropout", "[0, 1]"]),
+    (dict(attention_dropout=0.2, backend="triton"), ValueError, ["attention_dropout > 0", "backend='triton'"]),
+    (dict(segment_lengths=8), TypeError, ["segment_lengths", "sequence"]),
+    (dict(head_groups=None), TypeError, ["head_groups"]),
+]
+
+
+@pytest.mark.parametrize("overrides, exc, words", BAD_MODULE, ids=[str(i) for i in range(len(BAD_MODULE))])
+def test_dilated_attention_argument_checks(overrides, exc, words):
+    args = dict(segment_lengths=SEGS, dilation_rates=DILS)
+    args.update(overrides)
+    with pytest.raises(exc) as info:
+        DilatedAttention(**args)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+def test_forward_checks_its_inputs():
+    m = MultiheadDilatedAttention(16, 4, DILS, SEGS)
+    with pytest.raises(ValueError, match=r"query must be \[batch, seq, embed_dim=16\], got \(20, 16\)"):
+        m(torch.randn(20, 16))
+    with pytest.raises(ValueError, match="key must be"):
+        m(torch.randn(1, 20, 16), torch.randn(1, 20, 8), torch.randn(1, 20, 16))
+    with pytest.raises(TypeError, match="value must be a torch.Tensor"):
+        m(torch.randn(1, 20, 16), value=[1.0])
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        m(torch.randn(1, 20, 16), is_causal=None)
+
+
+# --- dropout -------------------------------------------------------------------------------------------------
+
+
+def _inputs(B=1, N=24, H=4, D=5):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(B, N, H, D, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def test_eval_mode_or_no_dropout_is_the_plain_dispatch():
+    q, k, v = _inputs()
+    plain = dilated_attn.dilated_attention(q, k, v, SEGS, DILS)
+    m = DilatedAttention(SEGS, DILS, attention_dropout=0.5).eval()
+    (out, warned) = _dropout_warnings(lambda: m(q, k, v))
+    assert torch.equal(out, plain) and warned == []
+    assert torch.equal(DilatedAttention(SEGS, DILS, attention_dropout=0.0).train()(q, k, v), plain)
+
+
+def test_training_dropout_runs_the_reference_and_warns_once():
+    q, k, v = _inputs()
+    m = DilatedAttention(SEGS, DILS, attention_dropout=0.3).train()
+    first, warned = _dropout_warnings(lambda: m(q, k, v))
+    assert len(warned) == 1 and "runs the reference backend instead of cpu" in warned[0]
+    second, warned = _dropout_warnings(lambda: m(q, k, v))
+    assert warned == [] and not torch.equal(first, second)  # fresh masks each call, one warning
+    torch.manual_seed(11)
+    again = m(q, k, v)
+    torch.manual_seed(11)
+    ref, _ = dilated_attention_reference(q, k, v, SEGS, DILS, dropout_p=0.3)
+    assert torch.equal(again, ref)  # exactly the reference's dropout, through torch's RNG
+    _, warned = _dropout_warnings(lambda: DilatedAttention(SEGS, DILS, 0.3, backend="reference").train()(q, k, v))
+    assert warned == []  # nothing slower than asked for
+
+
+def test_dropout_is_unbiased():
+    """E[dropout output] = the output without dropout: many independent masks (one per batch element) average
+    to the eval-mode output, within 5 standard errors."""
+    q, k, v = (x.expand(2000, -1, -1, -1) for x in _inputs())
+    m = DilatedAttention(SEGS, DILS, attention_dropout=0.4)
+    expected = m.eval()(q[:1], k[:1], v[:1])[0]
+    samples = m.train()(q, k, v)
+    stderr = samples.std(0) / math.sqrt(samples.shape[0])
+    assert ((samples.mean(0) - expected).abs() <= 5 * stderr + 1e-12).all()
+    assert (samples == 0).any() and not torch.allclose(samples[0], expected)
+
+
+def test_dropout_drops_each_entry_of_the_merged_softmax():
+    """The variance pins down which entries are dropped. With v the identity (v[t] = e_t), output column t is
+    sum_i a_i(t) M_i(t) / (1 - p), a_i(t) = exp(lse_i - LSE) softmax_i(t) the merged probability of key t in
+    branch i and M_i(t) independent Bernoulli(1 - p) masks: variance p / (1 - p) * sum_i a_i(t)^2. Dropping per
+    key instead of per (branch, key) entry would give p / (1 - p) * (sum_i a_i(t))^2; the overlapping branches
+    below make the two differ by about 1.5x."""
+    p, N, segs, dils = 0.3, 12, [4, 12, 12], [1, 1, 2]
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, N, 1, N, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.eye(N, dtype=torch.float64)[None, :, None, :]
+    _, lse = dilated_attention_reference(q, k, v, segs, dils)
+    a = []
+    for w, r in zip(segs, dils):
+        out_i, lse_i = dilated_attention_reference(q, k, v, [w], [r])
+        a.append(torch.exp(lse_i - lse)[0, 0, :, None] * out_i[0, :, 0])  # [N queries, N keys]
+    a = torch.stack(a)
+    per_entry, per_key = p / (1 - p) * (a**2).sum(0), p / (1 - p) * a.sum(0) ** 2
+    assert per_key.sum() > 1.3 * per_entry.sum()
+    n = 5000
+    samples = DilatedAttention(segs, dils, attention_dropout=p).train()(*(x.expand(n, -1, -1, -1) for x in (q, k, v)))
+    samples = samples[:, :, 0]  # [n, N, N]
+    torch.testing.assert_close(samples.mean(0), a.sum(0), rtol=0, atol=0.03)
+    assert abs(samples.var(0).sum() / per_entry.sum() - 1) < 0.05
+
+
+def test_dropout_gradients_flow():
+    m = MultiheadDilatedAttention(16, 4, DILS, SEGS, dropout=0.2, dtype=torch.float64).train()
+    x = torch.randn(2, 20, 16, dtype=torch.float64, requires_grad=True)
+    out, _ = m(x)
+    out.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_compiled_module_matches_eager():
+    m = MultiheadDilatedAttention(24, 6, DILS, SEGS, num_kv_heads=2).eval()
+    x = torch.randn(2, 30, 24, requires_grad=True)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    out, eager = compiled(x, is_causal=True)[0], m(x, is_causal=True)[0]
+    torch.testing.assert_close(out, eager, rtol=1e-6, atol=1e-6)
+    go = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x, go)[0], torch.autograd.grad(eager, x, go)[0],
+                               rtol=1e-5, atol=1e-6)
