@@ -90,5 +90,5 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="head_dim"):
         dilated_attn.dilated_attention(q, q, q, [8], [1], backend="cuda")
     q = torch.randn(1, 16, 2, 8, device="cuda", dtype=torch.float64)
-    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
-        torch.ops.dilated_attn.forward(q, q, q, [8], [1], False, False, 1.0)
+    with pytest.raises(ValueError, match="float64"):
+        dilated_attn.dilated_attention(q, q, q, [8], [1], backend="cuda")
