@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
-# JSON go under $OUT (default ./gpu_out). Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|bench|quick|all]...
+# JSON go under $OUT (default ./gpu_out). Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|bench|auto|quick|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -27,6 +27,8 @@ for stage in $stages; do
         compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cuda.py > "$OUT/sanitize_$tool.log" 2>&1
         echo "compute-sanitizer $tool: exit $? ($(tail -1 "$OUT/sanitize_$tool.log"))"
       done ;;
+    auto)
+      python3 benchmarks/bench_auto.py --out "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
     quick)
       python3 benchmarks/bench_gpu.py --quick --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
     bench|all)
