@@ -1,0 +1,226 @@
+"""A small LongNet-style byte-level language model, trained with dilated_attn on a corpus that needs no
+download: the Python standard library's own source (the *.py files next to the `os` module), as bytes.
+
+    python examples/train_longnet.py                      # a quick run on the CPU, or on the GPU if there is one
+    python examples/train_longnet.py --device cuda --steps 2000 --seq-len 8192 --batch 4 --dim 512 --layers 6 \\
+        --heads 8 --segment-lengths 512 1024 2048 4096 8192 --dilation-rates 1 2 4 8 16 --json loss.json --plot loss.png
+
+Model: byte embedding plus learned positions; `--layers` pre-norm blocks, each a causal
+dilated_attn.MultiheadDilatedAttention (with MAGNETO's sub-LayerNorm) and a GELU MLP; a final LayerNorm and
+an output head tied to the embedding (--untied for a separate one). AdamW with linear warm-up and cosine
+decay, gradients clipped at 1; bfloat16 autocast on a GPU (--dtype float32 turns it off). It prints step,
+loss and tokens/s, and at the end the loss on the held-out last 5% of the corpus. --json writes the loss
+curve, --plot draws it (needs matplotlib). Multi-GPU training arrives with ring attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dilated_attn import MultiheadDilatedAttention
+
+VOCAB = 256  # bytes
+HELD_OUT = 0.05  # the tail of the corpus kept for the final evaluation
+
+
+def load_corpus() -> tuple[torch.Tensor, dict]:
+    """The standard library's top-level *.py files, sorted by name and concatenated, as a uint8 tensor."""
+    root = os.path.dirname(os.__file__)
+    names = sorted(n for n in os.listdir(root) if n.endswith(".py"))
+    parts = []
+    for name in names:
+        with open(os.path.join(root, name), "rb") as f:
+            parts.append(f.read())
+    data = b"".join(parts)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), dict(path=root, files=len(names), bytes=len(data))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, segment_lengths, dilation_rates):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = MultiheadDilatedAttention(dim, heads, dilation_rates, segment_lengths)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x), is_causal=True)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class LongNetLM(nn.Module):
+    def __init__(self, dim, layers, heads, max_len, segment_lengths, dilation_rates, tied=True):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.zeros(max_len, dim))
+        # Small embeddings: with the tied head the first logits are near zero, so training starts at ln(256).
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads, segment_lengths, dilation_rates) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens):  # [B, N] bytes as int64 -> logits [B, N, 256]
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def random_windows(data, batch, seq_len, generator):
+    """`batch` random windows of seq_len + 1 bytes: inputs and next-byte targets, [batch, seq_len] each."""
+    starts = torch.randint(0, len(data) - seq_len, (batch,), generator=generator)
+    window = data[starts[:, None] + torch.arange(seq_len + 1)].long()
+    return window[:, :-1], window[:, 1:]
+
+
+def lr_at(step, steps, lr):
+    """Linear warm-up over the first 10% of the steps, then cosine decay to 10% of `lr`."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def loss_of(model, x, y, device, dtype):
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(x.to(device))
+    return F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
+
+
+@torch.no_grad()
+def held_out_loss(model, data, args, device, dtype, batches=4):
+    """Mean loss over consecutive windows at the start of the held-out tail (the same windows every run)."""
+    model.eval()
+    n = args.seq_len
+    count = min(batches * args.batch, (len(data) - 1) // n)
+    if count == 0:  # a window longer than the held-out tail
+        return math.nan
+    starts = torch.arange(count) * n
+    window = data[starts[:, None] + torch.arange(n + 1)].long()
+    losses = [loss_of(model, window[i : i + args.batch, :-1], window[i : i + args.batch, 1:], device, dtype).item()
+              for i in range(0, count, args.batch)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--segment-lengths", type=int, nargs="+", default=[64, 128, 256, 512])
+    ap.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--untied", action="store_true", help="a separate output head instead of the embedding's")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="autocast dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--json", metavar="PATH", help="write the loss curve and the run's summary as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="draw the loss curve to a PNG (needs matplotlib)")
+    args = ap.parse_args(argv)
+    for name in ("steps", "seq_len", "batch", "dim", "layers", "heads", "log_every"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if not args.lr > 0:
+        ap.error(f"--lr must be positive, got {args.lr}")
+    try:
+        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        ap.error(f"--device: not a device: {args.device!r}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available")
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32"))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked now, not after the training run)
+        except ImportError:
+            ap.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    return ap, args
+
+
+def main(argv=None) -> dict:
+    ap, args = parse_args(argv)
+    device, dtype = args.device, args.dtype
+    torch.manual_seed(args.seed)
+    data, corpus = load_corpus()
+    split = int(len(data) * (1 - HELD_OUT))
+    train_data, held_out = data[:split], data[split:]
+    try:  # bad attention arguments (say --dim not divisible by --heads) get the module's own message
+        model = LongNetLM(args.dim, args.layers, args.heads, args.seq_len, args.segment_lengths, args.dilation_rates,
+                          tied=not args.untied).to(device)
+    except (ValueError, TypeError) as exc:
+        ap.error(str(exc))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"corpus: {corpus['files']} files, {corpus['bytes']:,} bytes from {corpus['path']}; model: {params:,} "
+          f"parameters on {device}, {str(dtype).removeprefix('torch.')}", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    generator = torch.Generator().manual_seed(args.seed)
+
+    losses = []  # per step, kept on the device until a log line needs them (no host sync every step)
+    start = last = time.perf_counter()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        x, y = random_windows(train_data, args.batch, args.seq_len, generator)
+        loss = loss_of(model, x, y, device, dtype)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.detach())
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            recent = torch.stack(losses[-args.log_every:]).mean().item()  # .item() waits for the GPU
+            now = time.perf_counter()
+            steps_done = (step % args.log_every) + 1
+            print(f"step {step + 1:6d}  loss {recent:.4f}  lr {lr_at(step, args.steps, args.lr):.2e}  "
+                  f"{steps_done * args.batch * args.seq_len / (now - last):,.0f} tokens/s", flush=True)
+            last = now
+    elapsed = time.perf_counter() - start
+    curve = torch.stack(losses).tolist()
+    final = held_out_loss(model, held_out, args, device, dtype)
+    print(f"held-out loss {final:.4f} ({final / math.log(2):.3f} bits per byte); "
+          f"{args.steps * args.batch * args.seq_len / elapsed:,.0f} tokens/s overall", flush=True)
+
+    config = {k: str(v) if isinstance(v, (torch.device, torch.dtype)) else v for k, v in vars(args).items()}
+    result = dict(config=config, corpus=corpus, parameters=params, losses=curve, held_out_loss=final,
+                  tokens_per_s=args.steps * args.batch * args.seq_len / elapsed)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 4), layout="constrained")
+        ax = fig.subplots()
+        ax.plot(range(1, len(curve) + 1), curve, linewidth=1, label="training loss")
+        ax.axhline(final, color="tab:red", linestyle="--", label=f"held-out loss at the end ({final:.3f})")
+        ax.set(xlabel="step", ylabel="cross-entropy (nats per byte)", title="LongNet byte LM on the Python stdlib")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        fig.savefig(args.plot, dpi=110)
+        print(f"wrote {args.plot}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""`python -m dilated_attn` (dilated_attn/__main__.py) and benchmarks/plot_results.py, at tiny sizes."""
+
+import csv
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dilated_attn
+from dilated_attn import __main__ as cli
+from dilated_attn.spec import flops, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tiny sizes: N values no segment length divides, GQA, two branches.
+TINY = ["--device", "cpu", "--batch", "1", "--seq-len", "40", "72", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2", "--repeats", "2",
+        "--warmup", "0"]
+
+
+def has_matplotlib():
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def test_default_run_completes_within_a_minute_of_two_cores():
+    # In a subprocess, as a user runs it, with the package this test imported; GPUs hidden, so that this is
+    # the CPU-sized run everywhere (test_check_and_bench_on_gpu covers the GPU paths).
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(dilated_attn.__file__)),
+                                           os.environ.get("PYTHONPATH", "")]))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "dilated_attn"], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for expected in ("torch", "build_info", "self-check:", "0 failed", "PASS", "TFLOP/s f+b", "vs ref"):
+        assert expected in out, (expected, out)
+    assert "Traceback" not in proc.stderr
+    # CPU seconds rather than wall time, so that other processes sharing the machine do not make this flaky:
+    # under a minute on 2 cores is at most 120 CPU seconds.
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"default run: {wall:.1f} s wall, {cpu:.1f} s CPU")
+    assert cpu < 120, f"default run took {cpu:.0f} CPU seconds ({wall:.0f} s wall)"
+
+
+@pytest.mark.gpu
+def test_check_and_bench_on_gpu(tmp_path, capsys):
+    assert cli.main(["check", "--device", "cuda", "--dtype", "bfloat16", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "0 failed" in out and "reference  bfloat16" in out
+    path = tmp_path / "gpu.json"
+    tiny = [flag if flag != "cpu" else "cuda" for flag in TINY]
+    assert cli.main(["bench", *tiny, "--dtype", "bfloat16", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["results"]
+    assert {r["provider"] for r in rows} >= {"reference"}
+    assert all(r["peak_memory_mib"] is not None and r["median_ms"] > 0 for r in rows)
+
+
+def test_env(capsys):
+    assert cli.main(["env", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"dilated_attn {dilated_attn.__version__}" in out and torch.__version__ in out
+    assert "build_info   loaded=" in out
+    assert "cpu        can run" in out  # the verdicts of dilated_attn.dispatch
+
+
+def test_check_passes_on_cpu(capsys):
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 8  # (cpu, reference) x 2 dtypes x 2 cases
+    assert "self-check: 8 passed, 0 failed, 0 skipped" in out
+
+
+def test_check_failure_gives_exit_status_1(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "tolerance", lambda dtype, device: -1.0)  # nothing can pass
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cpu"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_check_reports_a_backend_that_raises_as_failed(capsys, monkeypatch):
+    def broken(q, k, v, p):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(cli.dispatch, "BACKENDS", dict(cli.dispatch.BACKENDS, cpu=cli.dispatch.Backend(
+        "cpu", cli.dispatch.BACKENDS["cpu"].reason, broken)))
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: raised RuntimeError: kernel exploded" in out and "reference  float32   causal, split" in out
+
+
+def test_check_reports_backends_that_cannot_run(capsys):
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cuda", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "cuda       float32   non-causal, all    SKIP: needs CUDA tensors, got cpu" in out
+
+
+@pytest.mark.skipif(cli.dispatch.triton_backend is None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs triton under its interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)")
+def test_check_triton_interpreted(capsys, monkeypatch):
+    # A smaller problem and one case: the interpreter takes ~20 s on the full check.
+    monkeypatch.setattr(cli, "CHECK_SHAPE", dict(batch=1, seq_len=75, heads=4, kv_heads=2, head_dim=16))
+    monkeypatch.setattr(cli, "CHECK_CASES", (dict(causal=True, head_groups="split"),))
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "triton"]) == 0
+    assert capsys.readouterr().out.count("PASS") == 1
+
+
+def test_bench_json_and_csv(tmp_path, capsys):
+    jpath, cpath = tmp_path / "out" / "bench.json", tmp_path / "bench.csv"
+    assert cli.main(["bench", *TINY, "--json", str(jpath), "--csv", str(cpath)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n  N=") == 8  # one progress line per measurement: 2 N x (cpu, reference) x (fwd, fwd+bwd)
+    record = json.loads(jpath.read_text())
+    rows = record["results"]
+    assert {(r["N"], r["provider"], r["mode"]) for r in rows} == {
+        (n, b, m) for n in (40, 72) for b in ("cpu", "reference") for m in ("fwd", "fwd+bwd")}
+    assert record["config"]["dtype"] == "float32" and record["environment"]["build_info"] == dilated_attn.build_info()
+    for r in rows:
+        q = torch.empty(1, r["N"], 4, 16)
+        kv = torch.empty(1, r["N"], 2, 16)
+        p = validate(q, kv, kv, [16, 32], [1, 2])
+        assert r["tflops"] == pytest.approx(flops(p, backward=r["mode"] == "fwd+bwd") / r["median_ms"] / 1e9)
+        assert r["median_ms"] > 0 and r["peak_memory_mib"] is None
+        if r["provider"] == "reference":
+            assert r["speedup_over_reference"] == 1.0
+    with open(cpath) as f:
+        table = list(csv.DictReader(f))
+    assert [(int(t["N"]), t["provider"], t["mode"]) for t in table] == [
+        (r["N"], r["provider"], r["mode"]) for r in rows]
+    assert [float(t["median_ms"]) for t in table] == pytest.approx([r["median_ms"] for r in rows])
+    assert table[0]["segment_lengths"] == "16 32"
+
+
+def test_bench_forward_only_one_backend(capsys):
+    assert cli.main(["bench", *TINY, "--mode", "fwd", "--backends", "cpu", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n  N=") == 2 and "fwd+bwd :" not in out and ", causal;" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--segment-lengths", "16", "0", "--dilation-rates", "1", "2"],
+     "segment_lengths[1] must be a positive integer, got 0"),
+    (["--segment-lengths", "16", "32", "--dilation-rates", "1"],
+     "segment_lengths and dilation_rates must have the same length"),
+    (["--heads", "6", "--kv-heads", "4"], "q heads (6) must be a multiple of k/v heads (4)"),
+    (["--backends", "cuda"], "backend='cuda' cannot run this input: needs CUDA tensors, got cpu"),
+])
+def test_invalid_configuration_exits_2_with_the_package_message(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--device", "cpu", "--seq-len", "64", *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--heads", "0"], "argument --heads: must be a positive integer, got 0"),
+    (["--seq-len", "x"], "argument --seq-len: must be a positive integer, got 'x'"),
+    (["--mode", "back"], "argument --mode: invalid choice"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["--segment-lengths", "16"], "--segment-lengths and --dilation-rates go together"),
+    (["--device", "tpu"], "argument --device: must be cpu or cuda[:index]"),
+])
+def test_bad_flags_are_argparse_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not has_matplotlib(), reason="matplotlib is not installed")
+def test_bench_plot(tmp_path):
+    png = tmp_path / "plot.png"
+    assert cli.main(["bench", *TINY, "--plot", str(png), "--plot-metric", "ms"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *TINY, "--plot", "x.png"])
+    assert exc.value.code == 2 and "matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not has_matplotlib(), reason="matplotlib is not installed")
+def test_plot_results_renders_the_gpu_json_and_the_cli_json(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("plot_results", os.path.join(ROOT, "benchmarks", "plot_results.py"))
+    plot_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_results)
+    cli_json = tmp_path / "cli.json"
+    assert cli.main(["bench", *TINY, "--mode", "fwd", "--json", str(cli_json)]) == 0
+    gpu_json = os.path.join(ROOT, "benchmarks", "results", "gpu_NVIDIA_H100_80GB_HBM3_bfloat16.json")
+    written = plot_results.main([gpu_json, str(cli_json), "--out-dir", str(tmp_path / "png")])
+    assert [os.path.basename(p) for p in written] == ["gpu_NVIDIA_H100_80GB_HBM3_bfloat16.png", "cli.png"]
+    assert all(open(p, "rb").read(4) == b"\x89PNG" for p in written)
+    # A JSON of another format, named explicitly: an error naming the file.
+    with pytest.raises(SystemExit):
+        plot_results.main([os.path.join(ROOT, "benchmarks", "results", "cpu_b1_n8192_h8_d64_float32.json"),
+                           "--out-dir", str(tmp_path)])
+    assert "cpu_b1_n8192_h8_d64_float32.json: no `results` rows" in capsys.readouterr().err
+
+
+def test_console_script_entry_point():
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["dilated-attn"]
+    module, func = target.split(":")
+    assert module == "dilated_attn.__main__" and getattr(cli, func) is cli.main
