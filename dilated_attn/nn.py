@@ -21,6 +21,7 @@ from torch import nn
 
 from . import dispatch
 from .functional import dilated_attention
+from .hilbert import _check_shape, deserialize, hilbert_index
 from .reference import dilated_attention_reference
 from .spec import Problem, _int_list, validate
 
@@ -51,6 +52,25 @@ def _check_dropout(name: str, value, backend) -> float:
             f"dropout, so training runs the reference backend"
         )
     return p
+
+
+def _check_ordering(spatial_shape, ordering) -> Optional[tuple[int, ...]]:
+    """Validate the grid arguments; returns spatial_shape as a tuple of ints (or None)."""
+    if not isinstance(ordering, str) or ordering not in ("raster", "hilbert"):
+        raise ValueError(f"ordering must be 'raster' or 'hilbert', got {ordering!r}")
+    if spatial_shape is None:
+        if ordering == "hilbert":
+            raise ValueError("ordering='hilbert' needs spatial_shape (the (H, W) or (D, H, W) grid of the sequence)")
+        return None
+    if not isinstance(spatial_shape, (tuple, list)):  # torch.Size is a tuple
+        raise TypeError(f"spatial_shape must be None or a tuple of 2 or 3 ints, got {type(spatial_shape).__name__}")
+    if len(spatial_shape) not in (2, 3):
+        # hilbert also takes (n,), the identity; as a module argument that is only a confusing no-op
+        raise ValueError(f"spatial_shape must have 2 or 3 sizes ((H, W) or (D, H, W)), got {tuple(spatial_shape)}")
+    try:
+        return _check_shape(spatial_shape)  # hilbert's own checks of the sizes (ints, positive), with our name
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"spatial_shape: {str(e).removeprefix('shape: ')}") from None
 
 
 def _check_attention_args(
@@ -142,6 +162,20 @@ class MultiheadDilatedAttention(nn.Module):
     Args beyond dilated-attention-pytorch's: `num_kv_heads` (GQA/MQA: k_proj and v_proj produce
     `num_kv_heads * head_dim` features; default num_heads), `head_groups` and `backend` (see
     `dilated_attention`). `dropout` is the attention dropout probability.
+
+    Grid inputs (the last two arguments):
+        spatial_shape: None, or the grid `(H, W)` / `(D, H, W)` (positive ints) whose row-major flattening is
+            the sequence: every forward input must then have `N == prod(spatial_shape)` (ValueError otherwise).
+        ordering: "raster" (default) attends in the given row-major order. "hilbert" (needs spatial_shape)
+            reorders query, key and value along the generalized Hilbert curve of the grid
+            (`dilated_attn.hilbert.serialize`) before the projections, attends in curve order, and puts the
+            output back in row-major order (`deserialize`), so callers see the same layout as with "raster".
+            Each segment of w consecutive positions is then a compact patch of the grid rather than a stripe
+            of rows. With `is_causal=True`, causality follows the CURVE: a position attends to the positions
+            at or before it on the Hilbert curve, not to those before it in row-major order.
+    Projections and LayerNorm act per token, so permuting the tokens before them and after out_proj is the
+    same as permuting q/k/v and the attention output; the permutation is a non-persistent buffer (moves with
+    the module, not in the state_dict, so checkpoints do not depend on the ordering).
     """
 
     def __init__(
@@ -160,8 +194,12 @@ class MultiheadDilatedAttention(nn.Module):
         num_kv_heads: Optional[int] = None,
         head_groups: str = "all",
         backend: str = "auto",
+        spatial_shape: Optional[Sequence[int]] = None,
+        ordering: str = "raster",
     ):
         super().__init__()
+        self.spatial_shape = _check_ordering(spatial_shape, ordering)
+        self.ordering = ordering
         embed_dim = _check_positive_int("embed_dim", embed_dim)
         num_heads = _check_positive_int("num_heads", num_heads)
         if embed_dim % num_heads != 0:
@@ -194,6 +232,26 @@ class MultiheadDilatedAttention(nn.Module):
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self._reset_parameters()
+        if ordering == "hilbert":
+            self._fill_curve(device)
+
+    def _fill_curve(self, device) -> None:
+        # The permutation lives in buffers rather than being looked up per call: hilbert's cache is a Python
+        # lru_cache keyed by device, which torch.compile cannot trace, while a buffer is a plain graph input
+        # that follows .to(). Non-persistent: the ordering has no parameters, so checkpoints do not depend on it.
+        perm = hilbert_index(self.spatial_shape, device)  # a shared cache entry; never modified in place
+        self.register_buffer("_curve_perm", perm, persistent=False)
+        # Undo with index_select by the inverse (argsort of a permutation) rather than a scatter by perm.
+        self.register_buffer("_curve_inverse", torch.argsort(perm), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # Refill the curve buffers after every conversion: to_empty() (meta-device init, then load_state_dict)
+        # leaves buffers uninitialised, the state_dict does not restore non-persistent ones, and a garbage (or
+        # all-zero) permutation would silently scramble the output.
+        if self.ordering == "hilbert":
+            self._fill_curve(self._curve_perm.device)
+        return self
 
     def _reset_parameters(self) -> None:
         # MAGNETO, Fig. 2: the gain (set by the caller, who knows the depth of the model) scales only the value
@@ -218,10 +276,27 @@ class MultiheadDilatedAttention(nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
             if x.dim() != 3 or x.shape[-1] != self.embed_dim:
                 raise ValueError(f"{name} must be [batch, seq, embed_dim={self.embed_dim}], got {tuple(x.shape)}")
+            if self.spatial_shape is not None and x.shape[1] != math.prod(self.spatial_shape):
+                raise ValueError(f"{name} has sequence length {x.shape[1]}, but spatial_shape {self.spatial_shape} "
+                                 f"holds {math.prod(self.spatial_shape)} positions")
+        if self.ordering == "hilbert":
+            # key and value share query's positions (self-attention), so one permutation serves all three;
+            # an input passed more than once is permuted once.
+            perm = self._curve_perm  # x.index_select(1, perm) == hilbert.serialize(x, spatial_shape)
+            q_in = query.index_select(1, perm)
+            k_in = q_in if key is query else key.index_select(1, perm)
+            value = q_in if value is query else k_in if value is key else value.index_select(1, perm)
+            query, key = q_in, k_in
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
         x = self.attention(q, k, v, is_causal=is_causal).flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
-        return self.out_proj(x), None
+        out = self.out_proj(x)
+        if self.ordering == "hilbert":
+            out = out.index_select(1, self._curve_inverse)  # back to row-major: == hilbert.deserialize
+        return out, None
+
+    def extra_repr(self) -> str:
+        return f"spatial_shape={self.spatial_shape}, ordering={self.ordering!r}" if self.spatial_shape is not None else ""

@@ -1,6 +1,8 @@
 """The nn.Module front ends against a float64 composition of torch.nn.Linear/LayerNorm and the reference,
-their argument checks, MAGNETO initialisation, and attention dropout (routed to the reference)."""
+their argument checks, MAGNETO initialisation, attention dropout (routed to the reference), and Hilbert
+ordering of grid inputs (against serialize -> raster layer -> deserialize)."""
 
+import inspect
 import math
 import warnings
 
@@ -10,6 +12,7 @@ from torch import nn
 
 import dilated_attn
 from dilated_attn import DilatedAttention, MultiheadDilatedAttention, dispatch
+from dilated_attn.hilbert import deserialize, hilbert_index, serialize
 from dilated_attn.reference import dilated_attention_reference
 
 SEGS, DILS = [4, 8, 16], [1, 2, 4]
@@ -287,3 +290,153 @@ def test_compiled_module_matches_eager():
     go = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, x, go)[0], torch.autograd.grad(eager, x, go)[0],
                                rtol=1e-5, atol=1e-6)
+
+
+# --- spatial_shape / ordering="hilbert" ----------------------------------------------------------------------
+
+
+def _pair(shape, segs=SEGS, dils=DILS, **kwargs):
+    """A hilbert-ordered module and a raster one with the same parameters (non-trivial values)."""
+    args = (24, 6, dils, segs)
+    kwargs = dict(dtype=torch.float64, **kwargs)
+    hil = MultiheadDilatedAttention(*args, **kwargs, spatial_shape=shape, ordering="hilbert")
+    _perturb(hil)
+    ras = MultiheadDilatedAttention(*args, **kwargs)
+    ras.load_state_dict(hil.state_dict())  # the curve buffers are not in the state_dict
+    return hil, ras
+
+
+def _grads(out, inputs, module, go):
+    return torch.autograd.grad(out, list(inputs) + list(module.parameters()), go)
+
+
+def test_new_arguments_come_last():
+    # fkodom's positional order is kept: the new keywords are appended after the existing ones.
+    names = list(inspect.signature(MultiheadDilatedAttention).parameters)
+    assert names[-2:] == ["spatial_shape", "ordering"] and names.index("backend") == len(names) - 3
+
+
+@pytest.mark.parametrize("shape", [(5, 6), (8, 8), (7, 3), (2, 3, 5), (4, 4, 2), (3, 1, 9)])
+@pytest.mark.parametrize("inputs", ["self", "kv", "k_v"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hilbert_is_serialize_raster_deserialize(shape, inputs, causal):
+    """ordering="hilbert" == deserialize(raster layer(serialize(query), serialize(key), serialize(value))),
+    forward and backward, with key and value the query, one shared tensor, or two distinct tensors."""
+    hil, ras = _pair(shape, num_kv_heads=2)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(1)
+    x, k, v = (torch.randn(2, n, 24, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    args = {"self": (x,), "kv": (x, k, k), "k_v": (x, k, v)}[inputs]
+    leaves = {"self": (x,), "kv": (x, k), "k_v": (x, k, v)}[inputs]
+    out, _ = hil(*args, is_causal=causal)
+    expected = deserialize(ras(*(serialize(a, shape) for a in args), is_causal=causal)[0], shape)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got, want = _grads(out, leaves, hil, go), _grads(expected, leaves, ras, go)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(6, 7), (4, 2, 5)])
+@pytest.mark.parametrize("separate_kv", [False, True])
+def test_hilbert_equals_raster_for_permutation_equivariant_attention(shape, separate_kv):
+    """One dense branch (segment >= N, dilation 1, not causal) attends every position to every position, so
+    the order of the tokens cannot matter: same outputs and parameter gradients as raster."""
+    hil, ras = _pair(shape, segs=[64], dils=[1])
+    n = math.prod(shape)
+    x = torch.randn(2, n, 24, dtype=torch.float64)
+    args = (x, torch.randn_like(x), torch.randn_like(x)) if separate_kv else (x,)
+    out, ref = hil(*args)[0], ras(*args)[0]
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    go = torch.randn_like(out)
+    for a, b in zip(_grads(out, (), hil, go), _grads(ref, (), ras, go)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_hilbert_differs_from_raster_with_several_branches():
+    # Catches a hilbert ordering that silently does nothing: sparse branches see different neighbours.
+    hil, ras = _pair((8, 8))
+    x = torch.randn(2, 64, 24, dtype=torch.float64)
+    assert (hil(x)[0] - ras(x)[0]).abs().max() > 1e-2
+
+
+def test_hilbert_causality_follows_the_curve():
+    """With is_causal=True the j-th cell ON THE CURVE sees only cells 0..j of the curve: changing the input at
+    the cell perm[j] changes no output at curve positions < j (and does change position j)."""
+    shape = (5, 6)
+    hil, _ = _pair(shape)
+    perm = hilbert_index(shape)
+    x = torch.randn(1, 30, 24, dtype=torch.float64)
+    base = hil(x, is_causal=True)[0]
+    raster_violations = 0
+    for j in (0, 7, 20, 29):
+        y = x.clone()
+        y[:, perm[j]] += 1.0
+        changed = (hil(y, is_causal=True)[0] - base).abs().amax(-1)[0, perm] > 0  # per curve position
+        assert not changed[:j].any() and changed[j]
+        # later on the curve but earlier in row-major order: raster causality would forbid these
+        raster_violations += int((perm[j + 1:][changed[j + 1:]] < perm[j]).sum())
+    assert raster_violations > 0
+
+
+def test_hilbert_buffers_follow_the_module():
+    hil, ras = _pair((6, 5))
+    assert "_curve_perm" not in hil.state_dict() and torch.equal(hil._curve_perm, hilbert_index((6, 5)))
+    # Meta-device init, then to_empty: buffers come back uninitialised, and the state_dict does not restore
+    # non-persistent ones; the module refills them.
+    meta = MultiheadDilatedAttention(24, 6, DILS, SEGS, num_kv_heads=None, dtype=torch.float64, device="meta",
+                                     spatial_shape=(6, 5), ordering="hilbert")
+    assert meta._curve_perm.device.type == "meta"
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(hil.state_dict())
+    x = torch.randn(2, 30, 24, dtype=torch.float64)
+    assert torch.equal(meta(x)[0], hil(x)[0])
+    assert hil.float()._curve_perm.dtype == torch.long  # dtype conversions leave the indices alone
+
+
+BAD_GRID = [
+    (dict(ordering="zigzag"), ValueError, ["ordering", "'raster' or 'hilbert'", "'zigzag'"]),
+    (dict(ordering=None), ValueError, ["ordering"]),
+    (dict(ordering="hilbert"), ValueError, ["ordering='hilbert'", "spatial_shape"]),
+    (dict(spatial_shape=(64,), ordering="hilbert"), ValueError, ["spatial_shape", "2 or 3"]),
+    (dict(spatial_shape=(2, 3, 4, 5)), ValueError, ["spatial_shape", "2 or 3"]),
+    (dict(spatial_shape=64), TypeError, ["spatial_shape"]),
+    (dict(spatial_shape=(0, 8), ordering="hilbert"), ValueError, ["spatial_shape", "positive"]),
+    (dict(spatial_shape=(8, -1)), ValueError, ["spatial_shape", "positive"]),
+    (dict(spatial_shape=(8.0, 8)), TypeError, ["spatial_shape", "ints"]),
+    (dict(spatial_shape=(True, 8)), TypeError, ["spatial_shape", "ints"]),
+]
+
+
+@pytest.mark.parametrize("overrides, exc, words", BAD_GRID, ids=[str(i) for i in range(len(BAD_GRID))])
+def test_grid_argument_checks(overrides, exc, words):
+    with pytest.raises(exc) as info:
+        MultiheadDilatedAttention(16, 4, DILS, SEGS, **overrides)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+@pytest.mark.parametrize("ordering", ["raster", "hilbert"])
+def test_forward_checks_the_grid_length(ordering):
+    m = MultiheadDilatedAttention(16, 4, DILS, SEGS, spatial_shape=torch.Size([5, 6]), ordering=ordering)
+    assert m.spatial_shape == (5, 6)
+    with pytest.raises(ValueError, match=r"query has sequence length 29, but spatial_shape \(5, 6\) holds 30"):
+        m(torch.randn(1, 29, 16))
+    with pytest.raises(ValueError, match=r"key has sequence length 31, but spatial_shape"):
+        m(torch.randn(1, 30, 16), torch.randn(1, 31, 16), torch.randn(1, 30, 16))
+    assert m(torch.randn(1, 30, 16))[0].shape == (1, 30, 16)
+
+
+def test_compiled_hilbert_module_matches_eager():
+    shape = (4, 6)
+    m, _ = _pair(shape)
+    m = m.float().eval()
+    x, kv = (torch.randn(2, 24, 24, requires_grad=True) for _ in range(2))
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    for args in ((x,), (x, kv, kv)):
+        out, eager = compiled(*args, is_causal=True)[0], m(*args, is_causal=True)[0]
+        torch.testing.assert_close(out, eager, rtol=1e-6, atol=1e-6)
+        go = torch.randn_like(out)
+        torch.testing.assert_close(torch.autograd.grad(out, args, go), torch.autograd.grad(eager, args, go),
+                                   rtol=1e-5, atol=1e-6)
