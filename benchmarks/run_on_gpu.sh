@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
-# JSON go under $OUT (default ./gpu_out). Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|bench|auto|quick|all]...
+# JSON go under $OUT (default ./gpu_out).
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|bench|auto|quick|ring|main|all]...
+#   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
+#   main: `python -m dilated_attn` and a GPU run of examples/train_longnet.py (loss curve as JSON)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -9,11 +12,15 @@ stages=${*:-all}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 start=$(date +%s)
-if ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; then
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  # Triton-only runs (ring): the source tree without the compiled extension
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+elif ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"
   exit 1
+else
+  echo "build: $(( $(date +%s) - start )) s"
 fi
-echo "build: $(( $(date +%s) - start )) s"
 (cd /tmp && python3 -c "import dilated_attn, json; print(json.dumps(dilated_attn.build_info()))")
 
 for stage in $stages; do
@@ -31,6 +38,16 @@ for stage in $stages; do
       python3 benchmarks/bench_auto.py --out "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
     quick)
       python3 benchmarks/bench_gpu.py --quick --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
+    ring)
+      gpus=$(nvidia-smi -L | wc -l)
+      (cd tests && python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider . 2>&1) | tee "$OUT/ring_tests.log" | tail -20
+      torchrun --standalone --nproc_per_node="$gpus" benchmarks/bench_ring.py --out "$OUT/ring.json" 2>&1 \
+        | tee "$OUT/ring.log" ;;
+    main)
+      (cd /tmp && python3 -m dilated_attn 2>&1) | tee "$OUT/main.log"
+      python3 examples/train_longnet.py --device cuda --steps 400 --seq-len 8192 --batch 4 --dim 512 --layers 6 \
+        --heads 8 --segment-lengths 512 1024 2048 4096 8192 --dilation-rates 1 2 4 8 16 --log-every 20 \
+        --json "$OUT/train_longnet.json" 2>&1 | tee "$OUT/train_longnet.log" ;;
     bench|all)
       python3 benchmarks/bench_gpu.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
   esac

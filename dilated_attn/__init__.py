@@ -4,12 +4,16 @@ from .dispatch import explain
 from .functional import dilated_attention
 from .nn import DilatedAttention, MultiheadDilatedAttention
 from .ops import build_info
+from .ring import ring_attention, shard, unshard
 
 __version__ = "0.1.0"
 
 __all__ = [
     "dilated_attention",
     "explain",
+    "ring_attention",
+    "shard",
+    "unshard",
     "DilatedAttention",
     "MultiheadDilatedAttention",
     "build_info",

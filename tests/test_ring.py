@@ -1,0 +1,319 @@
+"""ring_attention across processes: gloo on CPU (float64, CI) and NCCL on GPUs (bf16, -m multigpu).
+
+Every case runs in spawned worker processes that form a process group. Each rank builds the same global
+q, k, v, output gradients and LSE gradients from a seed, runs `ring_attention` on its shard, and compares
+the output, the LSE and the gradients of its shards with `dilated_attention` on the global tensors (the
+float64 reference), restricted to its positions. The workers write their findings to files the test reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import traceback
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dilated_attn
+from dilated_attn.ring import ring_plan
+
+# float64 on both sides: only summation order differs (merges, blocks), a few ulps of values of order 1.
+TOL_F64 = 1e-10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _global_inputs(case: dict, dtype, device):
+    B, N, Hq, Hkv, D = case["shape"]
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    return rand(B, N, Hq, D), rand(B, N, Hkv, D), rand(B, N, Hkv, D), rand(B, N, Hq, D), rand(B, Hq, N)
+
+
+def _attention(case, q, k, v, ring: bool, backend="auto"):
+    kw = dict(causal=case.get("causal", False), head_groups=case.get("head_groups", "all"), return_lse=True,
+              backend=backend)
+    w, r = case.get("w"), case.get("r")
+    if ring:
+        return dilated_attn.ring_attention(q, k, v, w, r, layout=case.get("layout", "contiguous"), **kw)
+    N = q.shape[1]
+    return dilated_attn.dilated_attention(q, k, v, w or [N], r or [1], **kw)
+
+
+def _run(case, q, k, v, grad_out, grad_lse, ring: bool, backend="auto"):
+    """(out, lse, dq, dk, dv) of one call; ring=True treats the inputs as this rank's shards."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = _attention(case, *leaves, ring=ring, backend=backend)
+    finite = torch.isfinite(lse)
+    torch.autograd.backward((out, lse), (grad_out, torch.where(finite, grad_lse, 0)))
+    return [out.detach(), lse.detach()] + [x.grad for x in leaves]
+
+
+def _local(x, case, dim=1):
+    return dilated_attn.shard(x, layout=case.get("layout", "contiguous"), dim=dim)
+
+
+def _compare_f64(case, rank):
+    q, k, v, go, gl = _global_inputs(case, torch.float64, "cpu")
+    want = _run(case, q, k, v, go, gl, ring=False, backend="cpu")
+    got = _run(case, *(_local(x, case) for x in (q, k, v, go)), _local(gl, case, dim=2), ring=True)
+    errors = {}
+    for name, a, b, dim in zip(("out", "lse", "dq", "dk", "dv"), got, want, (1, 2, 1, 1, 1)):
+        b = _local(b, case, dim)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            errors[name] = f"shape/dtype {tuple(a.shape)} {a.dtype} != {tuple(b.shape)} {b.dtype}"
+            continue
+        if name == "lse" and not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+            errors[name] = "positions without keys differ"
+            continue
+        both = torch.isfinite(b)
+        err = (a[both] - b[both]).abs().max().item() if both.any() else 0.0
+        if not err <= TOL_F64:
+            errors[name] = err
+    return errors
+
+
+def _worker(rank, world, port, backend, job, cases, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    results = []
+    for case in cases:
+        try:
+            results.append(JOBS[job](case, rank))
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
+            results.append({"exception": type(exc).__name__, "message": str(exc),
+                            "traceback": traceback.format_exc()})
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _spawn(world, backend, job, cases, tmp_path):
+    mp.spawn(_worker, args=(world, _free_port(), backend, job, cases, str(tmp_path)), nprocs=world)
+    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cases
+
+
+def _named_cases(P):
+    """Dense, dilated-local, dilated-spanning and unaligned branches, causal with both layouts, GQA/MQA,
+    both head groupings, odd local lengths (contiguous)."""
+    L = 8
+    N = P * L
+    cases = [
+        dict(name="dense", shape=(2, N, 4, 2, 5)),
+        dict(name="dense causal", shape=(1, N, 4, 4, 5), causal=True),
+        dict(name="dense causal zigzag", shape=(1, N, 4, 1, 5), causal=True, layout="zigzag"),
+        dict(name="dense zigzag", shape=(1, N, 3, 3, 4), layout="zigzag"),
+        dict(name="dilated local", shape=(1, N, 4, 2, 4), w=[4, 8], r=[1, 2]),
+        dict(name="dilated local causal zigzag", shape=(1, N, 4, 2, 4), w=[2, 4], r=[1, 2], causal=True,
+             layout="zigzag"),
+        dict(name="dilated spanning", shape=(1, N, 4, 2, 4), w=[N], r=[2]),
+        dict(name="mixed causal", shape=(2, N, 4, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4], causal=True),
+        dict(name="mixed causal zigzag", shape=(1, N, 8, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4], causal=True,
+             layout="zigzag"),
+        dict(name="split heads", shape=(1, N, 6, 3, 4), w=[4, N, 3 * N], r=[1, 3, 5], head_groups="split"),
+        dict(name="split heads causal zigzag", shape=(1, N, 5, 5, 4), w=[4, 2 * L], r=[2, 4],
+             head_groups="split", causal=True, layout="zigzag"),
+        dict(name="unaligned segments", shape=(1, N, 4, 2, 3), w=[5, 7, 3 * L + 1], r=[2, 3, 5], causal=True),
+        dict(name="r > w and MQA", shape=(1, N, 6, 1, 3), w=[3, 2 * L], r=[4, 3 * L]),
+        dict(name="odd local length", shape=(1, P * 7, 4, 2, 3), w=[3, 10], r=[1, 2], causal=True),
+        dict(name="custom scale", shape=(1, N, 2, 2, 3), w=[N], r=[1], scale=0.37, causal=True),
+    ]
+    for c in cases:
+        c["seed"] = zlib.crc32(c["name"].encode())
+    return cases
+
+
+def _random_cases(P, count, seed):
+    rng = random.Random(seed)
+    cases = []
+    for n in range(count):
+        layout = rng.choice(["contiguous", "zigzag"])
+        L = rng.choice([2, 4, 6, 10]) if layout == "zigzag" else rng.randint(1, 11)
+        N = P * L
+        Hkv = rng.choice([1, 2])
+        Hq = Hkv * rng.choice([1, 2, 3])
+        m = rng.randint(1, 3)
+        dense = rng.random() < 0.2
+        w = None if dense else [rng.choice([rng.randint(1, N), L, 2 * L, N + rng.randint(0, 5)]) for _ in range(m)]
+        r = None if dense else [rng.randint(1, 6) for _ in range(m)]
+        hg = "split" if not dense and Hq >= m and rng.random() < 0.3 else "all"
+        cases.append(dict(name=f"random {n}", shape=(rng.randint(1, 2), N, Hq, Hkv, rng.randint(1, 6)), w=w, r=r,
+                          causal=rng.random() < 0.5, layout=layout, head_groups=hg, seed=seed + n))
+    return cases
+
+
+def _check(results, cases):
+    failures = []
+    for rank, per_rank in enumerate(results):
+        for case, res in zip(cases, per_rank):
+            if res:
+                failures.append(f"rank {rank} {case}: {res}")
+    assert not failures, "\n".join(failures)
+
+
+def _mismatch(case, rank):
+    """Each rank passes a configuration that differs on rank 1; report what was raised."""
+    B, N, Hq, Hkv, D = case["shape"]
+    L = N // dist.get_world_size()
+    field = case["field"]
+    L_mine = L + 1 if field == "length" and rank == 1 else L
+    dtype = torch.float32 if field == "dtype" and rank == 1 else torch.float64
+    q = torch.randn(B, L_mine, Hq, D, dtype=dtype)
+    k = torch.randn(B, L_mine, Hkv, D, dtype=dtype)
+    kw = dict(causal=field == "causal" and rank == 1)
+    w, r = [N], [1]
+    if field == "branches" and rank == 1:
+        w, r = [N // 2], [1]
+    if field == "layout" and rank == 1:
+        kw["layout"] = "zigzag"
+    try:
+        dilated_attn.ring_attention(q, k, k, w, r, **kw)
+    except ValueError as exc:
+        return {"raised": "ValueError", "message": str(exc)}
+    return {"raised": None}
+
+
+JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_matches_dilated_attention_gloo(world, tmp_path):
+    cases = _named_cases(world) + _random_cases(world, 24 if world == 2 else 12, seed=world)
+    _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
+
+
+def test_ring_three_ranks_gloo(tmp_path):
+    cases = [c for c in _named_cases(3) if "zigzag" in c["name"] or "unaligned" in c["name"]]
+    _check(_spawn(3, "gloo", "compare_f64", cases, tmp_path), cases)
+
+
+def test_mismatched_configuration_raises_on_every_rank(tmp_path):
+    fields = ["length", "dtype", "causal", "branches", "layout"]
+    cases = [dict(shape=(1, 16, 2, 2, 4), field=f) for f in fields]
+    results = _spawn(2, "gloo", "mismatch", cases, tmp_path)
+    for rank, per_rank in enumerate(results):
+        for field, res in zip(fields, per_rank):
+            assert res.get("raised") == "ValueError", (rank, field, res)
+            assert "every rank" in res["message"] or "same" in res["message"], (rank, field, res)
+
+
+def test_one_process_is_dilated_attention():
+    case = dict(shape=(1, 12, 4, 2, 3), w=[4, 12], r=[1, 2], causal=True)
+    q, k, v, go, gl = _global_inputs(case, torch.float64, "cpu")
+    want = _run(case, q, k, v, go, gl, ring=False, backend="cpu")
+    got = _run(case, q, k, v, go, gl, ring=True, backend="cpu")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_shard_round_trip_single_process():
+    x = torch.randn(2, 12, 3, 4)
+    for layout in ("contiguous", "zigzag"):
+        assert torch.equal(dilated_attn.shard(x, layout=layout), x)
+        assert torch.equal(dilated_attn.unshard(x, layout=layout), x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(layout="diagonal"), ValueError, "layout"),
+        (dict(layout=3), TypeError, "layout"),
+        (dict(segment_lengths=[4]), ValueError, "both be None"),
+        (dict(dilation_rates=[1]), ValueError, "both be None"),
+        (dict(layout="zigzag", odd=True), ValueError, "zigzag"),
+        (dict(group="world"), TypeError, "group"),
+        (dict(segment_lengths=[0], dilation_rates=[1]), ValueError, "segment_lengths"),
+        (dict(causal=1), TypeError, "causal"),
+        (dict(backend="fast"), ValueError, "backend"),
+    ],
+)
+def test_invalid_arguments(kwargs, error, match):
+    N = 7 if kwargs.pop("odd", False) else 8
+    q = torch.randn(1, N, 2, 4)
+    with pytest.raises(error, match=match):
+        dilated_attn.ring_attention(q, q, q, **kwargs)
+
+
+def test_traffic_is_what_the_branches_select():
+    """Local branches send nothing; a spanning branch sends 1/r of K and V, to the ranks that read it."""
+    B, L, H, D, item = 1, 64, 4, 8, 2
+    local = ring_plan(2, L, H, H, (16, 64), (1, 2), "all", False, "contiguous")
+    assert local.local_branches == [0, 1] and local.bytes_sent(0, B, D, item) == 0
+    for r in (1, 2, 4, 8):
+        plan = ring_plan(2, L, H, H, (2 * L,), (r,), "all", False, "contiguous")
+        for rank in (0, 1):
+            assert plan.bytes_sent(rank, B, D, item) == 2 * B * (L // r) * H * D * item, r
+    # causal, contiguous: keys only flow to later ranks, so the last rank sends nothing
+    causal = ring_plan(4, L, H, H, (4 * L,), (1,), "all", True, "contiguous")
+    sent = [causal.bytes_sent(j, B, D, item) for j in range(4)]
+    assert sent == [2 * B * L * H * D * item * (3 - j) for j in range(4)]
+    # GQA: kv heads travel once, not once per query head
+    gqa = ring_plan(2, L, 8, 2, (2 * L,), (1,), "all", False, "contiguous")
+    assert gqa.bytes_sent(0, B, D, item) == 2 * B * L * 2 * D * item
+
+
+def _compare_gpu(case, rank):
+    """bf16 on NCCL: ring vs single-GPU dilated_attention, both against the float64 reference."""
+    device = torch.device("cuda", rank)
+    q, k, v, go, gl = _global_inputs(case, torch.float64, device)
+    exact = _run(case, q, k, v, go, gl, ring=False, backend="reference")
+    low = [x.to(torch.bfloat16) for x in (q, k, v, go)]
+    single = _run(case, *low, gl.float(), ring=False)
+    ring = _run(case, *(_local(x, case) for x in low), _local(gl.float(), case, dim=2), ring=True)
+    errors = {}
+    for name, a, s, e, dim in zip(("out", "lse", "dq", "dk", "dv"), ring, single, exact, (1, 2, 1, 1, 1)):
+        s, e = _local(s, case, dim).double(), _local(e, case, dim)
+        a = a.double()
+        ok = torch.isfinite(e)
+        err_ring = (a[ok] - e[ok]).abs().max().item()
+        err_single = (s[ok] - e[ok]).abs().max().item()
+        # bf16 has 8 mantissa bits: the ring rounds partial outputs/gradients at other points than the
+        # single-GPU kernel, so allow twice its error plus a floor of a few bf16 ulps of O(1) values.
+        if not err_ring <= 2 * err_single + 1e-2 * e[ok].abs().max().item():
+            errors[name] = (err_ring, err_single)
+    return errors
+
+
+JOBS["compare_gpu"] = _compare_gpu
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_ring_matches_single_gpu_nccl(tmp_path):
+    world = min(torch.cuda.device_count(), 4)
+    L = 512
+    N = world * L
+    cases = [
+        dict(name="dense causal zigzag", shape=(1, N, 8, 2, 64), causal=True, layout="zigzag"),
+        dict(name="dense", shape=(2, N, 4, 4, 128)),
+        dict(name="LongNet branches", shape=(1, N, 8, 8, 128), w=[256, L, N], r=[1, 2, 4]),
+        dict(name="LongNet causal zigzag", shape=(1, N, 8, 4, 64), w=[128, 2 * L, N], r=[1, 2, 8], causal=True,
+             layout="zigzag"),
+        dict(name="unaligned split", shape=(1, N, 6, 3, 64), w=[300, 3 * L + 5], r=[3, 5], head_groups="split",
+             causal=True),
+    ]
+    _check(_spawn(world, "nccl", "compare_gpu", cases, tmp_path), cases)
