@@ -75,7 +75,21 @@ def fwd_bwd(attn, q, k, v):
     return forward, forward_backward
 
 
-def run(name: str, cfg: dict, warmup: int, repeats: int) -> dict:
+def p2p_bandwidth(mib: int = 256) -> float:
+    """GB/s of one point-to-point transfer from rank 0 to rank 1 (median of 5), for context."""
+    rank = dist.get_rank()
+    buf = torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda")
+
+    def transfer():
+        if rank == 0:
+            dist.send(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+
+    return mib * 2**20 / timed(transfer, 2, 5, True) / 1e6
+
+
+def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) -> dict:
     P, rank = dist.get_world_size(), dist.get_rank()
     N, L = cfg["N"], cfg["N"] // P
     w, r = cfg["w"], cfg["r"]
@@ -98,6 +112,13 @@ def run(name: str, cfg: dict, warmup: int, repeats: int) -> dict:
     f, fb = fwd_bwd(lambda q, k, v: dilated_attn.ring_attention(
         q, k, v, w, r, causal=cfg["causal"], layout=cfg["layout"]), q, k, v)
     tp = dict(fwd_ms=timed(f, warmup, repeats, True), fwd_bwd_ms=timed(fb, warmup, repeats, True))
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fb()
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
     plan = ring_plan(P, L, H, H, tuple(w or [N]), tuple(r or [1]), "all", cfg["causal"], cfg["layout"])
     sent = torch.tensor([plan.bytes_sent(j, B, D, DTYPE.itemsize) for j in range(P)])
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
@@ -130,17 +151,21 @@ def main():
     ap.add_argument("--preset", choices=[*PRESETS, "all"], default="all")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one ring call")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_<device>_<P>gpu.json)")
     args = ap.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     names = list(PRESETS) if args.preset == "all" else [args.preset]
-    rows = [run(n, PRESETS[n], args.warmup, args.repeats) for n in names]
+    bandwidth = p2p_bandwidth()
+    if dist.get_rank() == 0:
+        print(f"point-to-point rank 0 -> 1: {bandwidth:.1f} GB/s (256 MiB)", flush=True)
+    rows = [run(n, PRESETS[n], args.warmup, args.repeats, args.profile) for n in names]
     if dist.get_rank() == 0:
         device = torch.cuda.get_device_name()
         result = dict(device=device, gpus=dist.get_world_size(), torch=torch.__version__,
-                      nccl=".".join(map(str, torch.cuda.nccl.version())),
+                      nccl=".".join(map(str, torch.cuda.nccl.version())), p2p_GBps=bandwidth,
                       date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       command="torchrun --nproc_per_node=%d benchmarks/bench_ring.py --preset %s"
                               % (dist.get_world_size(), args.preset),

@@ -131,6 +131,7 @@ class _Class:
     rows_q: list[list[list[int]]]  # [rank][head in class] -> local rows, concatenated over the rank's pieces
     rows_kv: list[list[list[int]]]  # [rank][kv entry] -> local rows
     segments: list[list[tuple[int, int, int, int]]]  # [rank] -> (segment, global start, start, stop) per piece
+    kv_unique: bool  # no two kv entries read the same (row, kv head)
 
 
 @dataclass
@@ -234,7 +235,7 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
             first = {pr: pairs.index(pr) for pr in distinct}
             rows_kv = [[rows_q[j][first[pr]] for pr in distinct] for j in range(P)]
             classes.append(_Class([h for h, _, _ in heads], [kvh for _, kvh in distinct], per, rows_q, rows_kv,
-                                segs))
+                                  segs, len(set(distinct)) == len(distinct)))
     needed = [[[[] for _ in classes] for _ in range(P)] for _ in range(P)]
     tasks = [[[] for _ in range(P)] for _ in range(P)]
     for c, cl in enumerate(classes):
@@ -540,17 +541,14 @@ class _RingAttention(torch.autograd.Function):
         kc = [cp.kv(k) for cp in ring.comp]
         vc = [cp.kv(v) for cp in ring.comp]
         step = ring.post_kv(1, kc, vc)  # in flight while the local blocks compute
-        out = torch.zeros((B, L, H, D), dtype=acc_dtype, device=q.device)
-        lse = torch.full((B, H, L), -math.inf, dtype=acc_dtype, device=q.device)
+        # The result starts as the local branches' (merged by the kernel, as on one device); the spanning
+        # branches' partials merge into their rows at the end, in float32, rounded once.
         if plan.local_branches:
             p = local_problem
-            o, l_ = fwd(q, k, v, list(p.segment_lengths), list(p.dilation_rates), p.split_heads, causal, scale)
-            if not plan.classes:  # every branch local: the single-device result is the answer
-                ctx.save_for_backward(q, k, v, o, l_)
-                ctx.config = (plan, rank, group, local_problem, backend, scale, causal)
-                return o, l_
-            out.copy_(o)
-            lse.copy_(l_)
+            out, lse = fwd(q, k, v, list(p.segment_lengths), list(p.dilation_rates), p.split_heads, causal, scale)
+        else:
+            out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.full((B, H, L), -math.inf, dtype=acc_dtype, device=q.device)
         qc = [cp.q(q) for cp in ring.comp]
         acc = [(torch.zeros(x.shape, dtype=acc_dtype, device=q.device),
                 torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=acc_dtype, device=q.device)) for x in qc]
@@ -566,11 +564,10 @@ class _RingAttention(torch.autograd.Function):
                 _block_forward(fwd, qc[c][:, xs], keys[c][:, ys], values[c][:, ys], task.causal, scale,
                                acc[c][0][:, xs], acc[c][1][:, :, xs])
         for cp, (a_o, a_l) in zip(ring.comp, acc):
-            cur_o, cur_l = cp.q(out), cp.q_lse(lse)
+            cur_o, cur_l = cp.q(out).to(acc_dtype), cp.q_lse(lse)
             _merge(cur_o, cur_l, a_o, a_l)
-            out[:, cp.q_rows, cp.q_heads] = cur_o
+            out[:, cp.q_rows, cp.q_heads] = cur_o.to(out.dtype)
             lse.transpose(1, 2)[:, cp.q_rows, cp.q_heads] = cur_l.transpose(1, 2)
-        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.config = (plan, rank, group, local_problem, backend, scale, causal)
         return out, lse
@@ -588,15 +585,14 @@ class _RingAttention(torch.autograd.Function):
         kc = [cp.kv(k) for cp in ring.comp]
         vc = [cp.kv(v) for cp in ring.comp]
         step = ring.post_kv(1, kc, vc)
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+        # As in the forward: the local branches' gradients (the kernel's, as on one device), then each spanning
+        # class's float32 sums added to their rows with one rounding.
         if plan.local_branches:
             p = local_problem
-            grads = bwd(d_out, d_lse, q, k, v, out, lse, list(p.segment_lengths), list(p.dilation_rates),
-                        p.split_heads, causal, scale)
-            for acc, g in zip((dq, dk, dv), grads):
-                acc += g
+            dq, dk, dv = bwd(d_out, d_lse, q, k, v, out, lse, list(p.segment_lengths), list(p.dilation_rates),
+                             p.split_heads, causal, scale)
+        else:
+            dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         comp = ring.comp
         qc, oc, doc = ([cp.q(x) for cp in comp] for x in (q, out, d_out))
         lc, dlc = ([cp.q_lse(x) for cp in comp] for x in (lse, d_lse))
@@ -619,18 +615,25 @@ class _RingAttention(torch.autograd.Function):
                 returning.append(ring.post_grads(t, gk, gv, acc_dtype))
         for ret, dst in returning:
             ring.add_returned_grads(ret, dst, dkc, dvc)
-        for cp, g_q, g_k, g_v in zip(comp, dqc, dkc, dvc):
-            _index_add(dq, cp.q_rows, cp.q_heads, g_q)
-            _index_add(dk, cp.kv_rows, cp.kv_heads, g_k)
-            _index_add(dv, cp.kv_rows, cp.kv_heads, g_v)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        for cp, cl, g_q, g_k, g_v in zip(comp, plan.classes, dqc, dkc, dvc):
+            _add_rows(dq, cp.q_rows, cp.q_heads, g_q, unique=True)
+            _add_rows(dk, cp.kv_rows, cp.kv_heads, g_k, unique=cl.kv_unique)
+            _add_rows(dv, cp.kv_rows, cp.kv_heads, g_v, unique=cl.kv_unique)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def _index_add(acc: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, values: torch.Tensor) -> None:
-    """acc[:, rows[n, c], heads[c]] += values[:, n, c] with repeated (row, head) pairs summed."""
+def _add_rows(acc: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, values: torch.Tensor, unique: bool):
+    """acc[:, rows[n, c], heads[c]] += values[:, n, c] (values in float32/64, one rounding to acc's dtype).
+    Repeated (row, head) pairs (a class whose query heads share kv rows without a uniform grouping) are
+    summed first, deterministically, in values' dtype."""
     B = acc.shape[0]
     index = (torch.arange(B, device=acc.device).view(B, 1, 1), rows.unsqueeze(0), heads.view(1, 1, -1))
-    acc.index_put_(index, values, accumulate=True)
+    if not unique:
+        total = torch.zeros(acc.shape, dtype=values.dtype, device=acc.device)
+        total.index_put_(index, values, accumulate=True)
+        acc.copy_(acc.to(values.dtype) + total)
+        return
+    acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -135,6 +135,7 @@ def _named_cases(P):
              head_groups="split", causal=True, layout="zigzag"),
         dict(name="unaligned segments", shape=(1, N, 4, 2, 3), w=[5, 7, 3 * L + 1], r=[2, 3, 5], causal=True),
         dict(name="r > w and MQA", shape=(1, N, 6, 1, 3), w=[3, 2 * L], r=[4, 3 * L]),
+        dict(name="GQA heads across offset groups", shape=(1, N, 6, 3, 4), w=[N], r=[2], causal=True),
         dict(name="odd local length", shape=(1, P * 7, 4, 2, 3), w=[3, 10], r=[1, 2], causal=True),
         dict(name="custom scale", shape=(1, N, 2, 2, 3), w=[N], r=[1], scale=0.37, causal=True),
     ]
