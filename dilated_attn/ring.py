@@ -500,26 +500,57 @@ class _Ring:
 # The autograd function
 
 
+class _Rows:
+    """A set of (row, head) pairs of a [B, L, H, ...] tensor: head heads[c] at rows[:, c]. Gathers them as a
+    [B, n, c, ...] tensor and writes back. Where every head has the same contiguous rows and the heads are
+    contiguous (dense attention), the gather is a slice (a view), not a copy."""
+
+    def __init__(self, rows: list[list[int]], heads: list[int], device):
+        n = len(rows[0]) if rows else 0
+        first = rows[0] if rows else []
+        contiguous_rows = all(r == first for r in rows) and first == list(range(first[0], first[0] + n)) if n else False
+        if contiguous_rows and heads == list(range(heads[0], heads[0] + len(heads))):
+            self.slices = (slice(first[0], first[0] + n), slice(heads[0], heads[0] + len(heads)))
+        else:
+            self.slices = None
+            self.rows = torch.tensor(rows, dtype=torch.long, device=device).reshape(len(heads), -1).T.contiguous()
+            self.heads = torch.tensor(heads, dtype=torch.long, device=device)
+
+    def _index(self, B: int, device):
+        if self.slices is not None:
+            return (slice(None), *self.slices)
+        return (torch.arange(B, device=device).view(B, 1, 1), self.rows.unsqueeze(0), self.heads.view(1, 1, -1))
+
+    def gather(self, x):  # [B, L, H, ...] -> [B, n, c, ...]
+        return x[self._index(x.shape[0], x.device)]
+
+    def gather_lse(self, x):  # [B, H, L] -> [B, c, n]
+        return self.gather(x.transpose(1, 2)).transpose(1, 2)
+
+    def put(self, x, values):
+        x[self._index(x.shape[0], x.device)] = values.to(x.dtype)
+
+    def put_lse(self, x, values):
+        self.put(x.transpose(1, 2), values.transpose(1, 2))
+
+    def add(self, acc, values, unique: bool):
+        """acc[rows, heads] += values (float32/64, one rounding to acc's dtype). Repeated (row, head) pairs
+        (query heads sharing kv rows without a uniform grouping) are summed first, deterministically."""
+        index = self._index(acc.shape[0], acc.device)
+        if unique:
+            acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
+            return
+        total = torch.zeros(acc.shape, dtype=values.dtype, device=acc.device)
+        total.index_put_(index, values, accumulate=True)
+        acc.copy_(acc.to(values.dtype) + total)
+
+
 class _Compacted:
-    """Index tensors of one class on one rank: its heads' member rows, stacked [n, heads]."""
+    """One class on one rank: its query rows and its kv rows."""
 
     def __init__(self, cl: _Class, rank: int, device):
-        def rows(lists, width):
-            return torch.tensor(lists, dtype=torch.long, device=device).reshape(width, -1).T.contiguous()
-
-        self.q_rows = rows(cl.rows_q[rank], len(cl.q_heads))
-        self.q_heads = torch.tensor(cl.q_heads, dtype=torch.long, device=device)
-        self.kv_rows = rows(cl.rows_kv[rank], len(cl.kv_heads))
-        self.kv_heads = torch.tensor(cl.kv_heads, dtype=torch.long, device=device)
-
-    def q(self, x):  # [B, L, H, ...] -> [B, n, Hc, ...]
-        return x[:, self.q_rows, self.q_heads]
-
-    def kv(self, x):
-        return x[:, self.kv_rows, self.kv_heads]
-
-    def q_lse(self, x):  # [B, H, L] -> [B, Hc, n]
-        return x.transpose(1, 2)[:, self.q_rows, self.q_heads].transpose(1, 2)
+        self.q = _Rows(cl.rows_q[rank], cl.q_heads, device)
+        self.kv = _Rows(cl.rows_kv[rank], cl.kv_heads, device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -538,8 +569,8 @@ class _RingAttention(torch.autograd.Function):
         B, L, H, D = q.shape
         acc_dtype = lse_dtype(q.dtype)
         ring = _Ring(plan, rank, group, B, D, q.device)
-        kc = [cp.kv(k) for cp in ring.comp]
-        vc = [cp.kv(v) for cp in ring.comp]
+        kc = [cp.kv.gather(k) for cp in ring.comp]
+        vc = [cp.kv.gather(v) for cp in ring.comp]
         step = ring.post_kv(1, kc, vc)  # in flight while the local blocks compute
         # The result starts as the local branches' (merged by the kernel, as on one device); the spanning
         # branches' partials merge into their rows at the end, in float32, rounded once.
@@ -549,7 +580,7 @@ class _RingAttention(torch.autograd.Function):
         else:
             out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.full((B, H, L), -math.inf, dtype=acc_dtype, device=q.device)
-        qc = [cp.q(q) for cp in ring.comp]
+        qc = [cp.q.gather(q) for cp in ring.comp]
         acc = [(torch.zeros(x.shape, dtype=acc_dtype, device=q.device),
                 torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=acc_dtype, device=q.device)) for x in qc]
         for t in range(plan.P):
@@ -564,10 +595,10 @@ class _RingAttention(torch.autograd.Function):
                 _block_forward(fwd, qc[c][:, xs], keys[c][:, ys], values[c][:, ys], task.causal, scale,
                                acc[c][0][:, xs], acc[c][1][:, :, xs])
         for cp, (a_o, a_l) in zip(ring.comp, acc):
-            cur_o, cur_l = cp.q(out).to(acc_dtype), cp.q_lse(lse)
+            cur_o, cur_l = cp.q.gather(out).to(acc_dtype), cp.q.gather_lse(lse)
             _merge(cur_o, cur_l, a_o, a_l)
-            out[:, cp.q_rows, cp.q_heads] = cur_o.to(out.dtype)
-            lse.transpose(1, 2)[:, cp.q_rows, cp.q_heads] = cur_l.transpose(1, 2)
+            cp.q.put(out, cur_o)
+            cp.q.put_lse(lse, cur_l)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.config = (plan, rank, group, local_problem, backend, scale, causal)
         return out, lse
@@ -582,8 +613,8 @@ class _RingAttention(torch.autograd.Function):
         d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
         d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
         ring = _Ring(plan, rank, group, B, D, q.device)
-        kc = [cp.kv(k) for cp in ring.comp]
-        vc = [cp.kv(v) for cp in ring.comp]
+        kc = [cp.kv.gather(k) for cp in ring.comp]
+        vc = [cp.kv.gather(v) for cp in ring.comp]
         step = ring.post_kv(1, kc, vc)
         # As in the forward: the local branches' gradients (the kernel's, as on one device), then each spanning
         # class's float32 sums added to their rows with one rounding.
@@ -594,8 +625,8 @@ class _RingAttention(torch.autograd.Function):
         else:
             dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         comp = ring.comp
-        qc, oc, doc = ([cp.q(x) for cp in comp] for x in (q, out, d_out))
-        lc, dlc = ([cp.q_lse(x) for cp in comp] for x in (lse, d_lse))
+        qc, oc, doc = ([cp.q.gather(x) for cp in comp] for x in (q, out, d_out))
+        lc, dlc = ([cp.q.gather_lse(x) for cp in comp] for x in (lse, d_lse))
         dqc, dkc, dvc = _zeros_like(qc, acc_dtype), _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
         returning = []  # the dK/dV of my rows coming back from the ranks that read them
         for t in range(plan.P):
@@ -616,24 +647,10 @@ class _RingAttention(torch.autograd.Function):
         for ret, dst in returning:
             ring.add_returned_grads(ret, dst, dkc, dvc)
         for cp, cl, g_q, g_k, g_v in zip(comp, plan.classes, dqc, dkc, dvc):
-            _add_rows(dq, cp.q_rows, cp.q_heads, g_q, unique=True)
-            _add_rows(dk, cp.kv_rows, cp.kv_heads, g_k, unique=cl.kv_unique)
-            _add_rows(dv, cp.kv_rows, cp.kv_heads, g_v, unique=cl.kv_unique)
+            cp.q.add(dq, g_q, unique=True)
+            cp.kv.add(dk, g_k, unique=cl.kv_unique)
+            cp.kv.add(dv, g_v, unique=cl.kv_unique)
         return dq, dk, dv, None, None, None, None, None, None, None
-
-
-def _add_rows(acc: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, values: torch.Tensor, unique: bool):
-    """acc[:, rows[n, c], heads[c]] += values[:, n, c] (values in float32/64, one rounding to acc's dtype).
-    Repeated (row, head) pairs (a class whose query heads share kv rows without a uniform grouping) are
-    summed first, deterministically, in values' dtype."""
-    B = acc.shape[0]
-    index = (torch.arange(B, device=acc.device).view(B, 1, 1), rows.unsqueeze(0), heads.view(1, 1, -1))
-    if not unique:
-        total = torch.zeros(acc.shape, dtype=values.dtype, device=acc.device)
-        total.index_put_(index, values, accumulate=True)
-        acc.copy_(acc.to(values.dtype) + total)
-        return
-    acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
