@@ -35,7 +35,7 @@ for stage in $stages; do
         echo "compute-sanitizer $tool: exit $? ($(tail -1 "$OUT/sanitize_$tool.log"))"
       done ;;
     auto)
-      python3 benchmarks/bench_auto.py --out "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
+      python3 benchmarks/bench_auto.py ${AUTO_ARGS:-} --out "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
     quick)
       python3 benchmarks/bench_gpu.py --quick --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
     ring)
@@ -45,7 +45,7 @@ for stage in $stages; do
         | tee "$OUT/ring.log" ;;
     main)
       (cd /tmp && python3 -m dilated_attn 2>&1) | tee "$OUT/main.log"
-      python3 examples/train_longnet.py --device cuda --steps 400 --seq-len 8192 --batch 4 --dim 512 --layers 6 \
+      python3 examples/train_longnet.py --device cuda --steps ${TRAIN_STEPS:-400} --seq-len 8192 --batch 4 --dim 512 --layers 6 \
         --heads 8 --segment-lengths 512 1024 2048 4096 8192 --dilation-rates 1 2 4 8 16 --log-every 20 \
         --json "$OUT/train_longnet.json" 2>&1 | tee "$OUT/train_longnet.log" ;;
     bench|all)
