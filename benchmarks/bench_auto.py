@@ -54,11 +54,19 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a small grid")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--max-reference-n", type=int, default=65536, help="skip the reference above this N")
+    ap.add_argument("--dtypes", nargs="+", choices=GRID["dtype"], help="override the grid's dtypes")
+    ap.add_argument("--head-dims", nargs="+", type=int, help="override the grid's head dims")
+    ap.add_argument("--seq-lens", nargs="+", type=int, help="override the grid's sequence lengths")
+    ap.add_argument("--branches", nargs="+", choices=list(BRANCHES), help="override the grid's branch sets")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
-    grid = QUICK if args.quick else GRID
+    grid = dict(QUICK if args.quick else GRID)
+    for key, value in (("dtype", args.dtypes), ("head_dim", args.head_dims), ("N", args.seq_lens),
+                       ("branches", args.branches)):
+        if value:
+            grid[key] = value
     rows = []
     for dtype_name, head_dim, N, branch_name in itertools.product(*grid.values()):
         dtype = getattr(torch, dtype_name)

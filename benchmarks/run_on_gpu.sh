@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
 # JSON go under $OUT (default ./gpu_out).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|bench|auto|quick|ring|main|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|bench|auto|quick|ring|main|tile_order|all]...
 #   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
 #   main: `python -m dilated_attn` and a GPU run of examples/train_longnet.py (loss curve as JSON)
 set -uo pipefail
@@ -36,6 +36,8 @@ for stage in $stages; do
       done ;;
     auto)
       python3 benchmarks/bench_auto.py ${AUTO_ARGS:-} --out "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
+    tile_order)
+      python3 benchmarks/bench_tile_order.py --out "$OUT/tile_order.json" 2>&1 | tee "$OUT/tile_order.log" ;;
     quick)
       python3 benchmarks/bench_gpu.py --quick --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
     ring)

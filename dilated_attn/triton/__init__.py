@@ -7,13 +7,16 @@ Importing this module needs triton (dispatch.py checks before it imports).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
 from ..ops import register_attention_autograd
+from ..hilbert import hilbert_index
 from ..spec import branch_table
 from .bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .common import interpreting
@@ -23,6 +26,32 @@ LOG2E = 1.4426950408889634
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (7, 0)  # Volta: the oldest GPU Triton compiles for
+
+
+TILE_ORDERS = ("plain", "segment", "hilbert")
+# The order in which the forward kernel's programs visit the (batch, head, segment) tiles of a branch (the
+# query blocks of one tile always run together, sharing its K/V in L2):
+#   plain    batch, head, segment (row-major; the default: see benchmarks/bench_tile_order.py)
+#   segment  batch, segment, head: the heads of a segment together (GQA heads share K/V rows)
+#   hilbert  along a generalized Hilbert curve over the (head, segment) grid of each batch
+# Read per call from DILATED_ATTN_TILE_ORDER, or set `dilated_attn.triton.TILE_ORDER` directly.
+TILE_ORDER = os.environ.get("DILATED_ATTN_TILE_ORDER", "plain")
+
+
+@functools.lru_cache(maxsize=256)
+def tile_order(order: str, batch: int, n_heads: int, n_seg: int, device: torch.device) -> torch.Tensor:
+    """int32 table: position i of the visiting order -> row-major tile index (b * n_heads + h) * n_seg + seg."""
+    if order not in TILE_ORDERS:
+        raise ValueError(f"tile order must be one of {TILE_ORDERS}, got {order!r}")
+    per_batch = n_heads * n_seg
+    if order == "segment":
+        grid = torch.arange(per_batch).view(n_heads, n_seg).T.reshape(-1)  # segment-major
+    elif order == "hilbert":
+        grid = hilbert_index((n_heads, n_seg)).cpu() if n_heads > 1 and n_seg > 1 else torch.arange(per_batch)
+    else:
+        grid = torch.arange(per_batch)
+    table = (torch.arange(batch).view(-1, 1) * per_batch + grid.view(1, -1)).reshape(-1)
+    return table.to(device=device, dtype=torch.int32)
 
 
 def reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -81,6 +110,7 @@ def triton_forward(
     table, meta = _common(q, k, segment_lengths, dilation_rates, split_heads)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, N), -math.inf, dtype=torch.float32, device=q.device)
+    order = TILE_ORDER
     for i, br in enumerate(table):
         n_seg, max_members, bucket = _branch_geometry(br, N)
         n_heads = br.head_hi - br.head_lo
@@ -89,8 +119,9 @@ def triton_forward(
         def grid(m, programs=programs, max_members=max_members):
             return (programs * triton.cdiv(max_members, m["BLOCK_M"]),)
 
+        ordered = order != "plain" and programs > 1
         wrap_triton(_fwd_kernel)[grid](
-            q, k, v, out, lse,
+            q, k, v, out, lse, tile_order(order, B, n_heads, n_seg, q.device) if ordered else lse,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -98,7 +129,7 @@ def triton_forward(
             N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
             scale * LOG2E,
             CAUSAL=causal, FIRST=i == 0, PRECISION=_precision(q.dtype), MAX_MEMBERS_BUCKET=bucket,
-            **meta,
+            ORDERED=ordered, **meta,
         )
     return out, lse
 

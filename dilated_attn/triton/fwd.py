@@ -78,6 +78,8 @@ def _fwd_configs():
 @triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
 def _fwd_kernel(
     Q, K, V, Out, Lse,
+    TileOrder,  # int32 [tiles]: the (batch, head, segment) tile each position of the visiting order runs
+
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -92,13 +94,17 @@ def _fwd_kernel(
     FIRST: tl.constexpr,  # first branch: nothing to merge with
     PRECISION: tl.constexpr,
     MAX_MEMBERS_BUCKET: tl.constexpr,  # autotune key only
+    ORDERED: tl.constexpr,  # visit tiles in TileOrder's order (else batch, head, segment: row-major)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # 1-D grid, the blocks of one segment adjacent so that they share its K/V in L2.
     n_blocks = tl.cdiv(max_members, BLOCK_M)
     pid_m = tl.program_id(0) % n_blocks
-    b, h, kvh, first, n = segment_of(tl.program_id(0) // n_blocks, N, seg_len, dilation, n_seg, head_lo, n_heads,
+    tile = tl.program_id(0) // n_blocks
+    if ORDERED:
+        tile = tl.load(TileOrder + tile)
+    b, h, kvh, first, n = segment_of(tile, N, seg_len, dilation, n_seg, head_lo, n_heads,
                                      offset_div, offset_base, GROUP)
     start_m = pid_m * BLOCK_M
     if start_m < n:
