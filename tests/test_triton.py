@@ -42,6 +42,14 @@ def test_interpreter_long_segments_cross_block_borders(causal):
     check_against_reference(case, torch.float32, "cpu", 0, "triton")
 
 
+def test_auto_tile_order_rule():
+    from dilated_attn.triton import TILE_ORDER, auto_tile_order
+
+    assert TILE_ORDER == "auto" or "DILATED_ATTN_TILE_ORDER" in __import__("os").environ
+    assert auto_tile_order(16384, 16, 16) == auto_tile_order(65536, 16, 16) == "plain"
+    assert auto_tile_order(65536, 16, 2) == auto_tile_order(262144, 16, 16) == "hilbert"
+
+
 @pytest.mark.parametrize("order", ["segment", "hilbert"])
 def test_tile_orders_give_the_same_result(order, monkeypatch):
     """Every tile order visits every (batch, head, segment) tile exactly once: results equal the plain
@@ -52,6 +60,7 @@ def test_tile_orders_give_the_same_result(order, monkeypatch):
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(2, 45, h, 8, device=device, generator=g) for h in (6, 3, 3))
     args = ([8, 16, 45], [1, 2, 3])
+    monkeypatch.setattr(triton_backend, "TILE_ORDER", "plain")
     plain = dilated_attn.dilated_attention(q, k, v, *args, causal=True, return_lse=True, backend="triton")
     monkeypatch.setattr(triton_backend, "TILE_ORDER", order)
     table = triton_backend.tile_order(order, 2, 6, 3, torch.device(device)).cpu()

@@ -31,11 +31,21 @@ MIN_CAPABILITY = (7, 0)  # Volta: the oldest GPU Triton compiles for
 TILE_ORDERS = ("plain", "segment", "hilbert")
 # The order in which the forward kernel's programs visit the (batch, head, segment) tiles of a branch (the
 # query blocks of one tile always run together, sharing its K/V in L2):
-#   plain    batch, head, segment (row-major; the default: see benchmarks/bench_tile_order.py)
+#   plain    batch, head, segment (row-major)
 #   segment  batch, segment, head: the heads of a segment together (GQA heads share K/V rows)
 #   hilbert  along a generalized Hilbert curve over the (head, segment) grid of each batch
-# Read per call from DILATED_ATTN_TILE_ORDER, or set `dilated_attn.triton.TILE_ORDER` directly.
-TILE_ORDER = os.environ.get("DILATED_ATTN_TILE_ORDER", "plain")
+#   auto     (default) hilbert where it measurably won, plain elsewhere: see auto_tile_order
+# DILATED_ATTN_TILE_ORDER sets it at import; `dilated_attn.triton.TILE_ORDER = ...` at any time.
+TILE_ORDER = os.environ.get("DILATED_ATTN_TILE_ORDER", "auto")
+
+
+def auto_tile_order(seq_len: int, num_heads: int, num_kv_heads: int) -> str:
+    """The order "auto" uses. benchmarks/bench_tile_order.py on an H200 (bf16, D=128, H=16, LongNet branches,
+    results/tile_order_NVIDIA_H200.json): hilbert beat plain by more than the rounds' spread at N=262144
+    (1.8%, MHA and GQA) and at N=65536 with GQA (1.2%); at N=16384, and N=65536 without GQA, no order won."""
+    if seq_len >= 262144 or (num_kv_heads < num_heads and seq_len >= 65536):
+        return "hilbert"
+    return "plain"
 
 
 @functools.lru_cache(maxsize=256)
@@ -110,7 +120,9 @@ def triton_forward(
     table, meta = _common(q, k, segment_lengths, dilation_rates, split_heads)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, N), -math.inf, dtype=torch.float32, device=q.device)
-    order = TILE_ORDER
+    order = auto_tile_order(N, H, k.shape[2]) if TILE_ORDER == "auto" else TILE_ORDER
+    if torch.compiler.is_compiling():
+        order = "plain"  # the order tables are cached host-side objects, which a traced graph cannot hold
     for i, br in enumerate(table):
         n_seg, max_members, bucket = _branch_geometry(br, N)
         n_heads = br.head_hi - br.head_lo
