@@ -8,10 +8,12 @@ float64 reference), restricted to its positions. The workers write their finding
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
 import socket
+import time
 import traceback
 import zlib
 
@@ -86,12 +88,18 @@ def _compare_f64(case, rank):
     return errors
 
 
+# A process group's timeout bounds how long a rank waits for a dead or diverging peer (default: 30 min).
+PG_TIMEOUT_S = 60
+# The longest a spawned world may run before the test kills it and fails (a hang is a failure, not a wait).
+WORLD_DEADLINE_S = 300
+
+
 def _worker(rank, world, port, backend, job, cases, outdir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     results = []
     for case in cases:
         try:
@@ -101,12 +109,21 @@ def _worker(rank, world, port, backend, job, cases, outdir):
                             "traceback": traceback.format_exc()})
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    if job != "die":  # the group lost a member: tearing it down would wait for it
+        dist.destroy_process_group()
 
 
 def _spawn(world, backend, job, cases, tmp_path):
-    mp.spawn(_worker, args=(world, _free_port(), backend, job, cases, str(tmp_path)), nprocs=world)
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), backend, job, cases, str(tmp_path)), nprocs=world,
+                             join=False)
+    deadline = time.monotonic() + WORLD_DEADLINE_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"{job}: the {world} ranks did not finish within {WORLD_DEADLINE_S} s (a hang)")
+    return [json.load(open(tmp_path / f"rank{r}.json")) if (tmp_path / f"rank{r}.json").exists() else None
+            for r in range(world)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,7 +211,48 @@ def _mismatch(case, rank):
     return {"raised": None}
 
 
-JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch}
+def _die(case, rank):
+    """Rank 1 dies in the middle of a call (as it posts its first transfer); rank 0 must fail, not hang."""
+    import dilated_attn.ring as ring
+
+    if rank == 1:
+        def die(*args, **kwargs):
+            os._exit(0)  # no cleanup, as in a crash; exit code 0 so that only rank 0's report decides the test
+
+        ring._Step.__init__ = die
+    q, k, v, _, _ = _global_inputs(case, torch.float64, "cpu")
+    start = time.monotonic()
+    try:
+        _attention(case, *(_local(x, case) for x in (q, k, v)), ring=True)
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": type(exc).__name__, "seconds": time.monotonic() - start, "message": str(exc)[:300]}
+    return {"raised": None, "seconds": time.monotonic() - start}
+
+
+def _jitter(case, rank):
+    """The same call three times with random delays before every transfer is posted, so messages arrive in
+    different orders: outputs and gradients must be the same bits every time."""
+    import dilated_attn.ring as ring
+
+    post = ring._Step.__init__
+    rng = random.Random(rank)
+
+    def delayed(self, *args, **kwargs):
+        time.sleep(rng.random() * 0.02)
+        post(self, *args, **kwargs)
+
+    ring._Step.__init__ = delayed
+    try:
+        q, k, v, go, gl = _global_inputs(case, torch.float64, "cpu")
+        local = [_local(x, case) for x in (q, k, v, go)] + [_local(gl, case, dim=2)]
+        digests = {zlib.crc32(b"".join(t.numpy().tobytes() for t in _run(case, *local, ring=True)))
+                   for _ in range(3)}
+    finally:
+        ring._Step.__init__ = post
+    return {} if len(digests) == 1 else {"differing results": len(digests)}
+
+
+JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -220,6 +278,23 @@ def test_mismatched_configuration_raises_on_every_rank(tmp_path):
         for field, res in zip(fields, per_rank):
             assert res.get("raised") == "ValueError", (rank, field, res)
             assert "every rank" in res["message"] or "same" in res["message"], (rank, field, res)
+
+
+def test_rank_dying_mid_call_fails_the_others(tmp_path):
+    """A rank that dies while the others wait for its transfer: they raise (gloo notices the closed
+    connection, or the group's timeout expires), within the timeout, instead of hanging."""
+    case = dict(shape=(1, 16, 2, 2, 4), w=[16], r=[2], causal=True)
+    results = _spawn(2, "gloo", "die", [case], tmp_path)
+    report = results[0][0]
+    assert report["raised"] is not None, report
+    assert report["seconds"] < PG_TIMEOUT_S + 10, report
+    print(f"rank 0 raised {report['raised']} after {report['seconds']:.2f} s: {report.get('message', '')[:120]}")
+
+
+def test_result_does_not_depend_on_arrival_order(tmp_path):
+    cases = [dict(name="dense causal zigzag", shape=(1, 24, 4, 2, 3), causal=True, layout="zigzag"),
+             dict(name="spanning", shape=(2, 24, 4, 2, 3), w=[6, 24], r=[2, 3], causal=True)]
+    _check(_spawn(4, "gloo", "jitter", cases, tmp_path), cases)
 
 
 def test_one_process_is_dilated_attention():
