@@ -17,12 +17,14 @@ import numbers
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import dispatch
 from .functional import dilated_attention
 from .hilbert import _check_shape, deserialize, hilbert_index
 from .reference import dilated_attention_reference
+from .ring import _check_layout, ring_attention
 from .spec import Problem, _int_list, validate
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
@@ -73,6 +75,18 @@ def _check_ordering(spatial_shape, ordering) -> Optional[tuple[int, ...]]:
         raise type(e)(f"spatial_shape: {str(e).removeprefix('shape: ')}") from None
 
 
+def _check_ring_args(process_group, layout, dropout: float):
+    """Validate the ring arguments of the modules; returns (process_group, layout)."""
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be None or a torch.distributed.ProcessGroup, got "
+                        f"{type(process_group).__name__}")
+    _check_layout(layout)
+    if process_group is not None and dropout > 0:
+        raise ValueError(f"attention dropout ({dropout}) cannot be combined with process_group: ring_attention has "
+                         f"no dropout")
+    return process_group, layout
+
+
 def _check_attention_args(
     segment_lengths, dilation_rates, *, scale=None, head_groups="all", backend="auto", num_heads=None, num_kv_heads=None
 ) -> Problem:
@@ -98,6 +112,11 @@ class DilatedAttention(nn.Module):
             scales the kept ones by 1 / (1 - p). Needs `backend` "auto" or "reference".
         head_groups: "all" (LongNet) or "split" (dilated-attention-pytorch), as in `dilated_attention`.
         backend: "auto", "cuda", "triton", "cpu" or "reference", as in `dilated_attention`.
+        process_group: None, or a torch.distributed ProcessGroup (`dist.group.WORLD` for all ranks): then the
+            inputs are this rank's shards of a sequence split across the group and forward runs
+            `dilated_attn.ring_attention` (no attention dropout there: ValueError at construction).
+        layout: "contiguous" or "zigzag", the sharding of the sequence with a process_group (see
+            `ring_attention`).
 
     `forward(q, k, v, is_causal=False)`: q `[B, N, Hq, D]`, k and v `[B, N, Hkv, D]` with `Hq % Hkv == 0`;
     returns `[B, N, Hq, D]`.
@@ -111,12 +130,15 @@ class DilatedAttention(nn.Module):
         attention_dropout: float = 0.0,
         head_groups: str = "all",
         backend: str = "auto",
+        process_group=None,
+        layout: str = "contiguous",
     ):
         super().__init__()
         p = _check_attention_args(
             segment_lengths, dilation_rates, scale=softmax_scale, head_groups=head_groups, backend=backend
         )
         self.attention_dropout = _check_dropout("attention_dropout", attention_dropout, backend)
+        self.process_group, self.layout = _check_ring_args(process_group, layout, self.attention_dropout)
         self.segment_lengths = p.segment_lengths
         self.dilation_rates = p.dilation_rates
         self.softmax_scale = softmax_scale
@@ -126,6 +148,8 @@ class DilatedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
         args = (q, k, v, self.segment_lengths, self.dilation_rates)
         kwargs = dict(causal=is_causal, scale=self.softmax_scale, head_groups=self.head_groups)
+        if self.process_group is not None:
+            return ring_attention(*args, **kwargs, group=self.process_group, layout=self.layout, backend=self.backend)
         if not (self.training and self.attention_dropout > 0):
             return dilated_attention(*args, **kwargs, backend=self.backend)
         # Dispatch as usual (same errors, same fallback warnings), but run the reference, which has dropout.
@@ -143,6 +167,8 @@ class DilatedAttention(nn.Module):
             f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
             f"softmax_scale={self.softmax_scale}, attention_dropout={self.attention_dropout}, "
             f"head_groups={self.head_groups!r}, backend={self.backend!r}"
+            + (f", process_group=<{self.process_group.size()} ranks>, layout={self.layout!r}"
+               if self.process_group is not None else "")
         )
 
 
@@ -163,7 +189,10 @@ class MultiheadDilatedAttention(nn.Module):
     `num_kv_heads * head_dim` features; default num_heads), `head_groups` and `backend` (see
     `dilated_attention`). `dropout` is the attention dropout probability.
 
-    Grid inputs (the last two arguments):
+    Sequence parallel: `process_group` and `layout` as in DilatedAttention (forward then takes this rank's
+    shards of query/key/value, and the projections act on the shards).
+
+    Grid inputs:
         spatial_shape: None, or the grid `(H, W)` / `(D, H, W)` (positive ints) whose row-major flattening is
             the sequence: every forward input must then have `N == prod(spatial_shape)` (ValueError otherwise).
         ordering: "raster" (default) attends in the given row-major order. "hilbert" (needs spatial_shape)
@@ -196,9 +225,15 @@ class MultiheadDilatedAttention(nn.Module):
         backend: str = "auto",
         spatial_shape: Optional[Sequence[int]] = None,
         ordering: str = "raster",
+        process_group=None,
+        layout: str = "contiguous",
     ):
         super().__init__()
         self.spatial_shape = _check_ordering(spatial_shape, ordering)
+        if process_group is not None and spatial_shape is not None:
+            raise ValueError("spatial_shape (and ordering='hilbert') cannot be combined with process_group: the grid "
+                             "is the global sequence, each rank holds a shard of it; serialise the grid before "
+                             "sharding instead (dilated_attn.hilbert.serialize, then dilated_attn.shard)")
         self.ordering = ordering
         embed_dim = _check_positive_int("embed_dim", embed_dim)
         num_heads = _check_positive_int("num_heads", num_heads)
@@ -227,7 +262,8 @@ class MultiheadDilatedAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.attention = DilatedAttention(
-            segment_lengths, dilation_rates, attention_dropout=dropout, head_groups=head_groups, backend=backend
+            segment_lengths, dilation_rates, attention_dropout=dropout, head_groups=head_groups, backend=backend,
+            process_group=process_group, layout=layout,
         )
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

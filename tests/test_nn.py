@@ -313,7 +313,8 @@ def _grads(out, inputs, module, go):
 def test_new_arguments_come_last():
     # fkodom's positional order is kept: the new keywords are appended after the existing ones.
     names = list(inspect.signature(MultiheadDilatedAttention).parameters)
-    assert names[-2:] == ["spatial_shape", "ordering"] and names.index("backend") == len(names) - 3
+    assert names[-4:] == ["spatial_shape", "ordering", "process_group", "layout"]
+    assert names.index("backend") == len(names) - 5
 
 
 @pytest.mark.parametrize("shape", [(5, 6), (8, 8), (7, 3), (2, 3, 5), (4, 4, 2), (3, 1, 9)])

@@ -393,3 +393,57 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
              causal=True),
     ]
     _check(_spawn(world, "nccl", "compare_gpu", cases, tmp_path), cases)
+
+
+def _module(case, rank):
+    """MultiheadDilatedAttention with process_group: this rank's output and input gradients equal the
+    single-process module's on the full sequence (same weights), at this rank's positions."""
+    B, N, H, Hkv, D = case["shape"]
+    kw = dict(num_kv_heads=Hkv, dtype=torch.float64)
+    torch.manual_seed(0)
+    full = dilated_attn.MultiheadDilatedAttention(H * D, H, case["r"], case["w"], **kw)
+    torch.manual_seed(0)
+    ring = dilated_attn.MultiheadDilatedAttention(H * D, H, case["r"], case["w"], **kw,
+                                                  process_group=dist.group.WORLD, layout=case["layout"])
+    x = torch.randn(B, N, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(B, N, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    xf, xl = x.clone().requires_grad_(), _local(x, case).requires_grad_()
+    out_full, _ = full(xf, is_causal=case["causal"])
+    out_ring, _ = ring(xl, is_causal=case["causal"])
+    out_full.backward(g)
+    out_ring.backward(_local(g, case))
+    errors = {}
+    for name, a, b in (("out", out_ring, _local(out_full, case)), ("dx", xl.grad, _local(xf.grad, case))):
+        err = (a - b).abs().max().item()
+        if not err <= TOL_F64:
+            errors[name] = err
+    # weight gradients: each rank has its shard's share; summed over ranks they equal the full module's
+    for (name, pf), (_, pr) in zip(full.named_parameters(), ring.named_parameters()):
+        total = pr.grad.clone()
+        dist.all_reduce(total)
+        err = (total - pf.grad).abs().max().item()
+        if not err <= TOL_F64 * 10:
+            errors[name] = err
+    return errors
+
+
+JOBS["module"] = _module
+
+
+def test_module_with_process_group(tmp_path):
+    cases = [dict(shape=(2, 16, 4, 2, 3), w=[4, 16], r=[1, 2], causal=True, layout="zigzag"),
+             dict(shape=(1, 16, 4, 4, 2), w=[8, 16], r=[2, 4], causal=False, layout="contiguous")]
+    _check(_spawn(2, "gloo", "module", cases, tmp_path), cases)
+
+
+def test_module_ring_arguments_are_checked():
+    with pytest.raises(TypeError, match="process_group"):
+        dilated_attn.DilatedAttention([4], [1], process_group="world")
+    with pytest.raises(ValueError, match="layout"):
+        dilated_attn.DilatedAttention([4], [1], layout="spiral")
+    if dist.is_available():
+        group = dist.ProcessGroup(dist.HashStore(), 0, 1)  # construction-time checks need no live group
+        with pytest.raises(ValueError, match="dropout"):
+            dilated_attn.DilatedAttention([4], [1], attention_dropout=0.1, process_group=group)
+        with pytest.raises(ValueError, match="spatial_shape"):
+            dilated_attn.MultiheadDilatedAttention(8, 2, [1], [4], spatial_shape=(2, 2), process_group=group)
