@@ -10,7 +10,13 @@ dilated_attn.MultiheadDilatedAttention (with MAGNETO's sub-LayerNorm) and a GELU
 an output head tied to the embedding (--untied for a separate one). AdamW with linear warm-up and cosine
 decay, gradients clipped at 1; bfloat16 autocast on a GPU (--dtype float32 turns it off). It prints step,
 loss and tokens/s, and at the end the loss on the held-out last 5% of the corpus. --json writes the loss
-curve, --plot draws it (needs matplotlib). Multi-GPU training arrives with ring attention.
+curve, --plot draws it (needs matplotlib).
+
+Sequence parallel: launched by torchrun with several processes, every rank holds a zigzag shard of each
+window (dilated_attn.shard) and the attention runs as dilated_attn.ring_attention (the modules'
+process_group); weight gradients are summed across ranks, so all ranks take the same steps:
+
+    torchrun --nproc_per_node=2 examples/train_longnet.py --seq-len 16384 ...   # NCCL on GPUs, gloo on CPUs
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import dilated_attn
 from dilated_attn import MultiheadDilatedAttention
 
 VOCAB = 256  # bytes
@@ -44,10 +52,11 @@ def load_corpus() -> tuple[torch.Tensor, dict]:
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads, segment_lengths, dilation_rates):
+    def __init__(self, dim, heads, segment_lengths, dilation_rates, group=None):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = MultiheadDilatedAttention(dim, heads, dilation_rates, segment_lengths)
+        self.attn = MultiheadDilatedAttention(dim, heads, dilation_rates, segment_lengths, process_group=group,
+                                              layout="zigzag")
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
@@ -57,21 +66,27 @@ class Block(nn.Module):
 
 
 class LongNetLM(nn.Module):
-    def __init__(self, dim, layers, heads, max_len, segment_lengths, dilation_rates, tied=True):
+    def __init__(self, dim, layers, heads, max_len, segment_lengths, dilation_rates, tied=True, group=None):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.zeros(max_len, dim))
         # Small embeddings: with the tied head the first logits are near zero, so training starts at ln(256).
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)
-        self.blocks = nn.ModuleList(Block(dim, heads, segment_lengths, dilation_rates) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, segment_lengths, dilation_rates, group) for _ in range(layers))
+        self.sharded = group is not None
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         if tied:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens):  # [B, N] bytes as int64 -> logits [B, N, 256]
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+    def forward(self, tokens):  # [B, N] bytes as int64 -> logits [B, N, 256]; sharded: this rank's positions
+        if self.sharded:  # the positions of this rank's zigzag shard of the window
+            n = tokens.shape[1] * dist.get_world_size()
+            positions = dilated_attn.shard(torch.arange(n, device=tokens.device), layout="zigzag", dim=0)
+            x = self.embed(tokens) + self.pos[positions]
+        else:
+            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
@@ -94,9 +109,21 @@ def lr_at(step, steps, lr):
 
 
 def loss_of(model, x, y, device, dtype):
+    """Mean next-byte loss of the batch; sequence-parallel: of this rank's shard (equal shares on every rank,
+    so the mean over ranks is the batch's mean)."""
+    if model.sharded:
+        x, y = (dilated_attn.shard(t, layout="zigzag") for t in (x, y))
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         logits = model(x.to(device))
     return F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value
 
 
 @torch.no_grad()
@@ -109,7 +136,8 @@ def held_out_loss(model, data, args, device, dtype, batches=4):
         return math.nan
     starts = torch.arange(count) * n
     window = data[starts[:, None] + torch.arange(n + 1)].long()
-    losses = [loss_of(model, window[i : i + args.batch, :-1], window[i : i + args.batch, 1:], device, dtype).item()
+    losses = [mean_over_ranks(loss_of(model, window[i : i + args.batch, :-1], window[i : i + args.batch, 1:],
+                                      device, dtype)).item()
               for i in range(0, count, args.batch)]
     model.train()
     return sum(losses) / len(losses)
@@ -157,19 +185,30 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     ap, args = parse_args(argv)
+    process_group, rank = None, 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: sequence parallel over the ranks
+        if args.device.type == "cuda":
+            args.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
+        process_group, rank = dist.group.WORLD, dist.get_rank()
+        if args.seq_len % (2 * dist.get_world_size()):
+            ap.error(f"--seq-len must be divisible by 2 x the number of processes ({2 * dist.get_world_size()})")
     device, dtype = args.device, args.dtype
+    log = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     data, corpus = load_corpus()
     split = int(len(data) * (1 - HELD_OUT))
     train_data, held_out = data[:split], data[split:]
     try:  # bad attention arguments (say --dim not divisible by --heads) get the module's own message
         model = LongNetLM(args.dim, args.layers, args.heads, args.seq_len, args.segment_lengths, args.dilation_rates,
-                          tied=not args.untied).to(device)
+                          tied=not args.untied, group=process_group).to(device)
     except (ValueError, TypeError) as exc:
         ap.error(str(exc))
     params = sum(p.numel() for p in model.parameters())
-    print(f"corpus: {corpus['files']} files, {corpus['bytes']:,} bytes from {corpus['path']}; model: {params:,} "
-          f"parameters on {device}, {str(dtype).removeprefix('torch.')}", flush=True)
+    log(f"corpus: {corpus['files']} files, {corpus['bytes']:,} bytes from {corpus['path']}; model: {params:,} "
+        f"parameters on {device}, {str(dtype).removeprefix('torch.')}"
+        + (f"; sequence parallel over {dist.get_world_size()} ranks" if process_group is not None else ""), flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(args.seed)
 
@@ -182,6 +221,11 @@ def main(argv=None) -> dict:
         loss = loss_of(model, x, y, device, dtype)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if process_group is not None:  # each rank's gradients are its shard's share of the batch's; their mean is the whole
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            loss = mean_over_ranks(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.detach())
@@ -189,18 +233,21 @@ def main(argv=None) -> dict:
             recent = torch.stack(losses[-args.log_every:]).mean().item()  # .item() waits for the GPU
             now = time.perf_counter()
             steps_done = (step % args.log_every) + 1
-            print(f"step {step + 1:6d}  loss {recent:.4f}  lr {lr_at(step, args.steps, args.lr):.2e}  "
+            log(f"step {step + 1:6d}  loss {recent:.4f}  lr {lr_at(step, args.steps, args.lr):.2e}  "
                   f"{steps_done * args.batch * args.seq_len / (now - last):,.0f} tokens/s", flush=True)
             last = now
     elapsed = time.perf_counter() - start
     curve = torch.stack(losses).tolist()
     final = held_out_loss(model, held_out, args, device, dtype)
-    print(f"held-out loss {final:.4f} ({final / math.log(2):.3f} bits per byte); "
+    log(f"held-out loss {final:.4f} ({final / math.log(2):.3f} bits per byte); "
           f"{args.steps * args.batch * args.seq_len / elapsed:,.0f} tokens/s overall", flush=True)
 
     config = {k: str(v) if isinstance(v, (torch.device, torch.dtype)) else v for k, v in vars(args).items()}
     result = dict(config=config, corpus=corpus, parameters=params, losses=curve, held_out_loss=final,
                   tokens_per_s=args.steps * args.batch * args.seq_len / elapsed)
+    if rank != 0:
+        dist.destroy_process_group()
+        return result
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -219,6 +266,8 @@ def main(argv=None) -> dict:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         fig.savefig(args.plot, dpi=110)
         print(f"wrote {args.plot}")
+    if process_group is not None:
+        dist.destroy_process_group()
     return result
 
 

@@ -49,3 +49,22 @@ def test_plot(example, tmp_path):
     png = tmp_path / "loss.png"
     example.main([*TINY, "--steps", "4", "--plot", str(png)])
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sequence_parallel_training_matches_one_process(example, tmp_path):
+    """torchrun with 2 CPU processes (gloo, ring attention, zigzag shards): the same losses as one process,
+    since the ring computes the same function and the weight gradients are summed across ranks."""
+    import subprocess
+    import sys
+
+    args = [*TINY, "--steps", "6", "--log-every", "3"]
+    single = example.main([*args, "--json", str(tmp_path / "one.json")])["losses"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the same dilated_attn as this process imports (PYTHONPATH kept)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          os.path.join(ROOT, "examples", "train_longnet.py"), *args,
+                          "--json", str(tmp_path / "two.json")],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "sequence parallel over 2 ranks" in run.stdout
+    ring = json.loads((tmp_path / "two.json").read_text())["losses"]
+    assert ring == pytest.approx(single, rel=1e-4, abs=1e-4)
