@@ -131,7 +131,6 @@ class _Class:
     rows_q: list[list[list[int]]]  # [rank][head in class] -> local rows, concatenated over the rank's pieces
     rows_kv: list[list[list[int]]]  # [rank][kv entry] -> local rows
     segments: list[list[tuple[int, int, int, int]]]  # [rank] -> (segment, global start, start, stop) per piece
-    kv_unique: bool  # no two kv entries read the same (row, kv head)
 
 
 @dataclass
@@ -235,7 +234,7 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
             first = {pr: pairs.index(pr) for pr in distinct}
             rows_kv = [[rows_q[j][first[pr]] for pr in distinct] for j in range(P)]
             classes.append(_Class([h for h, _, _ in heads], [kvh for _, kvh in distinct], per, rows_q, rows_kv,
-                                  segs, len(set(distinct)) == len(distinct)))
+                                  segs))
     needed = [[[[] for _ in classes] for _ in range(P)] for _ in range(P)]
     tasks = [[[] for _ in range(P)] for _ in range(P)]
     for c, cl in enumerate(classes):
@@ -509,40 +508,52 @@ class _Rows:
         n = len(rows[0]) if rows else 0
         first = rows[0] if rows else []
         contiguous_rows = all(r == first for r in rows) and first == list(range(first[0], first[0] + n)) if n else False
+        # Columns with the same head and rows (query heads of one class that share a kv entry's rows without a
+        # uniform grouping) are summed into the first of them before a write-back: `merge[c]` is its index.
+        first_col = {}
+        self.merge = [first_col.setdefault((h, r[0] if r else None), c) for c, (h, r) in enumerate(zip(heads, rows))]
+        self.unique = [c for c, m in enumerate(self.merge) if m == c]
         if contiguous_rows and heads == list(range(heads[0], heads[0] + len(heads))):
             self.slices = (slice(first[0], first[0] + n), slice(heads[0], heads[0] + len(heads)))
         else:
             self.slices = None
-            self.rows = torch.tensor(rows, dtype=torch.long, device=device).reshape(len(heads), -1).T.contiguous()
-            self.heads = torch.tensor(heads, dtype=torch.long, device=device)
+            keep = self.unique
+            self.rows = torch.tensor([rows[c] for c in keep], dtype=torch.long, device=device).reshape(len(keep), -1)
+            self.rows = self.rows.T.contiguous()
+            self.heads = torch.tensor([heads[c] for c in keep], dtype=torch.long, device=device)
+            self.all_rows = torch.tensor(rows, dtype=torch.long, device=device).reshape(len(heads), -1).T.contiguous()
+            self.all_heads = torch.tensor(heads, dtype=torch.long, device=device)
 
-    def _index(self, B: int, device):
+    def _index(self, B: int, device, every_column: bool = False):
         if self.slices is not None:
             return (slice(None), *self.slices)
-        return (torch.arange(B, device=device).view(B, 1, 1), self.rows.unsqueeze(0), self.heads.view(1, 1, -1))
+        rows, heads = (self.all_rows, self.all_heads) if every_column else (self.rows, self.heads)
+        return (torch.arange(B, device=device).view(B, 1, 1), rows.unsqueeze(0), heads.view(1, 1, -1))
 
     def gather(self, x):  # [B, L, H, ...] -> [B, n, c, ...]
-        return x[self._index(x.shape[0], x.device)]
+        return x[self._index(x.shape[0], x.device, every_column=True)]
 
     def gather_lse(self, x):  # [B, H, L] -> [B, c, n]
         return self.gather(x.transpose(1, 2)).transpose(1, 2)
 
-    def put(self, x, values):
-        x[self._index(x.shape[0], x.device)] = values.to(x.dtype)
+    def put(self, x, values):  # every column is distinct here: query rows (one per head and position)
+        x[self._index(x.shape[0], x.device, every_column=True)] = values.to(x.dtype)
 
     def put_lse(self, x, values):
         self.put(x.transpose(1, 2), values.transpose(1, 2))
 
-    def add(self, acc, values, unique: bool):
-        """acc[rows, heads] += values (float32/64, one rounding to acc's dtype). Repeated (row, head) pairs
-        (query heads sharing kv rows without a uniform grouping) are summed first, deterministically."""
+    def add(self, acc, values):
+        """acc[rows, heads] += values (float32/64, one rounding to acc's dtype). Repeated columns are summed
+        first, in column order, so the result does not depend on the device's scheduling."""
+        if len(self.unique) < len(self.merge):
+            summed = values[:, :, self.unique].clone()
+            slot = {c: i for i, c in enumerate(self.unique)}
+            for c, m in enumerate(self.merge):
+                if m != c:
+                    summed[:, :, slot[m]] += values[:, :, c]
+            values = summed
         index = self._index(acc.shape[0], acc.device)
-        if unique:
-            acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
-            return
-        total = torch.zeros(acc.shape, dtype=values.dtype, device=acc.device)
-        total.index_put_(index, values, accumulate=True)
-        acc.copy_(acc.to(values.dtype) + total)
+        acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
 
 
 class _Compacted:
@@ -646,10 +657,10 @@ class _RingAttention(torch.autograd.Function):
                 returning.append(ring.post_grads(t, gk, gv, acc_dtype))
         for ret, dst in returning:
             ring.add_returned_grads(ret, dst, dkc, dvc)
-        for cp, cl, g_q, g_k, g_v in zip(comp, plan.classes, dqc, dkc, dvc):
-            cp.q.add(dq, g_q, unique=True)
-            cp.kv.add(dk, g_k, unique=cl.kv_unique)
-            cp.kv.add(dv, g_v, unique=cl.kv_unique)
+        for cp, g_q, g_k, g_v in zip(comp, dqc, dkc, dvc):
+            cp.q.add(dq, g_q)
+            cp.kv.add(dk, g_k)
+            cp.kv.add(dv, g_v)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
