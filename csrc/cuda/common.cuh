@@ -25,8 +25,9 @@ constexpr int kRowsY = 8;   // ty in [0, 8)
 constexpr int kColsX = 16;  // tx in [0, 16)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-// A finite start for running maxima keeps rows with no visible key NaN-free: exp2(-inf - m) = 0.
-constexpr float kNoMax = -1.0e30f;
+// A finite start for running maxima keeps rows with no visible key NaN-free: exp2(-inf - m) = 0. The lowest
+// finite float (-FLT_MAX), so that rows whose scores all lie below any other start still count.
+constexpr float kNoMax = -3.402823466e38f;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x);

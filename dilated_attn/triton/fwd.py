@@ -118,8 +118,9 @@ def _fwd_kernel(
         k_base = K + b * stride_kb + kvh * stride_kh
         v_base = V + b * stride_vb + kvh * stride_vh
 
-        # A finite start for the running max keeps fully masked rows NaN-free (their p is exp2(-inf) = 0).
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        # A finite start for the running max keeps fully masked rows NaN-free (their p is exp2(-inf) = 0); the
+        # lowest finite float, so that rows whose scores are all below any other start (say -1e30) still count.
+        m_i = tl.full([BLOCK_M], -3.4028234663852886e38, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         # Key blocks wholly inside the segment and wholly visible to every query of the block need no
