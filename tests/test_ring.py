@@ -47,10 +47,12 @@ def _global_inputs(case: dict, dtype, device):
 
 def _attention(case, q, k, v, ring: bool, backend="auto"):
     kw = dict(causal=case.get("causal", False), head_groups=case.get("head_groups", "all"), return_lse=True,
-              backend=backend)
+              backend=backend, scale=case.get("scale"))
     w, r = case.get("w"), case.get("r")
     if ring:
-        return dilated_attn.ring_attention(q, k, v, w, r, layout=case.get("layout", "contiguous"), **kw)
+        kw["backend"] = case.get("backend", backend)
+        return dilated_attn.ring_attention(q, k, v, w, r, layout=case.get("layout", "contiguous"), group=_GROUP,
+                                           **kw)
     N = q.shape[1]
     return dilated_attn.dilated_attention(q, k, v, w or [N], r or [1], **kw)
 
@@ -65,10 +67,25 @@ def _run(case, q, k, v, grad_out, grad_lse, ring: bool, backend="auto"):
 
 
 def _local(x, case, dim=1):
-    return dilated_attn.shard(x, layout=case.get("layout", "contiguous"), dim=dim)
+    return dilated_attn.shard(x, layout=case.get("layout", "contiguous"), dim=dim, group=_GROUP)
+
+
+_GROUP = None  # the process group of the current case (None: the world)
 
 
 def _compare_f64(case, rank):
+    global _GROUP
+    if case.get("subgroups"):  # the world cut into halves, each running its own ring
+        world = dist.get_world_size()
+        halves = [dist.new_group(list(range(0, world // 2))), dist.new_group(list(range(world // 2, world)))]
+        _GROUP = halves[rank * 2 // world]
+    try:
+        return _compare_in_group(case)
+    finally:
+        _GROUP = None
+
+
+def _compare_in_group(case):
     q, k, v, go, gl = _global_inputs(case, torch.float64, "cpu")
     want = _run(case, q, k, v, go, gl, ring=False, backend="cpu")
     got = _run(case, *(_local(x, case) for x in (q, k, v, go)), _local(gl, case, dim=2), ring=True)
@@ -155,6 +172,8 @@ def _named_cases(P):
         dict(name="GQA heads across offset groups", shape=(1, N, 6, 3, 4), w=[N], r=[2], causal=True),
         dict(name="odd local length", shape=(1, P * 7, 4, 2, 3), w=[3, 10], r=[1, 2], causal=True),
         dict(name="custom scale", shape=(1, N, 2, 2, 3), w=[N], r=[1], scale=0.37, causal=True),
+        dict(name="reference blocks", shape=(1, N, 4, 2, 3), w=[4, N], r=[1, 2], causal=True, layout="zigzag",
+             backend="reference"),
     ]
     for c in cases:
         c["seed"] = zlib.crc32(c["name"].encode())
@@ -204,6 +223,10 @@ def _mismatch(case, rank):
         w, r = [N // 2], [1]
     if field == "layout" and rank == 1:
         kw["layout"] = "zigzag"
+    if field == "scale" and rank == 1:
+        kw["scale"] = 0.5
+    if field == "heads" and rank == 1:
+        q = torch.randn(B, L_mine, 2 * Hq, D, dtype=dtype)
     try:
         dilated_attn.ring_attention(q, k, k, w, r, **kw)
     except ValueError as exc:
@@ -265,13 +288,20 @@ def test_ring_matches_dilated_attention_gloo(world, tmp_path):
     _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
 
 
+def test_ring_on_subgroups_gloo(tmp_path):
+    """Four ranks as two independent 2-rank groups (peers addressed by their global ranks)."""
+    cases = [dict(c, subgroups=True) for c in _named_cases(2) if c["name"] in (
+        "dense causal zigzag", "dilated spanning", "mixed causal", "unaligned segments")]
+    _check(_spawn(4, "gloo", "compare_f64", cases, tmp_path), cases)
+
+
 def test_ring_three_ranks_gloo(tmp_path):
     cases = [c for c in _named_cases(3) if "zigzag" in c["name"] or "unaligned" in c["name"]]
     _check(_spawn(3, "gloo", "compare_f64", cases, tmp_path), cases)
 
 
 def test_mismatched_configuration_raises_on_every_rank(tmp_path):
-    fields = ["length", "dtype", "causal", "branches", "layout"]
+    fields = ["length", "dtype", "causal", "branches", "layout", "scale", "heads"]
     cases = [dict(shape=(1, 16, 2, 2, 4), field=f) for f in fields]
     results = _spawn(2, "gloo", "mismatch", cases, tmp_path)
     for rank, per_rank in enumerate(results):
