@@ -126,11 +126,27 @@ class _Class:
     """Heads of one spanning branch whose pieces have identical member counts: one stacked problem."""
 
     q_heads: list[int]
+    q_offsets: list[int]  # each query head's offset in the branch
     kv_heads: list[int]  # one entry per distinct (offset, kv head); q head i of the class reads entry i // group
+    kv_offsets: list[int]
     group: int
-    rows_q: list[list[list[int]]]  # [rank][head in class] -> local rows, concatenated over the rank's pieces
-    rows_kv: list[list[list[int]]]  # [rank][kv entry] -> local rows
+    dilation: int
+    seg_len: int
+    pieces: list[list[tuple[int, int, int, int]]]  # [rank] -> (segment, global lo, global hi, local row of lo)
     segments: list[list[tuple[int, int, int, int]]]  # [rank] -> (segment, global start, start, stop) per piece
+
+    def rows(self, rank: int, offsets: list[int]) -> list[torch.Tensor]:
+        """Per offset, the local rows of its members on `rank`, concatenated over the rank's pieces."""
+        r, s = self.dilation, self.seg_len
+        out = []
+        for o in offsets:
+            parts = []
+            for seg, lo, hi, local in self.pieces[rank]:
+                first = _first_member(lo, seg * s, o, r)
+                if first < hi:
+                    parts.append(torch.arange(first - lo + local, hi - lo + local, r))
+            out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
+        return out
 
 
 @dataclass
@@ -168,10 +184,13 @@ class RingPlan:
         return 2 * rows * batch * head_dim * itemsize
 
 
-def _members(lo: int, hi: int, seg_start: int, offset: int, r: int) -> list[int]:
-    """Global positions p in [lo, hi) with (p - seg_start) % r == offset."""
-    first = seg_start + offset + r * max(0, -(-(lo - seg_start - offset) // r))
-    return list(range(first, hi, r))
+def _first_member(lo: int, seg_start: int, offset: int, r: int) -> int:
+    """The first global position p >= lo with (p - seg_start) % r == offset (members are p, p + r, ...)."""
+    return seg_start + offset + r * max(0, -(-(lo - seg_start - offset) // r))
+
+
+def _count(lo: int, hi: int, seg_start: int, offset: int, r: int) -> int:
+    return max(0, -(-(hi - _first_member(lo, seg_start, offset, r)) // r))
 
 
 def _is_local(s: int, L: int, layout: str) -> bool:
@@ -211,14 +230,11 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
         by_key: dict = {}
         for h in range(br.head_lo, br.head_hi):
             o = br.offset(h)
-            members = [[_members(lo, hi, seg * s, o, r) for seg, lo, hi, _ in pj] for pj in pieces]
-            key = tuple(tuple(len(m) for m in mj) for mj in members)
-            by_key.setdefault(key, []).append((h, o, members))
+            key = tuple(tuple(_count(lo, hi, seg * s, o, r) for seg, lo, hi, _ in pj) for pj in pieces)
+            by_key.setdefault(key, []).append((h, o))
         for key, heads in by_key.items():
-            rows_q, segs = [], []
+            segs = []
             for j, pj in enumerate(pieces):
-                rows_q.append([[pj[n][3] + p - pj[n][1] for n, m in enumerate(mem[j]) for p in m]
-                               for _, _, mem in heads])
                 start, seg_list = 0, []
                 for n, (seg, lo, _, _) in enumerate(pj):
                     count = key[j][n]
@@ -226,15 +242,13 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
                         seg_list.append((seg, lo, start, start + count))
                     start += count
                 segs.append(seg_list)
-            pairs = [(o, h // G) for h, o, _ in heads]
+            pairs = [(o, h // G) for h, o in heads]
             distinct = list(dict.fromkeys(pairs))
             per = len(heads) // len(distinct)
             if any(distinct.index(pr) != n // per for n, pr in enumerate(pairs)):
                 distinct, per = pairs, 1  # no uniform grouping: one kv entry per query head
-            first = {pr: pairs.index(pr) for pr in distinct}
-            rows_kv = [[rows_q[j][first[pr]] for pr in distinct] for j in range(P)]
-            classes.append(_Class([h for h, _, _ in heads], [kvh for _, kvh in distinct], per, rows_q, rows_kv,
-                                  segs))
+            classes.append(_Class([h for h, _ in heads], [o for _, o in heads], [kvh for _, kvh in distinct],
+                                  [o for o, _ in distinct], per, r, s, pieces, segs))
     needed = [[[[] for _ in classes] for _ in range(P)] for _ in range(P)]
     tasks = [[[] for _ in range(P)] for _ in range(P)]
     for c, cl in enumerate(classes):
@@ -504,25 +518,22 @@ class _Rows:
     [B, n, c, ...] tensor and writes back. Where every head has the same contiguous rows and the heads are
     contiguous (dense attention), the gather is a slice (a view), not a copy."""
 
-    def __init__(self, rows: list[list[int]], heads: list[int], device):
-        n = len(rows[0]) if rows else 0
-        first = rows[0] if rows else []
-        contiguous_rows = all(r == first for r in rows) and first == list(range(first[0], first[0] + n)) if n else False
+    def __init__(self, rows: list[torch.Tensor], heads: list[int], device):
+        n = len(rows[0])
+        first = int(rows[0][0]) if n else 0
         # Columns with the same head and rows (query heads of one class that share a kv entry's rows without a
         # uniform grouping) are summed into the first of them before a write-back: `merge[c]` is its index.
         first_col = {}
-        self.merge = [first_col.setdefault((h, r[0] if r else None), c) for c, (h, r) in enumerate(zip(heads, rows))]
+        self.merge = [first_col.setdefault((h, int(r[0]) if n else None), c) for c, (h, r) in enumerate(zip(heads, rows))]
         self.unique = [c for c, m in enumerate(self.merge) if m == c]
-        if contiguous_rows and heads == list(range(heads[0], heads[0] + len(heads))):
-            self.slices = (slice(first[0], first[0] + n), slice(heads[0], heads[0] + len(heads)))
+        contiguous = n > 0 and all(torch.equal(r, rows[0]) for r in rows) and int(rows[0][-1]) == first + n - 1
+        if contiguous and heads == list(range(heads[0], heads[0] + len(heads))):
+            self.slices = (slice(first, first + n), slice(heads[0], heads[0] + len(heads)))
         else:
             self.slices = None
-            keep = self.unique
-            self.rows = torch.tensor([rows[c] for c in keep], dtype=torch.long, device=device).reshape(len(keep), -1)
-            self.rows = self.rows.T.contiguous()
-            self.heads = torch.tensor([heads[c] for c in keep], dtype=torch.long, device=device)
-            self.all_rows = torch.tensor(rows, dtype=torch.long, device=device).reshape(len(heads), -1).T.contiguous()
+            self.all_rows = torch.stack(rows, 1).to(device)  # [n, columns]
             self.all_heads = torch.tensor(heads, dtype=torch.long, device=device)
+            self.rows, self.heads = self.all_rows[:, self.unique], self.all_heads[self.unique]
 
     def _index(self, B: int, device, every_column: bool = False):
         if self.slices is not None:
@@ -560,8 +571,8 @@ class _Compacted:
     """One class on one rank: its query rows and its kv rows."""
 
     def __init__(self, cl: _Class, rank: int, device):
-        self.q = _Rows(cl.rows_q[rank], cl.q_heads, device)
-        self.kv = _Rows(cl.rows_kv[rank], cl.kv_heads, device)
+        self.q = _Rows(cl.rows(rank, cl.q_offsets), cl.q_heads, device)
+        self.kv = _Rows(cl.rows(rank, cl.kv_offsets), cl.kv_heads, device)
 
 
 @functools.lru_cache(maxsize=64)
