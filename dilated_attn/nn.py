@@ -22,7 +22,7 @@ from torch import nn
 
 from . import dispatch
 from .functional import dilated_attention
-from .hilbert import _check_shape, deserialize, hilbert_index
+from .hilbert import _check_shape, hilbert_index
 from .reference import dilated_attention_reference
 from .ring import _check_layout, ring_attention
 from .spec import Problem, _int_list, validate

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from . import dispatch
 from .functional import dilated_attention
 from .reference import dilated_attention_reference
-from .spec import BACKENDS, Problem, branch_table, lse_dtype, validate
+from .spec import BACKENDS, branch_table, lse_dtype, validate
 
 LAYOUTS = ("contiguous", "zigzag")
 
