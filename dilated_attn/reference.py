@@ -45,13 +45,15 @@ def _merge_branches(outs: list[torch.Tensor], lses: list[torch.Tensor]):
     """LSE = log sum_i exp(lse_i); out = sum_i exp(lse_i - LSE) out_i; rows where every lse_i = -inf give
     (0, -inf). outs: [B, H, N, D], lses: [B, H, N]."""
     lse_all = torch.stack(lses)  # [m, B, H, N]
-    covered = torch.isfinite(lse_all).any(0)
+    covered = (lse_all != -math.inf).any(0)  # a NaN lse_i counts as covered, so the NaN reaches LSE
     big = lse_all.amax(0).detach()
     big = torch.where(covered, big, torch.zeros_like(big))
-    total = torch.where(covered, torch.exp(lse_all - big).sum(0), torch.ones_like(big))
+    weights = torch.exp(lse_all - big)  # exp(lse_i - max): in (0, 1], no overflow
+    total = torch.where(covered, weights.sum(0), torch.ones_like(big))
     lse = torch.where(covered, torch.log(total) + big, torch.full_like(big, -math.inf))
-    safe_lse = torch.where(covered, lse, torch.zeros_like(lse))
-    out = sum(torch.exp(li - safe_lse).unsqueeze(-1) * oi for oi, li in zip(outs, lses))
+    # Normalised by their own sum rather than taken as exp(lse_i - LSE): with a rounded LSE (|LSE| * eps
+    # comparable to the log of the branch count) those would no longer sum to 1.
+    out = sum((w / total).unsqueeze(-1) * oi for oi, w in zip(outs, weights))
     return out, lse
 
 

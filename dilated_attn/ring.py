@@ -367,12 +367,16 @@ def _merge(acc_o, acc_l, o, lse):
     """acc <- log-sum-exp merge of (acc_o [B,n,H,D], acc_l [B,H,n]) with (o, lse), in place, in acc's dtype;
     rows where both are -inf stay (0, -inf)."""
     lse = lse.to(acc_l.dtype)
-    new = torch.logaddexp(acc_l, lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    w_acc = torch.exp(acc_l - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    top = torch.maximum(acc_l, lse)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # both -inf: weights 0, result (0, -inf)
+    e_acc, e_new = torch.exp(acc_l - top), torch.exp(lse - top)
+    total = e_acc + e_new
+    # normalised by their sum (not exp(. - merged lse), which a rounded lse would keep from summing to 1)
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    w_acc = (e_acc / safe).transpose(1, 2).unsqueeze(-1)
+    w_new = (e_new / safe).transpose(1, 2).unsqueeze(-1)
     acc_o.mul_(w_acc).add_(w_new * o.to(acc_o.dtype))
-    acc_l.copy_(new)
+    acc_l.copy_(top + torch.log(total))
 
 
 def _block_forward(fwd, q, k, v, causal, scale, acc_o, acc_l):

@@ -77,12 +77,14 @@ DA_INLINE T row_max(T* __restrict s, T m, int64_t visible) {
   using V = typename Vec<T>::type;
   constexpr int64_t L = Vec<T>::lanes;
   for (int64_t j = visible; j < kBlockK; ++j) s[j] = neg_inf<T>();
+  // NaN wins the comparisons (x != x), so a NaN score makes the row's max, and with it its lse, NaN instead
+  // of being skipped: the row then reports NaN in out and lse alike.
   V mv = V{} + m;
   for (int64_t j = 0; j < kBlockK; j += L) {
     const V x = vload(s + j);
-    mv = x > mv ? x : mv;
+    mv = (x > mv) | (x != x) ? x : mv;
   }
-  for (int64_t l = 0; l < L; ++l) m = std::max(m, mv[l]);
+  for (int64_t l = 0; l < L; ++l) m = (mv[l] > m || mv[l] != mv[l]) ? mv[l] : m;
   return m;
 }
 

@@ -181,9 +181,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
     const float inv_l = stored ? 1.f / l_i[r] : 0.f;
     const float lse_b = stored ? (m_i[r] + __log2f(l_i[r])) * kLn2 : -INFINITY;
     old_lse[r] = stored ? lse_base[pos] : -INFINITY;
+    // Weights exp(. - max) normalised by their sum, not exp(. - merged lse): a rounded merged lse (|lse| * eps
+    // near log 2) would keep the latter from summing to 1.
     const float top = fmaxf(old_lse[r], lse_b);
-    new_lse[r] = top + __logf(__expf(old_lse[r] - top) + __expf(lse_b - top));
-    const float w_old = __expf(old_lse[r] - new_lse[r]), w_new = __expf(lse_b - new_lse[r]) * inv_l;
+    const float e_old = __expf(old_lse[r] - top), e_new = __expf(lse_b - top), total = e_old + e_new;
+    new_lse[r] = top + __logf(total);
+    const float w_old = e_old / total, w_new = e_new / total * inv_l;
     if (stored) {
       T* row = out_base + pos * p.so.seq;
 #pragma unroll

@@ -146,9 +146,13 @@ def _fwd_kernel(
         if not FIRST:
             old_lse = tl.load(lse_ptrs, mask=m_mask, other=float("-inf"))
             old_o = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+            # Weights exp(. - max) normalised by their sum (not exp(. - merged lse), which a rounded merged lse
+            # would keep from summing to 1 at large |lse|).
             top = tl.maximum(old_lse, lse)
-            merged = top + tl.log(tl.exp(old_lse - top) + tl.exp(lse - top))
-            o = old_o * tl.exp(old_lse - merged)[:, None] + o * tl.exp(lse - merged)[:, None]
-            lse = merged
+            e_old = tl.exp(old_lse - top)
+            e_new = tl.exp(lse - top)
+            total = e_old + e_new
+            o = (old_o * e_old[:, None] + o * e_new[:, None]) / total[:, None]
+            lse = top + tl.log(total)
         tl.store(lse_ptrs, lse, mask=m_mask)
         tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=o_mask)
