@@ -227,11 +227,13 @@ void forward_tile(const ForwardArgs<scalar_t, acc_t>& a, const Branch& br, int64
       for (int64_t d = 0; d < D; ++d) row[d] = o[d] * inv;
       L = lse_i;
     } else {
-      const acc_t hi = std::max(L, lse_i), lo = std::min(L, lse_i);
-      const acc_t merged = hi + std::log1p(std::exp(lo - hi));
-      const acc_t w_old = std::exp(L - merged), w_new = std::exp(lse_i - merged) / l[i];
+      // Weights exp(. - max) normalised by their sum, not exp(. - merged): with a rounded merged lse (|lse| * eps
+      // near log 2) the latter would no longer sum to 1.
+      const acc_t hi = std::max(L, lse_i);
+      const acc_t e_old = std::exp(L - hi), e_new = std::exp(lse_i - hi), sum = e_old + e_new;
+      const acc_t w_old = e_old / sum, w_new = e_new / sum / l[i];
       for (int64_t d = 0; d < D; ++d) row[d] = w_old * row[d] + w_new * o[d];
-      L = merged;
+      L = hi + std::log(sum);
     }
   }
 }
