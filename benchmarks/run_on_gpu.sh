@@ -13,8 +13,11 @@ stages=${*:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 start=$(date +%s)
 if [ "${SKIP_BUILD:-0}" = 1 ]; then
-  # Triton-only runs (ring): the source tree without the compiled extension
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  # a later call on the same machine: the extension installed by an earlier call; else (Triton-only runs such
+  # as the ring) the source tree without the compiled extension
+  if ! (cd /tmp && python3 -c "import dilated_attn._C" 2>/dev/null); then
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  fi
 elif ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"
   exit 1
@@ -26,9 +29,11 @@ fi
 for stage in $stages; do
   case $stage in
     tests|all)
-      # from tests/, so that the installed package (with its compiled _C) is imported, not the source tree
-      (cd tests && python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfE --maxfail=10 -p no:cacheprovider . 2>&1) \
-        | tee "$OUT/gpu_tests.log" | tail -40 ;;&
+      # from tests/, so that the installed package (with its compiled _C) is imported, not the source tree;
+      # spread over processes with pytest-xdist where it is installed (the tests are bound by Triton compiles)
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
+      (cd tests && python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfE --maxfail=10 -p no:cacheprovider \
+        --durations=10 $workers . 2>&1) | tee "$OUT/gpu_tests.log" | tail -40 ;;&
     sanitize)
       for tool in memcheck racecheck initcheck; do
         compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cuda.py > "$OUT/sanitize_$tool.log" 2>&1
