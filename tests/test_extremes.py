@@ -47,18 +47,18 @@ def device_of(backend):
     return "cuda" if backend in GPU_BACKENDS else "cpu"
 
 
-def combos(dtypes, triton_dtypes=(F32,), triton_xfail=None):
+def combos(dtypes, triton_dtypes=(F32,), kernel_xfail=None):
     """(backend, dtype) parameters: cpu and reference for every dtype they support, triton for
     `triton_dtypes` (skipped without the interpreter), and on the GPU cuda and triton_gpu for every dtype of
     `dtypes` they support (`triton_dtypes` only spares the slow interpreter). Both Triton variants are strict
-    xfails with reason `triton_xfail`."""
+    xfails with reason `kernel_xfail`, and so is cuda."""
     params = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b in ("cpu", "reference") for d in dtypes
               if d in DTYPES[b]]
-    xfail = [pytest.mark.xfail(strict=True, reason=triton_xfail)] if triton_xfail else []
+    xfail = [pytest.mark.xfail(strict=True, reason=kernel_xfail)] if kernel_xfail else []
     params += [pytest.param("triton", d, id=f"triton-{str(d)[6:]}", marks=[NO_INTERPRETER, *xfail]) for d in dtypes
                if d in triton_dtypes]
     return params + [pytest.param(b, d, id=f"{b}-{str(d)[6:]}",
-                                  marks=[pytest.mark.gpu, *(xfail if b == "triton_gpu" else [])])
+                                  marks=[pytest.mark.gpu, *xfail])
                      for b in GPU_BACKENDS for d in dtypes if d in GPU_DTYPES]
 
 
@@ -334,14 +334,14 @@ def test_tiny_scale_gives_a_uniform_softmax(backend, dtype):
     assert_close(lse, want_lse, lse_tol(dtype), "lse")
 
 
-TRITON_BACKWARD_OVERFLOW = (
-    "known limit: the Triton backward rebuilds P = exp2(s - LSE) from the float32 LSE; at scores of ~1e31 an "
-    "LSE a few ulps (~1e24) below a recomputed score overflows exp2, so dq/dk are not finite. Scores up to "
-    "~1e9 stay finite (ulp < 128); the forward is exact here")
+GPU_KERNEL_BACKWARD_OVERFLOW = (
+    "known limit: the Triton and CUDA backwards rebuild P = exp2(s - LSE) from the float32 LSE; at scores of "
+    "~1e31 an LSE a few ulps (~1e24) below a recomputed score overflows exp2, so dq/dk are not finite. Scores "
+    "up to ~1e9 stay finite (ulp < 128); the forward is exact here")
 
 
 @pytest.mark.parametrize("scale", [1e30, -1e30])
-@pytest.mark.parametrize("backend, dtype", combos((F64, F32), triton_xfail=TRITON_BACKWARD_OVERFLOW))
+@pytest.mark.parametrize("backend, dtype", combos((F64, F32), kernel_xfail=GPU_KERNEL_BACKWARD_OVERFLOW))
 def test_huge_scale_gives_a_hard_max(backend, dtype, scale):
     """scale +-1e30 (one branch, so no merge; see the next test): scores up to ~1e31, finite in float32. The
     softmax is a hard max: out = v of the row's best key, LSE = the best score, and since P is exactly
