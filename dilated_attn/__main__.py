@@ -203,6 +203,10 @@ def self_check(device: torch.device, dtypes=CHECK_DTYPES, backends=None) -> list
     branches = ", ".join(f"({w}, {r})" for w, r in zip(*CHECK_BRANCHES))
     say(f"self-check against the float64 reference: B={s['batch']} N={s['seq_len']} Hq={s['heads']} "
         f"Hkv={s['kv_heads']} D={s['head_dim']}, branches {branches}; forward and backward on {device}")
+    if device.type == "cuda":
+        # Triton caches compiled kernels on disk; on a cold cache each new kernel takes seconds to compile
+        # (float32 ones up to a minute), so a first run is slow without anything being wrong.
+        say("  (the first run on a machine compiles the Triton kernels: allow a few minutes)")
     say(f"  {'backend':<10} {'dtype':<9} {'case':<18} {'max error':>9} {'(where)':<7} {'tolerance':>9}  result")
     gen = torch.Generator().manual_seed(0)
     rows = []
