@@ -134,7 +134,7 @@ def _dkdv_kernel(
     EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
-    MAX_MEMBERS_BUCKET: tl.constexpr,
+    MAX_MEMBERS_BUCKET,  # autotune key only
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -251,7 +251,7 @@ def _dq_kernel(
     EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
-    MAX_MEMBERS_BUCKET: tl.constexpr,
+    MAX_MEMBERS_BUCKET,  # autotune key only
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):

@@ -93,7 +93,7 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr,
     FIRST: tl.constexpr,  # first branch: nothing to merge with
     PRECISION: tl.constexpr,
-    MAX_MEMBERS_BUCKET: tl.constexpr,  # autotune key only
+    MAX_MEMBERS_BUCKET,  # autotune key only (a plain argument: a new bucket re-tunes, it does not recompile)
     ORDERED: tl.constexpr,  # visit tiles in TileOrder's order (else batch, head, segment: row-major)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
