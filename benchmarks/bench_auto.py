@@ -2,12 +2,17 @@
 
     python benchmarks/bench_auto.py                   # the full grid, forward+backward
     python benchmarks/bench_auto.py --mode fwd --quick
+    python benchmarks/bench_auto.py --dtypes float32 --compile-workers 14   # float32 rows, kernels built first
 
 For every configuration it times each backend that can run it (triton, cuda, reference; the same inputs,
 in the same process), records which one `dilated_attn.explain` says auto picks, and reports auto's time
 over the best backend's. The auto rule lives in dilated_attn.dispatch.auto_preference; this is its
 evidence. Times are medians of triton.testing.do_bench (CUDA events, warm-up). JSON goes to
-benchmarks/results/auto_<device>.json.
+benchmarks/results/auto_<device>.json, rewritten after every row (a run cut short keeps its rows).
+
+--compile-workers K fills Triton's on-disk cache first, in K processes that each compile one autotuning
+config per kernel (float32 kernels take up to a minute each to compile, and autotuning compiles its
+configs one after another); the timing process then tunes over the same configs and loads the binaries.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import os
 import sys
+import time
 from datetime import datetime, timezone
 
 import torch
@@ -33,6 +40,50 @@ BRANCHES = {
 GRID = dict(dtype=["bfloat16", "float16", "float32"], head_dim=[64, 128], N=[4096, 16384, 65536],
             branches=list(BRANCHES))
 QUICK = dict(dtype=["bfloat16"], head_dim=[64, 128], N=[4096, 65536], branches=["longnet4"])
+
+
+def _inputs(dtype_name, head_dim, N, heads):
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, N, heads, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    return q, k, v, torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+
+
+def _compile_config(task):
+    """Worker: run one forward+backward per branch set with each Triton kernel restricted to the index-th
+    of its configs that fit (modulo their number), so that the binaries land in Triton's cache."""
+    (dtype_name, head_dim, N, heads, branch_names), index = task
+    from dilated_attn.triton import bwd, fwd
+
+    for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
+        fits = kernel.early_config_prune
+
+        def one(configs, named_args, fits=fits, **kwargs):
+            chosen = fits(configs, named_args, **kwargs)
+            return [chosen[index % len(chosen)]]
+
+        kernel.early_config_prune = one
+    q, k, v, grad = _inputs(dtype_name, head_dim, N, heads)
+    for name in branch_names:
+        out = dilated_attn.dilated_attention(q, k, v, *BRANCHES[name], backend="triton")
+        torch.autograd.grad(out, (q, k, v), grad)
+    torch.cuda.synchronize()
+
+
+def precompile(grid, heads, workers):
+    """Compile the Triton kernels the grid's rows use, spread over `workers` processes."""
+    from dilated_attn.triton import bwd, fwd
+
+    n_configs = max(len(kernel.configs) for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel))
+    # the compiled kernels depend on dtype and head dim (and on causal, fixed here), not on N or the branches
+    groups = [(dtype, head_dim, min(grid["N"]), heads, tuple(grid["branches"]))
+              for dtype, head_dim in itertools.product(grid["dtype"], grid["head_dim"])]
+    tasks = list(itertools.product(groups, range(n_configs)))
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for done, _ in enumerate(pool.imap_unordered(_compile_config, tasks), 1):
+            print(f"  compiled {done}/{len(tasks)} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def time_backend(backend, q, k, v, segs, dils, grad, mode):
@@ -58,6 +109,8 @@ def main(argv=None):
     ap.add_argument("--head-dims", nargs="+", type=int, help="override the grid's head dims")
     ap.add_argument("--seq-lens", nargs="+", type=int, help="override the grid's sequence lengths")
     ap.add_argument("--branches", nargs="+", choices=list(BRANCHES), help="override the grid's branch sets")
+    ap.add_argument("--compile-workers", type=int, default=0,
+                    help="compile the Triton kernels in this many processes before timing (0: no)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_name()
@@ -67,14 +120,22 @@ def main(argv=None):
                        ("branches", args.branches)):
         if value:
             grid[key] = value
-    rows = []
+    if args.compile_workers > 0:
+        print(f"compiling the Triton kernels in {args.compile_workers} processes", flush=True)
+        precompile(grid, args.heads, args.compile_workers)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"auto_{dev.replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    record = dict(benchmark="auto_rule_sweep", command=" ".join(["python", *sys.argv]),
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  device=dict(name=dev, capability=".".join(map(str, torch.cuda.get_device_capability()))),
+                  versions=dict(torch=torch.__version__, triton=triton.__version__,
+                                dilated_attn=dilated_attn.__version__),
+                  heads=args.heads, worst_auto_over_best=None, results=[])
+    rows = record["results"]
     for dtype_name, head_dim, N, branch_name in itertools.product(*grid.values()):
-        dtype = getattr(torch, dtype_name)
         segs, dils = BRANCHES[branch_name]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        shape = (1, N, args.heads, head_dim)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
-        grad = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+        q, k, v, grad = _inputs(dtype_name, head_dim, N, args.heads)
         decision = dilated_attn.explain(q, k, v, segs, dils)
         times = {}
         for name, why in decision.verdicts.items():
@@ -94,19 +155,12 @@ def main(argv=None):
               f"auto/best={row['auto_over_best'] or float('nan'):.2f}  {timing}", flush=True)
         del q, k, v, grad
         torch.cuda.empty_cache()
-    worst = max((r["auto_over_best"] for r in rows if r["auto_over_best"] is not None), default=None)
+        record["worst_auto_over_best"] = max((r["auto_over_best"] for r in rows if r["auto_over_best"] is not None),
+                                             default=None)
+        with open(out, "w") as f:
+            json.dump(record, f, indent=2)
+    worst = record["worst_auto_over_best"]
     print(f"worst auto/best over the grid: {worst:.3f}" if worst else "no comparable rows", flush=True)
-    record = dict(benchmark="auto_rule_sweep", command=" ".join(["python", *sys.argv]),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  device=dict(name=dev, capability=".".join(map(str, torch.cuda.get_device_capability()))),
-                  versions=dict(torch=torch.__version__, triton=triton.__version__,
-                                dilated_attn=dilated_attn.__version__),
-                  heads=args.heads, worst_auto_over_best=worst, results=rows)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"auto_{dev.replace(' ', '_')}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(record, f, indent=2)
     print(f"wrote {out}")
 
 
