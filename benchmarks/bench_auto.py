@@ -31,6 +31,7 @@ import triton
 import triton.testing
 
 import dilated_attn
+from dilated_attn import triton as triton_backend
 from dilated_attn.spec import flops, validate
 
 BRANCHES = {
@@ -53,8 +54,10 @@ def _inputs(dtype_name, head_dim, N, heads):
 def _compile_config(task):
     """Worker: run one forward+backward per branch set with each Triton kernel restricted to the index-th
     of its configs that fit (modulo their number), so that the binaries land in Triton's cache."""
-    (dtype_name, head_dim, N, heads, branch_names), index = task
+    (dtype_name, head_dim, N, heads, branch_names, allow_tf32), index = task
     from dilated_attn.triton import bwd, fwd
+
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32  # a spawned process starts with torch's default
 
     for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
         fits = kernel.early_config_prune
@@ -71,13 +74,13 @@ def _compile_config(task):
     torch.cuda.synchronize()
 
 
-def precompile(grid, heads, workers):
+def precompile(grid, heads, workers, allow_tf32):
     """Compile the Triton kernels the grid's rows use, spread over `workers` processes."""
     from dilated_attn.triton import bwd, fwd
 
     n_configs = max(len(kernel.configs) for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel))
     # the compiled kernels depend on dtype and head dim (and on causal, fixed here), not on N or the branches
-    groups = [(dtype, head_dim, min(grid["N"]), heads, tuple(grid["branches"]))
+    groups = [(dtype, head_dim, min(grid["N"]), heads, tuple(grid["branches"]), allow_tf32)
               for dtype, head_dim in itertools.product(grid["dtype"], grid["head_dim"])]
     tasks = list(itertools.product(groups, range(n_configs)))
     start = time.perf_counter()
@@ -111,8 +114,11 @@ def main(argv=None):
     ap.add_argument("--branches", nargs="+", choices=list(BRANCHES), help="override the grid's branch sets")
     ap.add_argument("--compile-workers", type=int, default=0,
                     help="compile the Triton kernels in this many processes before timing (0: no)")
+    ap.add_argument("--allow-tf32", action="store_true",
+                    help="set torch.backends.cuda.matmul.allow_tf32 (float32: TF32 in triton and the reference)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
     grid = dict(QUICK if args.quick else GRID)
@@ -122,7 +128,7 @@ def main(argv=None):
             grid[key] = value
     if args.compile_workers > 0:
         print(f"compiling the Triton kernels in {args.compile_workers} processes", flush=True)
-        precompile(grid, args.heads, args.compile_workers)
+        precompile(grid, args.heads, args.compile_workers, args.allow_tf32)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"auto_{dev.replace(' ', '_')}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -131,7 +137,9 @@ def main(argv=None):
                   device=dict(name=dev, capability=".".join(map(str, torch.cuda.get_device_capability()))),
                   versions=dict(torch=torch.__version__, triton=triton.__version__,
                                 dilated_attn=dilated_attn.__version__),
-                  heads=args.heads, worst_auto_over_best=None, results=[])
+                  heads=args.heads, allow_tf32=args.allow_tf32,
+                  triton_float32_precision=triton_backend.float32_precision(torch.device("cuda")),
+                  worst_auto_over_best=None, results=[])
     rows = record["results"]
     for dtype_name, head_dim, N, branch_name in itertools.product(*grid.values()):
         segs, dils = BRANCHES[branch_name]

@@ -79,11 +79,23 @@ def reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | Non
     return None
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # float32 follows torch's own matmul setting: TF32 only where the user allowed it for matmuls.
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+def float32_precision(device: torch.device) -> str:
+    """How the kernels multiply float32 tiles on `device` (tl.dot's input_precision; 16-bit inputs ignore it).
+
+    TF32 (10-bit mantissa) only where torch's matmul setting allows it. Otherwise float32 accuracy: on Ampere
+    and newer "tf32x3", three TF32 tensor-core products (hi*hi + hi*lo + lo*hi of each operand split into
+    TF32 high and low parts, fp32 accumulation), accurate to within ~2^-21 per product, which is tested against the
+    float32 reference; on Volta/Turing, which have no TF32, "ieee" fp32 FMAs (slow: see dispatch.auto_preference).
+    """
+    if torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+        return "tf32x3"
+    return "ieee"
+
+
+def _precision(q: torch.Tensor) -> str:
+    return float32_precision(q.device) if q.dtype == torch.float32 else "tf32"
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +152,7 @@ def triton_forward(
             out.stride(0), out.stride(1), out.stride(2),
             N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
             scale * LOG2E,
-            CAUSAL=causal, FIRST=i == 0, PRECISION=_precision(q.dtype), MAX_MEMBERS_BUCKET=bucket,
+            CAUSAL=causal, FIRST=i == 0, PRECISION=_precision(q), MAX_MEMBERS_BUCKET=bucket,
             ORDERED=ordered, **meta,
         )
     return out, lse
@@ -188,7 +200,7 @@ def triton_backward(
         v.stride(0), v.stride(1), v.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
     )
-    flags = dict(CAUSAL=causal, PRECISION=_precision(q.dtype), **meta)
+    flags = dict(CAUSAL=causal, PRECISION=_precision(q), **meta)
     for br in table:
         n_seg, max_members, bucket = _branch_geometry(br, N)
         n_heads = br.head_hi - br.head_lo
