@@ -32,6 +32,7 @@ import triton.testing
 
 import dilated_attn
 from dilated_attn import triton as triton_backend
+from dilated_attn.triton import bwd, fwd
 from dilated_attn.spec import flops, validate
 
 BRANCHES = {
@@ -55,8 +56,6 @@ def _compile_config(task):
     """Worker: run one forward+backward per branch set with each Triton kernel restricted to the index-th
     of its configs that fit (modulo their number), so that the binaries land in Triton's cache."""
     (dtype_name, head_dim, N, heads, branch_names, allow_tf32), index = task
-    from dilated_attn.triton import bwd, fwd
-
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32  # a spawned process starts with torch's default
 
     for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
@@ -68,16 +67,18 @@ def _compile_config(task):
 
         kernel.early_config_prune = one
     q, k, v, grad = _inputs(dtype_name, head_dim, N, heads)
-    for name in branch_names:
-        out = dilated_attn.dilated_attention(q, k, v, *BRANCHES[name], backend="triton")
-        torch.autograd.grad(out, (q, k, v), grad)
-    torch.cuda.synchronize()
+    try:
+        for name in branch_names:
+            out = dilated_attn.dilated_attention(q, k, v, *BRANCHES[name], backend="triton")
+            torch.autograd.grad(out, (q, k, v), grad)
+        torch.cuda.synchronize()
+    except triton.runtime.errors.OutOfResources as exc:  # autotuning skips such a config; so does the sweep
+        return f"{dtype_name} D={head_dim} config {index}: {exc}"
+    return None
 
 
 def precompile(grid, heads, workers, allow_tf32):
     """Compile the Triton kernels the grid's rows use, spread over `workers` processes."""
-    from dilated_attn.triton import bwd, fwd
-
     n_configs = max(len(kernel.configs) for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel))
     # the compiled kernels depend on dtype and head dim (and on causal, fixed here), not on N or the branches
     groups = [(dtype, head_dim, min(grid["N"]), heads, tuple(grid["branches"]), allow_tf32)
@@ -85,8 +86,9 @@ def precompile(grid, heads, workers, allow_tf32):
     tasks = list(itertools.product(groups, range(n_configs)))
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        for done, _ in enumerate(pool.imap_unordered(_compile_config, tasks), 1):
-            print(f"  compiled {done}/{len(tasks)} ({time.perf_counter() - start:.0f} s)", flush=True)
+        for done, skipped in enumerate(pool.imap_unordered(_compile_config, tasks), 1):
+            print(f"  compiled {done}/{len(tasks)} ({time.perf_counter() - start:.0f} s)"
+                  + (f"; skipped {skipped}" if skipped else ""), flush=True)
 
 
 def time_backend(backend, q, k, v, segs, dils, grad, mode):
@@ -137,9 +139,7 @@ def main(argv=None):
                   device=dict(name=dev, capability=".".join(map(str, torch.cuda.get_device_capability()))),
                   versions=dict(torch=torch.__version__, triton=triton.__version__,
                                 dilated_attn=dilated_attn.__version__),
-                  heads=args.heads, allow_tf32=args.allow_tf32,
-                  triton_float32_precision=triton_backend.float32_precision(torch.device("cuda")),
-                  worst_auto_over_best=None, results=[])
+                  heads=args.heads, allow_tf32=args.allow_tf32, worst_auto_over_best=None, results=[])
     rows = record["results"]
     for dtype_name, head_dim, N, branch_name in itertools.product(*grid.values()):
         segs, dils = BRANCHES[branch_name]
@@ -154,13 +154,18 @@ def main(argv=None):
         auto_ms = times.get(decision.backend)
         row = dict(dtype=dtype_name, head_dim=head_dim, N=N, branches=branch_name, segment_lengths=segs,
                    dilation_rates=dils, mode=args.mode, auto=decision.backend, best=best, times_ms=times,
+                   triton_products=triton_backend.float32_precision(q.device, head_dim) if dtype_name == "float32"
+                   else dtype_name,
                    auto_over_best=None if auto_ms is None else auto_ms / times[best],
+                   triton_configs={name: str(kernel.best_config) for name, kernel in
+                                   (("forward", fwd._fwd_kernel), ("dkdv", bwd._dkdv_kernel), ("dq", bwd._dq_kernel))
+                                   if "triton" in times and getattr(kernel, "best_config", None) is not None},
                    tflops={n: flops(validate(q, k, v, segs, dils), backward=args.mode == "fwdbwd") / t / 1e9
                            for n, t in times.items()})
         rows.append(row)
         timing = "  ".join(f"{n} {t:8.3f} ms" for n, t in times.items())
-        print(f"{dtype_name:>8} D={head_dim:<3} N={N:>6} {branch_name:>8}: auto={decision.backend:<9} best={best:<9} "
-              f"auto/best={row['auto_over_best'] or float('nan'):.2f}  {timing}", flush=True)
+        print(f"{row['triton_products']:>8} D={head_dim:<3} N={N:>6} {branch_name:>8}: auto={decision.backend:<9} "
+              f"best={best:<9} auto/best={row['auto_over_best'] or float('nan'):.2f}  {timing}", flush=True)
         del q, k, v, grad
         torch.cuda.empty_cache()
         record["worst_auto_over_best"] = max((r["auto_over_best"] for r in rows if r["auto_over_best"] is not None),

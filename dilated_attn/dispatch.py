@@ -123,9 +123,9 @@ AUTO_ORDER = {"cpu": ("cpu", "reference"), "cuda": ("triton", "cuda", "reference
 
 
 @torch.compiler.assume_constant_result
-def _triton_float32_is_ieee(device: torch.device) -> bool:
-    # reads torch's TF32 setting and the device's capability: constants for a traced graph, like _env_backend
-    return triton_backend is not None and triton_backend.float32_precision(device) == "ieee"
+def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
+    # reads torch's TF32 setting and the device's properties: constants for a traced graph, like _env_backend
+    return triton_backend is not None and triton_backend.float32_precision(device, head_dim) == "ieee"
 
 
 def auto_preference(p: Problem) -> tuple[str, ...]:
@@ -133,13 +133,14 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
 
     CUDA tensors: triton (Volta or newer, triton importable), else the hand-written cuda kernels (Pascal or
     newer), else reference. CPU tensors: the compiled cpu kernels, else reference. Other devices: reference.
-    One measured exception: float32 where Triton would multiply with IEEE fp32 FMAs (TF32 not allowed, a GPU
-    older than Ampere, so no tf32x3) prefers the cuda kernels, which were 1.75x (head dim 64) to 7-9x (head
-    dim 128) faster than Triton's FMA products on an H200 (benchmarks/results/auto_NVIDIA_H200_float32.json).
+    One measured exception: float32 where Triton would multiply with IEEE fp32 FMAs (TF32 not allowed, and
+    tf32x3 not available: see triton.float32_precision) prefers the cuda kernels, which were 1.75x (head dim
+    64) to 7-9x (head dim 128) faster than Triton's FMA products on an H200
+    (benchmarks/results/auto_NVIDIA_H200_float32_ieee.json).
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
     """
-    if p.device.type == "cuda" and p.dtype == torch.float32 and _triton_float32_is_ieee(p.device):
+    if p.device.type == "cuda" and p.dtype == torch.float32 and _triton_float32_is_ieee(p.device, p.head_dim):
         return ("cuda", "triton", "reference")
     return AUTO_ORDER.get(p.device.type, ("reference",))
 

@@ -136,18 +136,22 @@ def test_auto_rule_on_cuda(monkeypatch, capability, triton_missing, cuda_kernels
 
 
 @pytest.mark.parametrize(
-    "capability, allow_tf32, cuda_kernels, precision, chosen, order",
+    "capability, allow_tf32, tf32x3_fits, cuda_kernels, precision, chosen, order",
     [
-        ((9, 0), False, True, "tf32x3", "triton", "triton > cuda > reference"),
-        ((8, 0), True, True, "tf32", "triton", "triton > cuda > reference"),
-        ((7, 5), True, True, "tf32", "triton", "triton > cuda > reference"),
-        ((7, 5), False, True, "ieee", "cuda", "cuda > triton > reference"),
-        ((7, 0), False, False, "ieee", "triton", "cuda > triton > reference"),
+        ((9, 0), False, True, True, "tf32x3", "triton", "triton > cuda > reference"),
+        ((9, 0), False, False, True, "ieee", "cuda", "cuda > triton > reference"),
+        ((8, 0), True, False, True, "tf32", "triton", "triton > cuda > reference"),
+        ((7, 5), True, True, True, "tf32", "triton", "triton > cuda > reference"),
+        ((7, 5), False, True, True, "ieee", "cuda", "cuda > triton > reference"),
+        ((7, 0), False, True, False, "ieee", "triton", "cuda > triton > reference"),
     ],
 )
-def test_auto_rule_for_float32_on_cuda(monkeypatch, capability, allow_tf32, cuda_kernels, precision, chosen, order):
-    """float32: Triton multiplies with TF32 where torch allows it, else tf32x3 from Ampere on, else IEEE FMAs;
-    only in that last case does auto prefer the cuda kernels (measured, see dispatch.auto_preference)."""
+def test_auto_rule_for_float32_on_cuda(monkeypatch, capability, allow_tf32, tf32x3_fits, cuda_kernels, precision,
+                                       chosen, order):
+    """float32: Triton multiplies with TF32 where torch allows it, else tf32x3 from Ampere on where its tiles
+    fit in shared memory, else IEEE FMAs; only in that last case does auto prefer the cuda kernels (measured,
+    see dispatch.auto_preference)."""
+    monkeypatch.setattr(dispatch.triton_backend, "_tf32x3_fits", lambda index, block_d: tf32x3_fits)
     saved = torch.backends.cuda.matmul.allow_tf32  # a module with __setattr__, which monkeypatch cannot undo
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
@@ -158,11 +162,11 @@ def test_auto_rule_for_float32_on_cuda(monkeypatch, capability, allow_tf32, cuda
 
 def _check_float32_rule(monkeypatch, capability, cuda_kernels, precision, chosen, order):
     p = _fake_cuda_problem(monkeypatch, capability=capability, dtype=torch.float32, cuda_kernels=cuda_kernels)
-    assert dispatch.triton_backend.float32_precision(p.device) == precision
+    assert dispatch.triton_backend.float32_precision(p.device, p.head_dim) == precision
     d = dispatch.decide(p, "auto")
     assert d.backend == chosen and f"auto rule for cuda tensors: {order}" in d.decided_by, d
     assert (d.fallback is None) == cuda_kernels, d.fallback
-    assert dispatch.triton_backend.float32_precision(torch.device("cpu")) in ("tf32", "ieee")  # the interpreter
+    assert dispatch.triton_backend.float32_precision(torch.device("cpu"), 64) in ("tf32", "ieee")  # interpreter
 
 
 # --- explicit backends and the environment variable ---------------------------------------------------------

@@ -19,7 +19,7 @@ from ..ops import register_attention_autograd
 from ..hilbert import hilbert_index
 from ..spec import branch_table
 from .bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
-from .common import interpreting
+from .common import interpreting, shared_memory_need
 from .fwd import _fwd_kernel
 
 LOG2E = 1.4426950408889634
@@ -79,23 +79,39 @@ def reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | Non
     return None
 
 
-def float32_precision(device: torch.device) -> str:
-    """How the kernels multiply float32 tiles on `device` (tl.dot's input_precision; 16-bit inputs ignore it).
+def float32_precision(device: torch.device, head_dim: int) -> str:
+    """How the kernels multiply float32 tiles (tl.dot's input_precision; 16-bit inputs ignore it).
 
     TF32 (10-bit mantissa) only where torch's matmul setting allows it. Otherwise float32 accuracy: on Ampere
-    and newer "tf32x3", three TF32 tensor-core products (hi*hi + hi*lo + lo*hi of each operand split into
-    TF32 high and low parts, fp32 accumulation), accurate to within ~2^-21 per product, which is tested against the
-    float32 reference; on Volta/Turing, which have no TF32, "ieee" fp32 FMAs (slow: see dispatch.auto_preference).
+    and newer "tf32x3", three TF32 tensor-core products per tile product (hi*hi + hi*lo + lo*hi of operands
+    split into TF32 high and low parts, fp32 accumulation), held by the GPU tests to the float32 reference's
+    accuracy; "ieee" fp32 FMAs (slow: see dispatch.auto_preference) on Volta/Turing, which have no TF32, and
+    where tf32x3's extra shared memory (a second copy of the resident tiles) leaves some kernel no config that
+    fits (head_dim > 128 on an H100; > 64 on GPUs with ~100 KiB per block).
     """
     if torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return "tf32x3"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if _tf32x3_fits(index, _block_d(head_dim)):
+            return "tf32x3"
     return "ieee"
 
 
+@functools.lru_cache(maxsize=None)
+def _tf32x3_fits(device_index: int, block_d: int) -> bool:
+    limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    return all(min(shared_memory_need(kernel.early_config_prune.rows_per_stage, c, block_d, 4, 2)
+                   for c in kernel.configs) <= limit
+               for kernel in (_fwd_kernel, _dkdv_kernel, _dq_kernel))
+
+
 def _precision(q: torch.Tensor) -> str:
-    return float32_precision(q.device) if q.dtype == torch.float32 else "tf32"
+    return float32_precision(q.device, q.shape[-1]) if q.dtype == torch.float32 else "tf32"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +121,7 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 def _common(q, k, segment_lengths, dilation_rates, split_heads):
     B, N, H, D = q.shape
     table = branch_table(segment_lengths, dilation_rates, N, H, "split" if split_heads else "all")
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = _block_d(D)
     meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=block_d == D)
     return table, meta
 

@@ -104,6 +104,7 @@ def _dkdv_configs():
             dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3),
             dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
             dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+            dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),  # float32 tf32x3 at head dim 128
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
         ],
@@ -115,7 +116,9 @@ def _dkdv_configs():
     configs=_dkdv_configs(),
     key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
     restore_value=["dK", "dV"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (2 * c["BLOCK_N"], 2 * c["BLOCK_M"]))},
+    # resident K and V rows; per stage Q and dO rows, and their lse and delta values
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(
+        lambda c: (2 * c["BLOCK_N"], 2 * c["BLOCK_M"], 2 * c["BLOCK_M"]))},
 )
 @triton.jit(do_not_specialize=SIZE_ARGS + ["H_KV", "head_hi"])
 def _dkdv_kernel(
@@ -221,6 +224,7 @@ def _dq_configs():
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),  # float32 tf32x3 at head dim 128
             dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
             dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=2),
         ],
@@ -232,7 +236,7 @@ def _dq_configs():
     configs=_dq_configs(),
     key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
     restore_value=["dQ"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (2 * c["BLOCK_M"], 2 * c["BLOCK_N"]))},
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (2 * c["BLOCK_M"], 2 * c["BLOCK_N"], 0))},
 )
 @triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
 def _dq_kernel(

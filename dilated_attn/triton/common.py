@@ -40,25 +40,36 @@ def _shared_memory_limit(tensor) -> int:
     return torch.cuda.get_device_properties(tensor.device).shared_memory_per_block_optin
 
 
+def shared_memory_need(rows_per_stage, config, block_d: int, elt: int, copies: int) -> int:
+    """Bytes of shared memory a config asks for (see prune_by_shared_memory)."""
+    resident, streamed, values = rows_per_stage(config.kwargs)
+    stages = max(config.num_stages, 1)
+    return (resident * copies + streamed * stages) * block_d * elt + values * stages * 4
+
+
 def prune_by_shared_memory(rows_per_stage):
-    """An `early_config_prune` for triton.autotune: drop configs whose tiles would not fit in shared memory
-    (`rows_per_stage(config)` -> (rows held for the whole loop, rows loaded per pipeline stage), each row
-    BLOCK_D elements; this estimate matched what Triton 3.6 asked for on an H100). With DILATED_ATTN_TRITON_AUTOTUNE=0 (read at import) it keeps only the first config
-    that fits: no tuning, far fewer compilations (the GPU test suite)."""
+    """An `early_config_prune` for triton.autotune: drop configs whose tiles would not fit in shared memory.
+
+    `rows_per_stage(config)` -> (rows held for the whole loop, rows loaded per pipeline stage, fp32 values
+    loaded per stage beside them), each row BLOCK_D elements. With tf32x3 products Triton keeps the resident
+    rows twice (their TF32 high and low parts). tools/triton_shared_memory.py checks this against what Triton
+    3.6 compiles (exact for the rows, the fp32 term a bound). With DILATED_ATTN_TRITON_AUTOTUNE=0 (read at
+    import) it keeps only the first config that fits: no tuning, far fewer compilations (the GPU test suite)."""
     tune = os.environ.get("DILATED_ATTN_TRITON_AUTOTUNE", "1") != "0"
 
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        copies = 2 if kwargs.get("PRECISION", named_args.get("PRECISION")) == "tf32x3" else 1
         elt = named_args["Q"].element_size()
         limit = _shared_memory_limit(named_args["Q"])
 
         def need(c):
-            resident, streamed = rows_per_stage(c.kwargs)
-            return (resident + streamed * max(c.num_stages, 1)) * block_d * elt
+            return shared_memory_need(rows_per_stage, c, block_d, elt, copies)
 
         fits = [c for c in configs if need(c) <= limit] or [min(configs, key=need)]
         return fits if tune else fits[:1]
 
+    prune.rows_per_stage = rows_per_stage
     return prune
 
 

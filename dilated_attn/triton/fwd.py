@@ -63,6 +63,7 @@ def _fwd_configs():
             dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
             dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # float32 tf32x3 at head dim 128
             dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
         ],
         interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
@@ -73,7 +74,7 @@ def _fwd_configs():
     configs=_fwd_configs(),
     key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
     restore_value=["Out", "Lse"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (c["BLOCK_M"], 2 * c["BLOCK_N"]))},
+    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (c["BLOCK_M"], 2 * c["BLOCK_N"], 0))},
 )
 @triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
 def _fwd_kernel(
