@@ -101,9 +101,13 @@ def float32_precision(device: torch.device, head_dim: int) -> str:
 @functools.lru_cache(maxsize=None)
 def _tf32x3_fits(device_index: int, block_d: int) -> bool:
     limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-    return all(min(shared_memory_need(kernel.early_config_prune.rows_per_stage, c, block_d, 4, 2)
-                   for c in kernel.configs) <= limit
-               for kernel in (_fwd_kernel, _dkdv_kernel, _dq_kernel))
+    return all(min(shared_memory_need(rows, c, block_d, 4, 2) for c in kernel.configs) <= limit
+               for kernel, rows in _SHARED_ROWS)
+
+
+# Each autotuned kernel with its shared-memory rows (taken at import, before anything can wrap the prunes).
+_SHARED_ROWS = tuple((kernel, kernel.early_config_prune.rows_per_stage)
+                     for kernel in (_fwd_kernel, _dkdv_kernel, _dq_kernel))
 
 
 def _precision(q: torch.Tensor) -> str:
