@@ -134,9 +134,11 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     CUDA tensors: triton (Volta or newer, triton importable), else the hand-written cuda kernels (Pascal or
     newer), else reference. CPU tensors: the compiled cpu kernels, else reference. Other devices: reference.
     One measured exception: float32 where Triton would multiply with IEEE fp32 FMAs (TF32 not allowed, and
-    tf32x3 not available: see triton.float32_precision) prefers the cuda kernels, which were 1.75x (head dim
-    64) to 7-9x (head dim 128) faster than Triton's FMA products on an H200
-    (benchmarks/results/auto_NVIDIA_H200_float32_ieee.json).
+    tf32x3 not available: see triton.float32_precision) prefers the cuda kernels, which were 1.75-1.9x (head
+    dim 64), about 7x (128) and 17-18x (256) faster than Triton's FMA products on an H200
+    (benchmarks/results/auto_NVIDIA_H200_float32_ieee.json and auto_NVIDIA_H200_float32.json). The reference
+    is never preferred on a GPU, although cuBLAS makes it faster in float32 at head dim >= 128: its memory
+    grows with N * w/r per branch.
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
     """
