@@ -11,7 +11,7 @@ evidence. Times are medians of triton.testing.do_bench (CUDA events, warm-up). J
 benchmarks/results/auto_<device>.json, rewritten after every row (a run cut short keeps its rows).
 
 --compile-workers K fills Triton's on-disk cache first, in K processes that each compile one autotuning
-config per kernel (float32 kernels take up to a minute each to compile, and autotuning compiles its
+config per kernel (IEEE float32 kernels take up to a minute each to compile, and autotuning compiles its
 configs one after another); the timing process then tunes over the same configs and loads the binaries.
 """
 

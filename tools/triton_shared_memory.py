@@ -23,10 +23,6 @@ from dilated_attn.triton import bwd, fwd
 KERNELS = {"forward": fwd._fwd_kernel, "dkdv": bwd._dkdv_kernel, "dq": bwd._dq_kernel}
 
 
-class _Captured(Exception):
-    pass
-
-
 def capture_launches(dtype, head_dim):
     """The (args, kwargs) of each kernel's first launch in a forward + backward, each run with its smallest
     config (the last of its list) so that the capture itself cannot run out of shared memory."""
@@ -48,14 +44,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
-    ap.add_argument("--allow-tf32", action="store_true", help="float32 with TF32 products")
     ap.add_argument("--precision", choices=["tf32", "tf32x3", "ieee"],
                     help="float32 products to compile (default: what float32_precision chooses)")
     args = ap.parse_args(argv)
     prunes = {name: kernel.early_config_prune for name, kernel in KERNELS.items()}
     runs = {name: kernel.run for name, kernel in KERNELS.items()}
     limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     print(f"{torch.cuda.get_device_name()}: {limit} bytes of shared memory per block", flush=True)
     too_low = 0
     for dtype_name in args.dtypes:

@@ -12,7 +12,7 @@ import triton.language as tl
 # Integer arguments that change with every shape. Triton would otherwise specialise on their values
 # (== 1, divisible by 16) and compile a new kernel for each; strides stay specialised (aligned loads).
 # MAX_MEMBERS_BUCKET is only an autotuning key: each bucket picks its own config from the same compiled
-# kernels (float32 kernels take up to a minute each to compile).
+# kernels (IEEE float32 kernels take up to a minute each to compile).
 SIZE_ARGS = ["N", "H", "seg_len", "dilation", "n_seg", "head_lo", "offset_div", "offset_base", "max_members", "GROUP",
              "HEAD_DIM", "MAX_MEMBERS_BUCKET"]
 
