@@ -7,7 +7,8 @@
 For every configuration it times each backend that can run it (triton, cuda, reference; the same inputs,
 in the same process), records which one `dilated_attn.explain` says auto picks, and reports auto's time
 over the best backend's. The auto rule lives in dilated_attn.dispatch.auto_preference; this is its
-evidence. Times are medians of triton.testing.do_bench (CUDA events, warm-up). JSON goes to
+evidence. Times are medians of triton.testing.do_bench (CUDA events, warm-up); peak_memory_mib is what one
+call allocates beyond the inputs at its peak (outputs, saved tensors, gradients). JSON goes to
 benchmarks/results/auto_<device>.json, rewritten after every row (a run cut short keeps its rows).
 
 --compile-workers K fills Triton's on-disk cache first, in K processes that each compile one autotuning
@@ -101,7 +102,13 @@ def time_backend(backend, q, k, v, segs, dils, grad, mode):
             torch.autograd.grad(out, (q, k, v), grad)
 
     call()  # compile / autotune outside the timing
-    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"), peak_mib
 
 
 def main(argv=None):
@@ -145,15 +152,16 @@ def main(argv=None):
         segs, dils = BRANCHES[branch_name]
         q, k, v, grad = _inputs(dtype_name, head_dim, N, args.heads)
         decision = dilated_attn.explain(q, k, v, segs, dils)
-        times = {}
+        times, peak_mib = {}, {}
         for name, why in decision.verdicts.items():
             if why is not None or (name == "reference" and N > args.max_reference_n):
                 continue
-            times[name] = time_backend(name, q, k, v, segs, dils, grad, args.mode)
+            times[name], peak_mib[name] = time_backend(name, q, k, v, segs, dils, grad, args.mode)
         best = min(times, key=times.get)
         auto_ms = times.get(decision.backend)
         row = dict(dtype=dtype_name, head_dim=head_dim, N=N, branches=branch_name, segment_lengths=segs,
                    dilation_rates=dils, mode=args.mode, auto=decision.backend, best=best, times_ms=times,
+                   peak_memory_mib=peak_mib,
                    triton_products=triton_backend.float32_precision(q.device, head_dim) if dtype_name == "float32"
                    else dtype_name,
                    auto_over_best=None if auto_ms is None else auto_ms / times[best],

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
 # JSON go under $OUT (default ./gpu_out).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|bench|auto|quick|ring|main|tile_order|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tile_order|all]...
+#   smem: tools/triton_shared_memory.py ${SMEM_ARGS} (the Triton configs' shared memory against the estimate)
 #   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
 #   main: `python -m dilated_attn` and a GPU run of examples/train_longnet.py (loss curve as JSON)
 set -uo pipefail
@@ -39,6 +40,8 @@ for stage in $stages; do
         compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cuda.py > "$OUT/sanitize_$tool.log" 2>&1
         echo "compute-sanitizer $tool: exit $? ($(tail -1 "$OUT/sanitize_$tool.log"))"
       done ;;
+    smem)
+      python3 tools/triton_shared_memory.py ${SMEM_ARGS:-} 2>&1 | tee "$OUT/smem.log" ;;
     auto)
       python3 benchmarks/bench_auto.py ${AUTO_ARGS:-} --out "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
     tile_order)

@@ -42,6 +42,34 @@ def test_interpreter_long_segments_cross_block_borders(causal):
     check_against_reference(case, torch.float32, "cpu", 0, "triton")
 
 
+def _full_config_lists(monkeypatch):
+    """Each kernel's autotuning configs as on a GPU (the interpreter keeps one small config)."""
+    from dilated_attn.triton import bwd, fwd
+
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")
+        return {fwd._fwd_kernel: fwd._fwd_configs(), bwd._dkdv_kernel: bwd._dkdv_configs(),
+                bwd._dq_kernel: bwd._dq_configs()}
+
+
+@interpreter
+@pytest.mark.parametrize("index", range(11))
+def test_interpreter_every_config_block_shape(index, monkeypatch):
+    """The block shapes of every GPU autotuning config (the tf32x3-only ones included), each kernel running its
+    index-th: the masks of partial, diagonal and mask-free blocks hold for each shape. Under the interpreter
+    (which ignores num_warps, num_stages and the products' precision) this runs where there is no GPU."""
+    from cases import Case
+
+    lists = _full_config_lists(monkeypatch)
+    assert max(len(configs) for configs in lists.values()) == 11
+    for kernel, configs in lists.items():
+        monkeypatch.setattr(kernel, "configs", [configs[index % len(configs)]])
+    case = Case(1, 150, 4, 2, 24, (150, 75, 40), (1, 2, 3), "all", index % 2 == 1, "transposed")
+    check_against_reference(case, torch.float32, "cpu", index, "triton")
+    for kernel, configs in lists.items():
+        assert kernel.best_config is configs[index % len(configs)]
+
+
 def test_auto_tile_order_rule():
     from dilated_attn.triton import TILE_ORDER, auto_tile_order
 
@@ -85,6 +113,32 @@ def test_gpu_head_dims(head_dim, causal):
 
     case = Case(2, 777, 6, 2, head_dim, (256, 512, 1024), (1, 2, 4), "all", causal, "contiguous")
     check_against_reference(case, torch.bfloat16, "cuda", head_dim, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("head_dim, causal, layout", [(128, False, "transposed"), (72, True, "contiguous")])
+def test_gpu_tf32x3_configs(index, head_dim, causal, layout, monkeypatch):
+    """The configs tuned only for tf32x3 products (float32 on Ampere and newer, head dim <= 128), each forced
+    in turn: elsewhere the suite runs the first config that fits (DILATED_ATTN_TRITON_AUTOTUNE=0), never these."""
+    from cases import Case
+    from dilated_attn.triton import bwd, common, float32_precision, fwd
+
+    if float32_precision(torch.device("cuda"), head_dim) != "tf32x3":
+        pytest.skip("tf32x3 products need Ampere or newer, TF32 not allowed and tiles that fit")
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
+        only = [c for c in kernel.configs if id(c) in common._TF32X3_ONLY]
+        chosen = only[index % len(only)]
+        rows = kernel.early_config_prune.rows_per_stage
+        if common.shared_memory_need(rows, chosen, 128, 4, 2) > limit:
+            pytest.skip(f"{chosen} does not fit in this GPU's {limit} bytes of shared memory per block")
+        monkeypatch.setattr(kernel, "early_config_prune", lambda configs, named_args, chosen=chosen, **kw: [chosen])
+        monkeypatch.setattr(kernel, "cache", {})  # tuned entries of earlier tests would bypass the prune
+    case = Case(2, 777, 6, 2, head_dim, (256, 512, 1024), (1, 2, 4), "all", causal, layout)
+    check_against_reference(case, torch.float32, "cuda", index, "triton")
+    for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
+        assert id(kernel.best_config) in common._TF32X3_ONLY, kernel.best_config
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
     python tools/triton_shared_memory.py                      # float32 and bfloat16, head dims 64/128/256
     python tools/triton_shared_memory.py --dtypes float32 --head-dims 128 --precision tf32x3
+    python tools/triton_shared_memory.py --dtypes float32 --head-dims 256 --kept-only   # the configs tuned
 
 For each kernel (forward, dK/dV, dQ), dtype and head dim it compiles every config (without launching) and
 prints the bytes Triton asks for, the device's limit, and whether `prune_by_shared_memory` keeps the config.
@@ -46,6 +47,7 @@ def main(argv=None):
     ap.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--precision", choices=["tf32", "tf32x3", "ieee"],
                     help="float32 products to compile (default: what float32_precision chooses)")
+    ap.add_argument("--kept-only", action="store_true", help="compile only the configs the estimate keeps")
     args = ap.parse_args(argv)
     prunes = {name: kernel.early_config_prune for name, kernel in KERNELS.items()}
     runs = {name: kernel.run for name, kernel in KERNELS.items()}
@@ -58,8 +60,10 @@ def main(argv=None):
             precision = "tf32"  # ignored by 16-bit inputs
             if dtype == torch.float32:
                 precision = args.precision or triton_backend.float32_precision(torch.device("cuda"), head_dim)
-            # captured with IEEE products, whose smallest configs fit on Volta and newer, then compiled with these
-            choose, triton_backend.float32_precision = triton_backend.float32_precision, lambda *a: "ieee"
+            # captured with products whose smallest configs fit and compile quickly (TF32 from Ampere on, IEEE
+            # before), then compiled with `precision`
+            capture = "tf32" if torch.cuda.get_device_capability() >= (8, 0) else "ieee"
+            choose, triton_backend.float32_precision = triton_backend.float32_precision, lambda *a: capture
             try:
                 launches = capture_launches(dtype, head_dim)
             finally:
@@ -71,7 +75,7 @@ def main(argv=None):
                 kwargs.pop("warmup", None)
                 kwargs["PRECISION"] = precision
                 kept = prunes[name](kernel.configs, dict(zip(kernel.arg_names, call_args)), **kwargs)
-                for config in kernel.configs:
+                for config in kept if args.kept_only else kernel.configs:
                     compiled = kernel.fn.warmup(*call_args, grid=grid, **kwargs, **config.all_kwargs())
                     shared = compiled.metadata.shared
                     verdict = ("kept" if config in kept else "pruned") + (", fits" if shared <= limit else ", too big")

@@ -26,6 +26,10 @@ LOG2E = 1.4426950408889634
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (7, 0)  # Volta: the oldest GPU Triton compiles for
+# Above this head dim tf32x3 tiles that fit in shared memory are too small to be fast: on an H200, float32 at
+# head dim 256 (tiles of 32-64 x 32) took 7x as long as the cuda kernels, forward+backward
+# (benchmarks/results/auto_NVIDIA_H200_float32_tf32x3_d256.json).
+TF32X3_MAX_HEAD_DIM = 128
 
 
 TILE_ORDERS = ("plain", "segment", "hilbert")
@@ -83,15 +87,16 @@ def float32_precision(device: torch.device, head_dim: int) -> str:
     """How the kernels multiply float32 tiles (tl.dot's input_precision; 16-bit inputs ignore it).
 
     TF32 (10-bit mantissa) only where torch's matmul setting allows it. Otherwise float32 accuracy: on Ampere
-    and newer "tf32x3", three TF32 tensor-core products per tile product (hi*hi + hi*lo + lo*hi of operands
-    split into TF32 high and low parts, fp32 accumulation), held by the GPU tests to the float32 reference's
-    accuracy; "ieee" fp32 FMAs (slow: see dispatch.auto_preference) on Volta/Turing, which have no TF32, and
-    where tf32x3's extra shared memory (a second copy of the resident tiles) leaves some kernel no config that
-    fits (head_dim > 128 on an H100; > 64 on GPUs with ~100 KiB per block).
+    and newer, up to head dim TF32X3_MAX_HEAD_DIM, "tf32x3", three TF32 tensor-core products per tile product
+    (hi*hi + hi*lo + lo*hi of operands split into TF32 high and low parts, fp32 accumulation), held by the GPU
+    tests to the float32 reference's accuracy; else "ieee" fp32 FMAs (slow: see dispatch.auto_preference): on
+    Volta/Turing, which have no TF32, above TF32X3_MAX_HEAD_DIM, and where tf32x3's extra shared memory (a
+    second copy of the resident tiles) leaves some kernel no config that fits.
     """
     if torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+    if (device.type == "cuda" and _block_d(head_dim) <= TF32X3_MAX_HEAD_DIM
+            and torch.cuda.get_device_capability(device) >= (8, 0)):
         index = device.index if device.index is not None else torch.cuda.current_device()
         if _tf32x3_fits(index, _block_d(head_dim)):
             return "tf32x3"

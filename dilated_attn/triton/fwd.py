@@ -67,6 +67,11 @@ def _fwd_configs():
             dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
         ],
         interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
+        tf32x3_variants=[
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
+            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1),
+            dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+        ],
     )
 
 
