@@ -6,7 +6,8 @@ the requested backend into the one that runs:
 * an explicit backend runs if it can, else dilated_attention raises ValueError listing every verdict;
 * "auto" with the environment variable DILATED_ATTN_BACKEND set to a backend name behaves as that name;
 * otherwise "auto" runs the first backend of `auto_preference(problem)` that can run, warning once per
-  distinct reason when it had to pass over a preference that applies to the input's device.
+  distinct reason when it had to pass over a preference that applies to the input's device, and once when
+  it runs the reference on a GPU (float32 at large head dims: see reference_preferred).
 
 `explain()` (dilated_attn.explain) returns that decision without running attention.
 """
@@ -21,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from . import ops
-from .reference import dilated_attention_reference
+from .reference import dilated_attention_reference, reference_memory_bytes
 from .spec import BACKENDS as BACKEND_NAMES
 from .spec import Problem, validate
 
@@ -118,7 +119,7 @@ BACKENDS = {
     "reference": Backend("reference", _reference_reason, _run_reference),
 }
 
-# Preferences of "auto" by device type, best first; every list ends with the reference, which runs anything.
+# Preferences of "auto" by device type, best first; every list holds the reference, which runs anything.
 AUTO_ORDER = {"cpu": ("cpu", "reference"), "cuda": ("triton", "cuda", "reference")}
 
 
@@ -128,20 +129,55 @@ def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
     return triton_backend is not None and triton_backend.float32_precision(device, head_dim) == "ieee"
 
 
+@torch.compiler.assume_constant_result
+def _gpu_memory_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+# auto runs the reference on a GPU only where its memory estimate is at most this share of the GPU's memory.
+REFERENCE_MEMORY_SHARE = 0.25
+
+
+def reference_preferred(p: Problem) -> Optional[str]:
+    """Why auto prefers the reference for `p` on a GPU (None where it does not): float32 with head_dim > 64
+    where Triton would multiply with IEEE fp32 FMAs, while the reference's memory estimate fits the share."""
+    if not (p.device.type == "cuda" and p.dtype == torch.float32 and p.head_dim > 64
+            and _triton_float32_is_ieee(p.device, p.head_dim)):
+        return None
+    need, total = reference_memory_bytes(p), _gpu_memory_bytes(p.device)
+    if need > REFERENCE_MEMORY_SHARE * total:
+        return None
+    return (f"float32 with head_dim {p.head_dim} > 64 and IEEE products in Triton: cuBLAS makes the reference "
+            f"fastest, and its estimated {need / 2**30:.1f} GiB for forward and backward is at most "
+            f"{REFERENCE_MEMORY_SHARE:.0%} of the GPU's {total / 2**30:.0f} GiB")
+
+
+# Warned once when auto runs the reference on a GPU: its memory is not O(N).
+REFERENCE_ON_GPU_WARNING = (
+    "dilated_attn: backend='auto' runs the reference for float32 inputs with head_dim > 64 on this GPU (faster "
+    "there than the kernels; see dilated_attn.explain). It keeps about four score-sized tensors per branch for "
+    "the backward; backend='cuda' needs O(N) memory."
+)
+
+
 def auto_preference(p: Problem) -> tuple[str, ...]:
     """THE auto rule: the backends "auto" tries for `p`, best first; the first that can run runs.
 
     CUDA tensors: triton (Volta or newer, triton importable), else the hand-written cuda kernels (Pascal or
     newer), else reference. CPU tensors: the compiled cpu kernels, else reference. Other devices: reference.
-    One measured exception: float32 where Triton would multiply with IEEE fp32 FMAs (TF32 not allowed, and
-    tf32x3 not available: see triton.float32_precision) prefers the cuda kernels, which were 1.75-1.9x (head
-    dim 64), about 7x (128) and 17-18x (256) faster than Triton's FMA products on an H200
-    (benchmarks/results/auto_NVIDIA_H200_float32_ieee.json and auto_NVIDIA_H200_float32.json). The reference
-    is never preferred on a GPU, although cuBLAS makes it faster in float32 at head dim >= 128: its memory
-    grows with N * w/r per branch.
+    Measured exceptions, for float32 where Triton would multiply with IEEE fp32 FMAs (TF32 not allowed, and
+    tf32x3 not available: see triton.float32_precision), on an H200:
+    - the cuda kernels first: 1.75-1.9x (head dim 64), about 7x (128) and 17-18x (256) faster than Triton's
+      FMA products (benchmarks/results/auto_NVIDIA_H200_float32_ieee.json);
+    - the reference first where head_dim > 64 and its memory fits (reference_preferred): cuBLAS's fp32 GEMMs
+      made it 1.04-1.3x faster than the cuda kernels at head dim 128 and 1.6-2.2x at 256
+      (auto_NVIDIA_H200_float32.json, auto_NVIDIA_H200_float32_tf32x3_configs.json). Above the memory share the cuda kernels run: the reference's memory
+      grows with N * w/r per branch, theirs with N.
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
     """
+    if reference_preferred(p) is not None:
+        return ("reference", "cuda", "triton")
     if p.device.type == "cuda" and p.dtype == torch.float32 and _triton_float32_is_ieee(p.device, p.head_dim):
         return ("cuda", "triton", "reference")
     return AUTO_ORDER.get(p.device.type, ("reference",))
@@ -191,6 +227,7 @@ class Decision:
     decided_by: str  # the argument, the environment variable or the auto rule that decided
     verdicts: dict  # name -> None (can run) or why it cannot, for every backend
     fallback: Optional[str] = None  # auto had to pass over preferences for these reasons (warned once)
+    note: Optional[str] = None  # a warning select() gives once (auto running the reference on a GPU)
     error: Optional[str] = None  # the ValueError dilated_attention raises when `backend` is None
     problem: Optional[Problem] = None
 
@@ -199,6 +236,8 @@ class Decision:
         lines.append(f"  decided by: {self.decided_by}")
         if self.fallback:
             lines.append(f"  fallback: {self.fallback}")
+        if self.note:
+            lines.append(f"  note: {self.note}")
         if self.error:
             lines.append(f"  error: {self.error}")
         p = self.problem
@@ -240,15 +279,19 @@ def decide(p: Problem, backend: str) -> Decision:
         return Decision(None, f"{label}: {decided_by}", found, error=error, problem=p)
     order = auto_preference(p)
     rule = f"the auto rule for {p.device.type} tensors: {' > '.join(order)}, the first that can run"
+    why_reference = reference_preferred(p)
+    if why_reference is not None:
+        rule += f" ({why_reference})"
     passed = []
     for name in order:
         if found[name] is None:
             break
         passed.append(f"{name} cannot ({found[name]})")
-    else:  # unreachable while every preference list ends with the reference
+    else:  # unreachable while every preference list holds the reference
         name = "reference"
     fallback = f"backend='auto' runs {name}: " + "; ".join(passed) if passed else None
-    return Decision(name, rule, found, fallback=fallback, problem=p)
+    note = REFERENCE_ON_GPU_WARNING if name == "reference" and why_reference is not None else None
+    return Decision(name, rule, found, fallback=fallback, note=note, problem=p)
 
 
 def select(p: Problem, backend: str) -> Backend:
@@ -258,6 +301,8 @@ def select(p: Problem, backend: str) -> Backend:
         raise ValueError(d.error)
     if d.fallback:
         warn_once(f"dilated_attn: {d.fallback}", stacklevel=3)  # -> select -> dilated_attention -> caller
+    if d.note:
+        warn_once(d.note, stacklevel=3)
     return BACKENDS[d.backend]
 
 

@@ -18,7 +18,7 @@ import torch
 
 from .spec import Problem, lse_dtype, split_group_bounds, validate
 
-__all__ = ["dilated_attention_reference", "dilated_attention_bruteforce"]
+__all__ = ["dilated_attention_reference", "dilated_attention_bruteforce", "reference_memory_bytes"]
 
 
 def _masked_attention(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
@@ -131,6 +131,22 @@ def dilated_attention_reference(
         lses.append(lse_full[:, :, :N])
     out, lse = _merge_branches(outs, lses)
     return _finish(out, lse, p)
+
+
+def reference_memory_bytes(p: Problem) -> int:
+    """An upper bound on what dilated_attention_reference allocates for `p`'s forward and backward beyond the
+    inputs: per branch four score-sized tensors (the scores, their exponentials and the probabilities, kept
+    for the backward, and one gradient) and four [B, H, N + 1, D] ones (gathered q, k, v and the output), in
+    the compute dtype. Peaks measured on an H200 (float32, head dims 128 and 256, N 4096 and 16384) were
+    0.72-0.97 of it
+    (peak_memory_mib in benchmarks/results/auto_NVIDIA_H200_float32_tf32x3_configs.json)."""
+    element = torch.finfo(_compute_dtype(p.dtype, None)).bits // 8
+    total = 0
+    for br in p.branches:
+        members = -(-br.seg_len // br.dilation)
+        scores = (br.head_hi - br.head_lo) * -(-p.seq_len // br.seg_len) * members * members
+        total += 4 * scores + 4 * p.num_heads * (p.seq_len + 1) * p.head_dim
+    return p.batch * total * element
 
 
 def dilated_attention_bruteforce(

@@ -9,7 +9,7 @@ import torch
 
 import dilated_attn
 from dilated_attn import dispatch, ops
-from dilated_attn.reference import dilated_attention_reference
+from dilated_attn.reference import dilated_attention_reference, reference_memory_bytes
 from dilated_attn.spec import validate
 
 SEGS, DILS = [8, 16], [1, 2]
@@ -136,37 +136,91 @@ def test_auto_rule_on_cuda(monkeypatch, capability, triton_missing, cuda_kernels
 
 
 @pytest.mark.parametrize(
-    "capability, allow_tf32, tf32x3_fits, cuda_kernels, precision, chosen, order",
+    "capability, allow_tf32, tf32x3_fits, cuda_kernels, head_dim, precision, chosen, order",
     [
-        ((9, 0), False, True, True, "tf32x3", "triton", "triton > cuda > reference"),
-        ((9, 0), False, False, True, "ieee", "cuda", "cuda > triton > reference"),
-        ((8, 0), True, False, True, "tf32", "triton", "triton > cuda > reference"),
-        ((7, 5), True, True, True, "tf32", "triton", "triton > cuda > reference"),
-        ((7, 5), False, True, True, "ieee", "cuda", "cuda > triton > reference"),
-        ((7, 0), False, True, False, "ieee", "triton", "cuda > triton > reference"),
+        ((9, 0), False, True, True, 128, "tf32x3", "triton", "triton > cuda > reference"),
+        ((9, 0), False, True, True, 256, "ieee", "reference", "reference > cuda > triton"),  # > TF32X3_MAX_HEAD_DIM
+        ((9, 0), False, False, True, 64, "ieee", "cuda", "cuda > triton > reference"),
+        ((9, 0), False, False, True, 128, "ieee", "reference", "reference > cuda > triton"),
+        ((8, 0), True, False, True, 128, "tf32", "triton", "triton > cuda > reference"),
+        ((7, 5), True, True, True, 256, "tf32", "triton", "triton > cuda > reference"),
+        ((7, 5), False, True, True, 64, "ieee", "cuda", "cuda > triton > reference"),
+        ((7, 5), False, True, True, 96, "ieee", "reference", "reference > cuda > triton"),
+        ((7, 0), False, True, False, 64, "ieee", "triton", "cuda > triton > reference"),
     ],
 )
-def test_auto_rule_for_float32_on_cuda(monkeypatch, capability, allow_tf32, tf32x3_fits, cuda_kernels, precision,
-                                       chosen, order):
-    """float32: Triton multiplies with TF32 where torch allows it, else tf32x3 from Ampere on where its tiles
-    fit in shared memory, else IEEE FMAs; only in that last case does auto prefer the cuda kernels (measured,
-    see dispatch.auto_preference)."""
+def test_auto_rule_for_float32_on_cuda(monkeypatch, capability, allow_tf32, tf32x3_fits, cuda_kernels, head_dim,
+                                       precision, chosen, order):
+    """float32: Triton multiplies with TF32 where torch allows it, else tf32x3 from Ampere on up to head dim 128
+    where its tiles fit in shared memory, else IEEE FMAs; only in that last case does auto prefer another
+    backend: the reference above head dim 64 where its memory fits (here it does), else the cuda kernels
+    (measured, see dispatch.auto_preference)."""
     monkeypatch.setattr(dispatch.triton_backend, "_tf32x3_fits", lambda index, block_d: tf32x3_fits)
+    monkeypatch.setattr(dispatch, "_gpu_memory_bytes", lambda device: 80 << 30)
     saved = torch.backends.cuda.matmul.allow_tf32  # a module with __setattr__, which monkeypatch cannot undo
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
-        _check_float32_rule(monkeypatch, capability, cuda_kernels, precision, chosen, order)
+        p = _fake_cuda_problem(monkeypatch, capability=capability, dtype=torch.float32, head_dim=head_dim,
+                               cuda_kernels=cuda_kernels)
+        assert dispatch.triton_backend.float32_precision(p.device, p.head_dim) == precision
+        d = dispatch.decide(p, "auto")
+        assert d.backend == chosen and f"auto rule for cuda tensors: {order}" in d.decided_by, d
+        assert (d.fallback is None) == cuda_kernels, d.fallback
+        assert (d.note is not None) == (chosen == "reference"), d.note
+        assert dispatch.triton_backend.float32_precision(torch.device("cpu"), 64) in ("tf32", "ieee")  # interpreter
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def _check_float32_rule(monkeypatch, capability, cuda_kernels, precision, chosen, order):
-    p = _fake_cuda_problem(monkeypatch, capability=capability, dtype=torch.float32, cuda_kernels=cuda_kernels)
-    assert dispatch.triton_backend.float32_precision(p.device, p.head_dim) == precision
+@pytest.mark.parametrize(
+    "head_dim, N, segments, chosen",
+    [
+        (64, 16384, [2048, 4096, 8192, 16384], "triton"),  # tf32x3
+        (128, 16384, [2048, 4096, 8192, 16384], "triton"),  # tf32x3 (with the tf32x3-only configs)
+        (256, 4096, [512, 1024], "reference"),  # IEEE in Triton; reference estimate 1.25 GiB
+        (256, 16384, [2048, 4096, 8192, 16384], "reference"),  # 19 GiB <= 35 GiB
+        (256, 65536, [2048, 4096, 8192, 16384], "cuda"),  # 68 GiB > 35 GiB
+    ],
+)
+def test_float32_rule_on_an_h200(monkeypatch, head_dim, N, segments, chosen):
+    """The decisions behind the float32 rows of the README's auto table, with an H200's properties (sm 9.0,
+    227 KiB of shared memory per block, 140 GiB) and its benchmark's shapes (B=1, H=16)."""
+    import types
+
+    h200 = types.SimpleNamespace(shared_memory_per_block_optin=232448, total_memory=143771 << 20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: h200)
+    dispatch.triton_backend._tf32x3_fits.cache_clear()
+    try:
+        p = _fake_cuda_problem(monkeypatch, capability=(9, 0), dtype=torch.float32, head_dim=head_dim)
+        q = torch.empty(1, N, 16, head_dim, dtype=torch.float32, device="meta")
+        p = dataclasses.replace(validate(q, q, q, segments, [1, 2, 4, 8][: len(segments)]), device=p.device)
+        assert dispatch.decide(p, "auto").backend == chosen
+    finally:
+        dispatch.triton_backend._tf32x3_fits.cache_clear()
+
+
+def test_auto_runs_the_reference_on_a_gpu_only_within_its_memory_share(monkeypatch):
+    """The reference's memory grows with N * w/r per branch: auto takes it for float32 at head_dim > 64 (IEEE
+    products in Triton) only while its estimate is at most a quarter of the GPU's memory, and says so."""
+    monkeypatch.setattr(dispatch.triton_backend, "_tf32x3_fits", lambda index, block_d: True)
+    p = _fake_cuda_problem(monkeypatch, dtype=torch.float32, head_dim=256)
+    need = reference_memory_bytes(p)
+    # branches (8, 1) and (16, 2) over N=64, 4 heads: 4 * 8 segments of 8 members, 4 * 4 segments of 8 members
+    scores, gathered = 4 * 8 * 8 * 8 + 4 * 4 * 8 * 8, 2 * 4 * 65 * 256
+    assert need == 4 * (4 * scores + 4 * gathered)  # float32
+    monkeypatch.setattr(dispatch, "_gpu_memory_bytes", lambda device: 4 * need)
     d = dispatch.decide(p, "auto")
-    assert d.backend == chosen and f"auto rule for cuda tensors: {order}" in d.decided_by, d
-    assert (d.fallback is None) == cuda_kernels, d.fallback
-    assert dispatch.triton_backend.float32_precision(torch.device("cpu"), 64) in ("tf32", "ieee")  # interpreter
+    assert d.backend == "reference" and "is at most 25% of the GPU's" in d.decided_by, d
+    assert d.note == dispatch.REFERENCE_ON_GPU_WARNING and d.fallback is None
+    assert f"note: {dispatch.REFERENCE_ON_GPU_WARNING}" in str(d)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert dispatch.select(p, "auto").name == "reference"
+    assert [str(w.message) for w in caught] == [dispatch.REFERENCE_ON_GPU_WARNING]
+    monkeypatch.setattr(dispatch, "_gpu_memory_bytes", lambda device: 4 * need - 1)
+    d = dispatch.decide(p, "auto")
+    assert d.backend == "cuda" and "cuda > triton > reference" in d.decided_by and d.note is None, d
 
 
 # --- explicit backends and the environment variable ---------------------------------------------------------
@@ -284,8 +338,8 @@ def test_compile_fullgraph_warns_once_when_auto_falls_back(no_cpu_kernels):
     assert warned == []
 
 
-def _compiled_matches_eager(device, dtype, tol):
-    q, k, v = _qkv(B=2, N=70, Hq=6, Hkv=2, D=16, dtype=dtype, device=device, requires_grad=True)
+def _compiled_matches_eager(device, dtype, tol, D=16):
+    q, k, v = _qkv(B=2, N=70, Hq=6, Hkv=2, D=D, dtype=dtype, device=device, requires_grad=True)
 
     def f(q, k, v):
         out, lse = dilated_attn.dilated_attention(q, k, v, [16, 32, 64], [1, 2, 4], causal=True, return_lse=True)
@@ -307,9 +361,48 @@ def test_compile_fullgraph_forward_backward_matches_eager_cpu():
     _compiled_matches_eager("cpu", torch.float32, dict(rtol=0, atol=0))
 
 
+def test_reference_rule_traces_without_graph_break(monkeypatch):
+    """reference_preferred (memory estimate, device memory, the reason's text) runs inside a traced graph."""
+    monkeypatch.setattr(dispatch.triton_backend, "_tf32x3_fits", lambda index, block_d: True)
+    monkeypatch.setattr(dispatch, "_gpu_memory_bytes", lambda device: 80 << 30)
+    p = _fake_cuda_problem(monkeypatch, dtype=torch.float32, head_dim=256)
+
+    def f(x):
+        return x + len(dispatch.reference_preferred(p))
+
+    compiled, graphs = _graph_capturing_compile(f)
+    x = torch.zeros(3)
+    assert torch.equal(compiled(x), f(x)) and len(graphs) == 1
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compile_fullgraph_forward_backward_matches_eager_gpu(dtype):
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 16), (torch.float32, 16), (torch.float32, 256)])
+def test_compile_fullgraph_forward_backward_matches_eager_gpu(dtype, head_dim):
+    # float32 at head dim 256: auto runs the reference on a GPU with memory to spare (dispatch.reference_preferred)
+    q = torch.empty(2, 70, 6, head_dim, dtype=dtype, device="cuda")
+    expected = "reference" if head_dim > 128 and dtype == torch.float32 else "triton"
+    assert dilated_attn.explain(q, q[:, :, :2], q[:, :, :2], [16, 32, 64], [1, 2, 4]).backend == expected
     # Under torch.compile the scale reaches the kernels as a float64 scalar: a few low bits may differ.
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
-    _compiled_matches_eager("cuda", dtype, tol)
+    _compiled_matches_eager("cuda", dtype, tol, D=head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, causal, head_groups", [(128, False, "all"), (256, True, "split")])
+def test_gpu_reference_memory_estimate_bounds_its_peak(head_dim, causal, head_groups):
+    """auto's memory rule rests on reference_memory_bytes: an upper bound on the reference's peak for a
+    forward and backward, and not a loose one (the measured peak is at least a quarter of it)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 3000, 8, head_dim, device="cuda", generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 3000, 4, head_dim, device="cuda", generator=g, requires_grad=True) for _ in range(2))
+    args = ([512, 1024, 2048, 4096], [1, 2, 4, 8])
+    kwargs = dict(causal=causal, head_groups=head_groups, backend="reference")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = dilated_attn.dilated_attention(q, k, v, *args, **kwargs)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    estimate = reference_memory_bytes(validate(q, k, v, *args, causal=causal, head_groups=head_groups))
+    assert estimate / 4 <= peak <= estimate, (peak, estimate)
