@@ -191,9 +191,10 @@ def test_float32_rule_on_an_h200(monkeypatch, head_dim, N, segments, chosen):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: h200)
     dispatch.triton_backend._tf32x3_fits.cache_clear()
     try:
-        p = _fake_cuda_problem(monkeypatch, capability=(9, 0), dtype=torch.float32, head_dim=head_dim)
+        _fake_cuda_problem(monkeypatch, capability=(9, 0))  # the kernel table and the capability
         q = torch.empty(1, N, 16, head_dim, dtype=torch.float32, device="meta")
-        p = dataclasses.replace(validate(q, q, q, segments, [1, 2, 4, 8][: len(segments)]), device=p.device)
+        p = validate(q, q, q, segments, [1, 2, 4, 8][: len(segments)])
+        p = dataclasses.replace(p, device=torch.device("cuda", 0))
         assert dispatch.decide(p, "auto").backend == chosen
     finally:
         dispatch.triton_backend._tf32x3_fits.cache_clear()
