@@ -138,11 +138,15 @@ def _gpu_memory_bytes(device: torch.device) -> int:
 REFERENCE_MEMORY_SHARE = 0.25
 
 
+def _float32_with_ieee_products(p: Problem) -> bool:
+    """float32 on a GPU where Triton would multiply with IEEE fp32 FMAs (see triton.float32_precision)."""
+    return p.device.type == "cuda" and p.dtype == torch.float32 and _triton_float32_is_ieee(p.device, p.head_dim)
+
+
 def reference_preferred(p: Problem) -> Optional[str]:
     """Why auto prefers the reference for `p` on a GPU (None where it does not): float32 with head_dim > 64
     where Triton would multiply with IEEE fp32 FMAs, while the reference's memory estimate fits the share."""
-    if not (p.device.type == "cuda" and p.dtype == torch.float32 and p.head_dim > 64
-            and _triton_float32_is_ieee(p.device, p.head_dim)):
+    if not (p.head_dim > 64 and _float32_with_ieee_products(p)):
         return None
     need, total = reference_memory_bytes(p), _gpu_memory_bytes(p.device)
     if need > REFERENCE_MEMORY_SHARE * total:
@@ -171,15 +175,13 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
       FMA products (benchmarks/results/auto_NVIDIA_H200_float32_ieee.json);
     - the reference first where head_dim > 64 and its memory fits (reference_preferred): cuBLAS's fp32 GEMMs
       made it 1.04-1.3x faster than the cuda kernels at head dim 128 and 1.6-2.2x at 256
-      (auto_NVIDIA_H200_float32.json, auto_NVIDIA_H200_float32_tf32x3_configs.json). Above the memory share the cuda kernels run: the reference's memory
-      grows with N * w/r per branch, theirs with N.
+      (auto_NVIDIA_H200_float32.json, auto_NVIDIA_H200_float32_tf32x3_configs.json). Above the memory
+      share the cuda kernels run: the reference's memory grows with N * w/r per branch, theirs with N.
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
     """
-    if reference_preferred(p) is not None:
-        return ("reference", "cuda", "triton")
-    if p.device.type == "cuda" and p.dtype == torch.float32 and _triton_float32_is_ieee(p.device, p.head_dim):
-        return ("cuda", "triton", "reference")
+    if _float32_with_ieee_products(p):
+        return ("reference", "cuda", "triton") if reference_preferred(p) else ("cuda", "triton", "reference")
     return AUTO_ORDER.get(p.device.type, ("reference",))
 
 
@@ -279,7 +281,7 @@ def decide(p: Problem, backend: str) -> Decision:
         return Decision(None, f"{label}: {decided_by}", found, error=error, problem=p)
     order = auto_preference(p)
     rule = f"the auto rule for {p.device.type} tensors: {' > '.join(order)}, the first that can run"
-    why_reference = reference_preferred(p)
+    why_reference = reference_preferred(p) if order[0] == "reference" else None
     if why_reference is not None:
         rule += f" ({why_reference})"
     passed = []

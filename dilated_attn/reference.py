@@ -138,8 +138,7 @@ def reference_memory_bytes(p: Problem) -> int:
     inputs: per branch four score-sized tensors (the scores, their exponentials and the probabilities, kept
     for the backward, and one gradient) and four [B, H, N + 1, D] ones (gathered q, k, v and the output), in
     the compute dtype. Peaks measured on an H200 (float32, head dims 128 and 256, N 4096 and 16384) were
-    0.72-0.97 of it
-    (peak_memory_mib in benchmarks/results/auto_NVIDIA_H200_float32_tf32x3_configs.json)."""
+    0.72-0.97 of it (peak_memory_mib in benchmarks/results/auto_NVIDIA_H200_float32_tf32x3_configs.json)."""
     element = torch.finfo(_compute_dtype(p.dtype, None)).bits // 8
     total = 0
     for br in p.branches:

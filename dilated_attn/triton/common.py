@@ -22,10 +22,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# ids of the configs made from `tf32x3_variants` (the autotuner keeps these objects for the process's life)
 _TF32X3_ONLY: set[int] = set()
 
 
-def autotune_configs(variants: list[dict], interpreter: dict, tf32x3_variants: list[dict] = ()) -> list[triton.Config]:
+def autotune_configs(variants: list[dict], interpreter: dict,
+                     tf32x3_variants: list[dict] = ()) -> list[triton.Config]:
     """triton.Config objects for `variants` (block sizes plus num_warps/num_stages); under the interpreter,
     where every config would be run and is slow, one small config. `tf32x3_variants` come last and are tuned
     only with tf32x3 products (see prune_by_shared_memory): small tiles, or one pipeline stage, that fit
@@ -40,7 +42,7 @@ def autotune_configs(variants: list[dict], interpreter: dict, tf32x3_variants: l
         warps, stages = v.pop("num_warps"), v.pop("num_stages")
         configs.append(triton.Config(v, num_warps=warps, num_stages=stages))
         if len(configs) > len(variants):
-            _TF32X3_ONLY.add(id(configs[-1]))  # (the autotuner keeps these objects for the process's life)
+            _TF32X3_ONLY.add(id(configs[-1]))
     return configs
 
 
