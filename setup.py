@@ -65,7 +65,10 @@ def extension():
 
 
 setup(
-    packages=find_packages(include=["dilated_attn", "dilated_attn.*"]),
+    # src/ layout: from the repository root, `python -m pytest` and `python -m dilated_attn` import the
+    # installed package (with its compiled _C), never the unbuilt source tree.
+    package_dir={"": "src"},
+    packages=find_packages("src", include=["dilated_attn", "dilated_attn.*"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

@@ -3,7 +3,7 @@
 import torch
 
 import dilated_attn
-from dilated_attn import ops
+from dilated_attn.backends import compiled
 
 
 def test_extension_is_loaded():
@@ -14,7 +14,7 @@ def test_extension_is_loaded():
 
 
 def test_ops_are_registered_with_a_cpu_kernel():
-    assert ops.has_kernel("cpu")
+    assert compiled.has_kernel("cpu")
     schema = str(torch.ops.dilated_attn.forward.default._schema)
     assert "int[] segment_lengths" in schema and "-> (Tensor out, Tensor lse)" in schema
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attn::backward", "CPU")
@@ -22,4 +22,4 @@ def test_ops_are_registered_with_a_cpu_kernel():
 
 def test_a_cpu_only_build_has_no_cuda_kernel():
     if not dilated_attn.build_info()["with_cuda"]:
-        assert not ops.has_kernel("cuda")
+        assert not compiled.has_kernel("cuda")

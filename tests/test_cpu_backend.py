@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dilated_attn
-from dilated_attn import dispatch
+from dilated_attn import backends, dispatch
 from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
 
@@ -199,8 +199,8 @@ def test_auto_picks_the_cpu_kernel_for_cpu_tensors():
     q = torch.randn(1, 8, 2, 4)
     p = validate(q, q, q, [4], [1])
     assert dispatch.select(p, "auto").name == "cpu"
-    assert dispatch.verdicts(p)["cpu"] is None and dispatch.verdicts(p)["reference"] is None
-    assert "CUDA" in dispatch.verdicts(p)["cuda"]
+    assert backends.verdicts(p)["cpu"] is None and backends.verdicts(p)["reference"] is None
+    assert "CUDA" in backends.verdicts(p)["cuda"]
 
 
 def test_requires_no_grad():

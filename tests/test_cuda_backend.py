@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dilated_attn
-from dilated_attn import ops
+from dilated_attn.backends import compiled
 
 from cases import Case, make_qkv
 from parity import GPU_CASES, check_against_reference, poison_allocator
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _needs_cuda_kernels():
-    if torch.cuda.is_available() and not ops.has_kernel("cuda"):
+    if torch.cuda.is_available() and not compiled.has_kernel("cuda"):
         pytest.fail("a GPU is present but dilated_attn._C was built without CUDA kernels")
 
 

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import dilated_attn
-from dilated_attn import dispatch, ops
-from dilated_attn.reference import dilated_attention_reference, reference_memory_bytes
+from dilated_attn import backends, dispatch, trace
+from dilated_attn.backends import compiled
+from dilated_attn.backends import reference as reference_backend
+from dilated_attn.backends import triton as triton_backend
+from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
 
 SEGS, DILS = [8, 16], [1, 2]
@@ -19,7 +22,7 @@ SEGS, DILS = [8, 16], [1, 2]
 def _clean(monkeypatch):
     """Every test starts with no warning given yet, no backend forced and no compiled code of another test (the
     environment variable is read when a compiled function is traced, so a stale trace would hide it)."""
-    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.setattr(trace, "_WARNED", set())
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     torch.compiler.reset()
     yield
@@ -29,18 +32,18 @@ def _clean(monkeypatch):
 @pytest.fixture
 def no_cpu_kernels(monkeypatch):
     """A build of the extension without CPU kernels, as the CPU backend sees it."""
-    monkeypatch.setattr(ops, "_KERNELS", {"cpu": False, "cuda": False})
+    monkeypatch.setattr(compiled, "_KERNELS", {"cpu": False, "cuda": False})
 
 
 @pytest.fixture
 def runs(monkeypatch):
-    """Which backends actually ran (each backend's run wrapped by a recorder)."""
+    """Which backends actually ran (each backend's forward wrapped by a recorder)."""
     calls = []
-    for name, b in list(dispatch.BACKENDS.items()):
-        def run(q, k, v, p, _name=name, _run=b.run):
+    for name, b in backends.REGISTRY.items():
+        def forward(q, k, v, p, _name=name, _forward=b.forward):
             calls.append(_name)
-            return _run(q, k, v, p)
-        monkeypatch.setitem(dispatch.BACKENDS, name, dispatch.Backend(name, b.reason, run))
+            return _forward(q, k, v, p)
+        monkeypatch.setattr(b, "forward", forward)
     return calls
 
 
@@ -63,7 +66,7 @@ def _recorded(fn):
 def _fake_cuda_problem(monkeypatch, capability=(9, 0), dtype=torch.bfloat16, head_dim=128, cuda_kernels=True):
     """A Problem on a CUDA device of the given compute capability, without a GPU: the verdicts only read the
     problem, the extension's kernel table and the device's capability."""
-    monkeypatch.setattr(ops, "_KERNELS", {"cpu": True, "cuda": cuda_kernels})
+    monkeypatch.setattr(compiled, "_KERNELS", {"cpu": True, "cuda": cuda_kernels})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     q = torch.empty(1, 64, 4, head_dim, dtype=dtype, device="meta")
     return dataclasses.replace(validate(q, q, q, SEGS, DILS), device=torch.device("cuda", 0))
@@ -88,7 +91,7 @@ def test_auto_falls_back_to_the_reference_and_warns_once_per_reason(no_cpu_kerne
     _, warned = _recorded(lambda: dilated_attn.dilated_attention(q, k, v, SEGS, DILS, causal=True))
     assert warned == []  # the same reason again: no second warning
     # A different reason (the extension not loaded at all) is worth its own warning.
-    monkeypatch.setattr(dispatch, "LOAD_ERROR", "ImportError: no _C")
+    monkeypatch.setattr(compiled, "LOAD_ERROR", "ImportError: no _C")
     _, warned = _recorded(lambda: dilated_attn.dilated_attention(q, k, v, SEGS, DILS))
     assert len(warned) == 1 and "not loaded (ImportError: no _C)" in warned[0], warned
 
@@ -102,7 +105,7 @@ def test_other_devices_run_the_reference_without_warning():
 def test_cuda_backend_rules(monkeypatch):
     """The hand-written CUDA kernels: float16/bfloat16/float32, head_dim <= 256, compute capability >= 6.0,
     and an extension built with CUDA kernels."""
-    cuda = dispatch.BACKENDS["cuda"].reason
+    cuda = backends.REGISTRY["cuda"].why_not
     assert cuda(_fake_cuda_problem(monkeypatch)) is None
     assert cuda(_fake_cuda_problem(monkeypatch, capability=(6, 0), dtype=torch.float16, head_dim=256)) is None
     assert "dtype float64 is not supported" in cuda(_fake_cuda_problem(monkeypatch, dtype=torch.float64))
@@ -124,8 +127,7 @@ def test_cuda_backend_rules(monkeypatch):
 def test_auto_rule_on_cuda(monkeypatch, capability, triton_missing, cuda_kernels, dtype, chosen, skipped):
     """triton (sm >= 7.0, importable), else cuda, else reference; each passed-over preference says why."""
     if triton_missing:
-        monkeypatch.setattr(dispatch, "triton_backend", None)
-        monkeypatch.setattr(dispatch, "TRITON_ERROR", "ModuleNotFoundError: No module named 'triton'")
+        monkeypatch.setattr(triton_backend, "load_error", lambda: "ModuleNotFoundError: No module named 'triton'")
     p = _fake_cuda_problem(monkeypatch, capability=capability, dtype=dtype, cuda_kernels=cuda_kernels)
     d = dispatch.decide(p, "auto")
     assert d.backend == chosen and "auto rule for cuda tensors: triton > cuda > reference" in d.decided_by
@@ -162,12 +164,12 @@ def test_auto_rule_for_float32_on_cuda(monkeypatch, capability, allow_tf32, tf32
     try:
         p = _fake_cuda_problem(monkeypatch, capability=capability, dtype=torch.float32, head_dim=head_dim,
                                cuda_kernels=cuda_kernels)
-        assert dispatch.triton_backend.float32_precision(p.device, p.head_dim) == precision
+        assert triton_backend.float32_precision(p.device, p.head_dim) == precision
         d = dispatch.decide(p, "auto")
         assert d.backend == chosen and f"auto rule for cuda tensors: {order}" in d.decided_by, d
         assert (d.fallback is None) == cuda_kernels, d.fallback
         assert (d.note is not None) == (chosen == "reference"), d.note
-        assert dispatch.triton_backend.float32_precision(torch.device("cpu"), 64) in ("tf32", "ieee")  # interpreter
+        assert triton_backend.float32_precision(torch.device("cpu"), 64) in ("tf32", "ieee")  # interpreter
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
@@ -189,7 +191,7 @@ def test_float32_rule_on_an_h200(monkeypatch, head_dim, N, segments, chosen):
 
     h200 = types.SimpleNamespace(shared_memory_per_block_optin=232448, total_memory=143771 << 20)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: h200)
-    dispatch.triton_backend._tf32x3_fits.cache_clear()
+    triton_backend._tf32x3_fits.cache_clear()
     try:
         _fake_cuda_problem(monkeypatch, capability=(9, 0))  # the kernel table and the capability
         q = torch.empty(1, N, 16, head_dim, dtype=torch.float32, device="meta")
@@ -197,7 +199,7 @@ def test_float32_rule_on_an_h200(monkeypatch, head_dim, N, segments, chosen):
         p = dataclasses.replace(p, device=torch.device("cuda", 0))
         assert dispatch.decide(p, "auto").backend == chosen
     finally:
-        dispatch.triton_backend._tf32x3_fits.cache_clear()
+        triton_backend._tf32x3_fits.cache_clear()
 
 
 def test_auto_runs_the_reference_on_a_gpu_only_within_its_memory_share(monkeypatch):
@@ -205,7 +207,7 @@ def test_auto_runs_the_reference_on_a_gpu_only_within_its_memory_share(monkeypat
     products in Triton) only while its estimate is at most a quarter of the GPU's memory, and says so."""
     monkeypatch.setattr(dispatch.triton_backend, "_tf32x3_fits", lambda index, block_d: True)
     p = _fake_cuda_problem(monkeypatch, dtype=torch.float32, head_dim=256)
-    need = reference_memory_bytes(p)
+    need = reference_backend.memory_bytes(p)
     # branches (8, 1) and (16, 2) over N=64, 4 heads: 4 * 8 segments of 8 members, 4 * 4 segments of 8 members
     scores, gathered = 4 * 8 * 8 * 8 + 4 * 4 * 8 * 8, 2 * 4 * 65 * 256
     assert need == 4 * (4 * scores + 4 * gathered)  # float32
@@ -242,7 +244,7 @@ def test_explicit_backend_that_cannot_run_lists_every_verdict(no_cpu_kernels, mo
     message = str(info.value)
     assert message.startswith("backend='cpu' cannot run this input: dilated_attn._C was built without CPU kernels")
     assert "Backends that can: reference" in message
-    for name, why in dispatch.verdicts(validate(q, k, v, SEGS, DILS)).items():
+    for name, why in backends.verdicts(validate(q, k, v, SEGS, DILS)).items():
         assert f"{name}: {why or 'can run'}" in message
 
 
@@ -280,7 +282,7 @@ def test_explain_reports_without_running(runs):
     d = dilated_attn.explain(q, k, v, SEGS, DILS, causal=True, return_lse=True)
     assert runs == []
     assert d.backend == "cpu" and d.fallback is None and d.error is None
-    assert d.verdicts == dispatch.verdicts(validate(q, k, v, SEGS, DILS))
+    assert d.verdicts == backends.verdicts(validate(q, k, v, SEGS, DILS))
     table = str(d)
     assert "cpu        can run  <- runs" in table and "decided by: the auto rule for cpu tensors" in table
     for name, why in d.verdicts.items():
@@ -405,5 +407,5 @@ def test_gpu_reference_memory_estimate_bounds_its_peak(head_dim, causal, head_gr
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    estimate = reference_memory_bytes(validate(q, k, v, *args, causal=causal, head_groups=head_groups))
+    estimate = reference_backend.memory_bytes(validate(q, k, v, *args, causal=causal, head_groups=head_groups))
     assert estimate / 4 <= peak <= estimate, (peak, estimate)

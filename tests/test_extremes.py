@@ -4,7 +4,7 @@ Triton kernels through Triton's interpreter where tests/conftest.py switched it 
 `pytest -m gpu` selects them, conftest.py skips them without a GPU): the cuda backend, and the Triton kernels on
 CUDA tensors (ids triton_gpu-...).
 
-Expected values come from closed forms derived from ../shared/SPEC.md (`key_counts` below) where the case
+Expected values come from closed forms derived from docs/SPEC.md (`key_counts` below) where the case
 has one, else from the float64 reference on the same (rounded) inputs; both are computed on CPU, so GPU results
 are moved there before any comparison.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dilated_attn
-from dilated_attn import dispatch
+from dilated_attn.backends import CPU, TRITON
 from dilated_attn.reference import dilated_attention_reference
 
 from cases import make_tensor
@@ -29,7 +29,7 @@ F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float6
 # test_triton.py relies on); it supports float32/float16 (it computes bfloat16 wrongly) and is slow, so it
 # gets the small cases, mostly in float32.
 INTERPRETER = (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
-               and dispatch.triton_backend is not None)
+               and TRITON.unavailable() is None)
 BACKENDS = ("cpu", "reference", "triton")
 # Backends on CUDA tensors, by parameter name -> backend name ("triton" alone is the interpreter on CPU tensors).
 # Every other parameter names a backend run on CPU tensors.
@@ -38,7 +38,7 @@ GPU_DTYPES = (F32, F16, BF16)
 ALL_BACKENDS = (*BACKENDS, *GPU_BACKENDS)
 # numpy, under the interpreter, warns about overflow/NaN in lanes that the kernels mask out afterwards.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
-DTYPES = {"cpu": dispatch.CPU_DTYPES, "reference": (F16, BF16, F32, F64), "triton": (F32, F16)}
+DTYPES = {"cpu": CPU.dtypes, "reference": (F16, BF16, F32, F64), "triton": (F32, F16)}
 NO_INTERPRETER = pytest.mark.skipif(not INTERPRETER,
                                     reason="Triton interpreter off (needs triton, TRITON_INTERPRET=1, no GPU)")
 

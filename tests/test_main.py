@@ -14,6 +14,7 @@ import torch
 
 import dilated_attn
 from dilated_attn import __main__ as cli
+from dilated_attn import backends
 from dilated_attn.spec import flops, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,8 +90,7 @@ def test_check_reports_a_backend_that_raises_as_failed(capsys, monkeypatch):
     def broken(q, k, v, p):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(cli.dispatch, "BACKENDS", dict(cli.dispatch.BACKENDS, cpu=cli.dispatch.Backend(
-        "cpu", cli.dispatch.BACKENDS["cpu"].reason, broken)))
+    monkeypatch.setattr(backends.CPU, "forward", broken)
     assert cli.main(["check", "--device", "cpu", "--dtype", "float32"]) == 1
     out = capsys.readouterr().out
     assert "FAIL: raised RuntimeError: kernel exploded" in out and "reference  float32   causal, split" in out
@@ -102,7 +102,7 @@ def test_check_reports_backends_that_cannot_run(capsys):
     assert "cuda       float32   non-causal, all    SKIP: needs CUDA tensors, got cpu" in out
 
 
-@pytest.mark.skipif(cli.dispatch.triton_backend is None or os.environ.get("TRITON_INTERPRET") != "1",
+@pytest.mark.skipif(backends.TRITON.unavailable() is not None or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs triton under its interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)")
 def test_check_triton_interpreted(capsys, monkeypatch):
     # A smaller problem and one case: the interpreter takes ~20 s on the full check.

@@ -236,13 +236,13 @@ def _mismatch(case, rank):
 
 def _die(case, rank):
     """Rank 1 dies in the middle of a call (as it posts its first transfer); rank 0 must fail, not hang."""
-    import dilated_attn.ring as ring
+    import dilated_attn.ring.comm as comm
 
     if rank == 1:
         def die(*args, **kwargs):
             os._exit(0)  # no cleanup, as in a crash; exit code 0 so that only rank 0's report decides the test
 
-        ring._Step.__init__ = die
+        comm.Step.__init__ = die
     q, k, v, _, _ = _global_inputs(case, torch.float64, "cpu")
     start = time.monotonic()
     try:
@@ -255,23 +255,23 @@ def _die(case, rank):
 def _jitter(case, rank):
     """The same call three times with random delays before every transfer is posted, so messages arrive in
     different orders: outputs and gradients must be the same bits every time."""
-    import dilated_attn.ring as ring
+    import dilated_attn.ring.comm as comm
 
-    post = ring._Step.__init__
+    post = comm.Step.__init__
     rng = random.Random(rank)
 
     def delayed(self, *args, **kwargs):
         time.sleep(rng.random() * 0.02)
         post(self, *args, **kwargs)
 
-    ring._Step.__init__ = delayed
+    comm.Step.__init__ = delayed
     try:
         q, k, v, go, gl = _global_inputs(case, torch.float64, "cpu")
         local = [_local(x, case) for x in (q, k, v, go)] + [_local(gl, case, dim=2)]
         digests = {zlib.crc32(b"".join(t.numpy().tobytes() for t in _run(case, *local, ring=True)))
                    for _ in range(3)}
     finally:
-        ring._Step.__init__ = post
+        comm.Step.__init__ = post
     return {} if len(digests) == 1 else {"differing results": len(digests)}
 
 

@@ -44,7 +44,7 @@ def test_interpreter_long_segments_cross_block_borders(causal):
 
 def _full_config_lists(monkeypatch):
     """Each kernel's autotuning configs as on a GPU (the interpreter keeps one small config)."""
-    from dilated_attn.triton import bwd, fwd
+    from dilated_attn.backends.triton import bwd, fwd
 
     with monkeypatch.context() as m:
         m.setenv("TRITON_INTERPRET", "0")
@@ -71,7 +71,7 @@ def test_interpreter_every_config_block_shape(index, monkeypatch):
 
 
 def test_auto_tile_order_rule():
-    from dilated_attn.triton import TILE_ORDER, auto_tile_order
+    from dilated_attn.backends.triton.ops import TILE_ORDER, auto_tile_order
 
     assert TILE_ORDER == "auto" or "DILATED_ATTN_TILE_ORDER" in __import__("os").environ
     assert auto_tile_order(16384, 16, 16) == auto_tile_order(65536, 16, 16) == "plain"
@@ -82,16 +82,16 @@ def test_auto_tile_order_rule():
 def test_tile_orders_give_the_same_result(order, monkeypatch):
     """Every tile order visits every (batch, head, segment) tile exactly once: results equal the plain
     order's bit for bit (each tile's arithmetic is the same, only the launch order changes)."""
-    from dilated_attn import triton as triton_backend
+    from dilated_attn.backends.triton import ops as triton_ops
 
     device = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(2, 45, h, 8, device=device, generator=g) for h in (6, 3, 3))
     args = ([8, 16, 45], [1, 2, 3])
-    monkeypatch.setattr(triton_backend, "TILE_ORDER", "plain")
+    monkeypatch.setattr(triton_ops, "TILE_ORDER", "plain")
     plain = dilated_attn.dilated_attention(q, k, v, *args, causal=True, return_lse=True, backend="triton")
-    monkeypatch.setattr(triton_backend, "TILE_ORDER", order)
-    table = triton_backend.tile_order(order, 2, 6, 3, torch.device(device)).cpu()
+    monkeypatch.setattr(triton_ops, "TILE_ORDER", order)
+    table = triton_ops.tile_order(order, 2, 6, 3, torch.device(device)).cpu()
     assert sorted(table.tolist()) == list(range(36)) and table.tolist() != list(range(36))
     got = dilated_attn.dilated_attention(q, k, v, *args, causal=True, return_lse=True, backend="triton")
     for a, b in zip(got, plain):
@@ -122,7 +122,7 @@ def test_gpu_tf32x3_configs(index, head_dim, causal, layout, monkeypatch):
     """The configs tuned only for tf32x3 products (float32 on Ampere and newer, head dim <= 128), each forced
     in turn: elsewhere the suite runs the first config that fits (DILATED_ATTN_TRITON_AUTOTUNE=0), never these."""
     from cases import Case
-    from dilated_attn.triton import bwd, common, float32_precision, fwd
+    from dilated_attn.backends.triton import bwd, common, float32_precision, fwd
 
     if float32_precision(torch.device("cuda"), head_dim) != "tf32x3":
         pytest.skip("tf32x3 products need Ampere or newer, TF32 not allowed and tiles that fit")

@@ -1,8 +1,8 @@
-"""Triton backend: launchers and the `torch.library.triton_op` registrations.
+"""Launchers of the Triton kernels and their `torch.library.triton_op` registrations.
 
-`torch.ops.dilated_attn.triton_forward` / `triton_backward` are triton ops, so torch.compile traces
-through them into the kernels without graph breaks; autograd is registered on the forward op.
-Importing this module needs triton (dispatch.py checks before it imports).
+`torch.ops.dilated_attn.triton_forward` / `triton_backward` are triton ops, so torch.compile traces through them
+into the kernels without graph breaks; autograd is registered on the forward op. Importing this module imports
+triton and compiles nothing; the package imports it on first use (`dilated_attn.backends.triton.load_error`).
 """
 
 from __future__ import annotations
@@ -15,21 +15,15 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from ..ops import register_attention_autograd
-from ..hilbert import hilbert_index
-from ..spec import branch_table
+from ...hilbert import hilbert_index
+from ...spec import branch_table
+from ..autograd import register_attention_autograd
+from . import block_d, float32_precision, interpreting
 from .bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
-from .common import interpreting, shared_memory_need
+from .common import shared_memory_need
 from .fwd import _fwd_kernel
 
 LOG2E = 1.4426950408889634
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-MIN_CAPABILITY = (7, 0)  # Volta: the oldest GPU Triton compiles for
-# Above this head dim tf32x3 tiles that fit in shared memory are too small to be fast: on an H200, float32 at
-# head dim 256 (tiles of 32-64 x 32) took 7x as long as the cuda kernels, forward+backward
-# (benchmarks/results/auto_NVIDIA_H200_float32_tf32x3_d256.json).
-TF32X3_MAX_HEAD_DIM = 128
 
 
 TILE_ORDERS = ("plain", "segment", "hilbert")
@@ -39,14 +33,13 @@ TILE_ORDERS = ("plain", "segment", "hilbert")
 #   segment  batch, segment, head: the heads of a segment together (GQA heads share K/V rows)
 #   hilbert  along a generalized Hilbert curve over the (head, segment) grid of each batch
 #   auto     (default) hilbert where it measurably won, plain elsewhere: see auto_tile_order
-# DILATED_ATTN_TILE_ORDER sets it at import; `dilated_attn.triton.TILE_ORDER = ...` at any time.
+# DILATED_ATTN_TILE_ORDER sets it at import; `dilated_attn.backends.triton.ops.TILE_ORDER = ...` at any time.
 TILE_ORDER = os.environ.get("DILATED_ATTN_TILE_ORDER", "auto")
 
 
 def auto_tile_order(seq_len: int, num_heads: int, num_kv_heads: int) -> str:
-    """The order "auto" uses. benchmarks/bench_tile_order.py on an H200 (bf16, D=128, H=16, LongNet branches,
-    results/tile_order_NVIDIA_H200.json): hilbert beat plain by more than the rounds' spread at N=262144
-    (1.8%, MHA and GQA) and at N=65536 with GQA (1.2%); at N=16384, and N=65536 without GQA, no order won."""
+    """The order "auto" uses: hilbert where it beat plain by more than the run-to-run spread (N >= 262144, and
+    N >= 65536 with GQA), plain elsewhere (benchmarks/README.md, "Tile order")."""
     if seq_len >= 262144 or (num_kv_heads < num_heads and seq_len >= 65536):
         return "hilbert"
     return "plain"
@@ -68,45 +61,9 @@ def tile_order(order: str, batch: int, n_heads: int, n_seg: int, device: torch.d
     return table.to(device=device, dtype=torch.int32)
 
 
-def reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None if the Triton kernels can run on such inputs, else why not. CPU tensors run only under
-    Triton's interpreter (TRITON_INTERPRET=1), which is for tests."""
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
-        return f"needs CUDA tensors, got {device.type}"
-    if dtype not in DTYPES:
-        return f"dtype {str(dtype).removeprefix('torch.')} is not supported (float16, bfloat16, float32)"
-    if head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
-        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        return f"compute capability {cc} < 7.0 (Triton needs Volta or newer)"
-    return None
-
-
-def float32_precision(device: torch.device, head_dim: int) -> str:
-    """How the kernels multiply float32 tiles (tl.dot's input_precision; 16-bit inputs ignore it).
-
-    TF32 (10-bit mantissa) only where torch's matmul setting allows it. Otherwise float32 accuracy: on Ampere
-    and newer, up to head dim TF32X3_MAX_HEAD_DIM, "tf32x3", three TF32 tensor-core products per tile product
-    (hi*hi + hi*lo + lo*hi of operands split into TF32 high and low parts, fp32 accumulation), held by the GPU
-    tests to the float32 reference's accuracy; else "ieee" fp32 FMAs (slow: see dispatch.auto_preference): on
-    Volta/Turing, which have no TF32, above TF32X3_MAX_HEAD_DIM, and where tf32x3's extra shared memory (a
-    second copy of the resident tiles) leaves some kernel no config that fits.
-    """
-    if torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    if (device.type == "cuda" and _block_d(head_dim) <= TF32X3_MAX_HEAD_DIM
-            and torch.cuda.get_device_capability(device) >= (8, 0)):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if _tf32x3_fits(index, _block_d(head_dim)):
-            return "tf32x3"
-    return "ieee"
-
-
-@functools.lru_cache(maxsize=None)
-def _tf32x3_fits(device_index: int, block_d: int) -> bool:
-    limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-    return all(min(shared_memory_need(rows, c, block_d, 4, 2) for c in kernel.configs) <= limit
+def tf32x3_fits(shared_memory_limit: int, tile_d: int) -> bool:
+    """Every kernel has a config whose tiles, with tf32x3's second copy of the resident ones, fit the limit."""
+    return all(min(shared_memory_need(rows, c, tile_d, 4, 2) for c in kernel.configs) <= shared_memory_limit
                for kernel, rows in _SHARED_ROWS)
 
 
@@ -119,10 +76,6 @@ def _precision(q: torch.Tensor) -> str:
     return float32_precision(q.device, q.shape[-1]) if q.dtype == torch.float32 else "tf32"
 
 
-def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
-
-
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -130,8 +83,8 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 def _common(q, k, segment_lengths, dilation_rates, split_heads):
     B, N, H, D = q.shape
     table = branch_table(segment_lengths, dilation_rates, N, H, "split" if split_heads else "all")
-    block_d = _block_d(D)
-    meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=block_d == D)
+    tile_d = block_d(D)
+    meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=tile_d, EVEN_D=tile_d == D)
     return table, meta
 
 
@@ -253,11 +206,3 @@ def triton_backward(
 
 
 register_attention_autograd("dilated_attn::triton_forward", "triton_backward")
-
-
-def forward(q, k, v, problem):
-    """The Triton op on a validated problem: returns (out, lse)."""
-    p = problem
-    return torch.ops.dilated_attn.triton_forward(
-        q, k, v, list(p.segment_lengths), list(p.dilation_rates), p.split_heads, p.causal, p.scale
-    )

@@ -1,4 +1,4 @@
-"""Argument validation and the branch table of the spec (../shared/SPEC.md).
+"""Argument validation and the branch table of the spec (docs/SPEC.md).
 
 Every backend receives arguments that passed `validate()`; the errors raised here are the spec's Errors
 section: ValueError (TypeError for wrong types) naming the argument and the rule it broke.
@@ -14,7 +14,8 @@ from typing import Sequence
 import torch
 
 HEAD_GROUPS = ("all", "split")
-BACKENDS = ("auto", "cuda", "triton", "cpu", "reference")
+BACKEND_NAMES = ("cuda", "triton", "cpu", "reference")  # dilated_attn.backends.REGISTRY, in its order
+BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # what the `backend` argument accepts
 
 
 @dataclass(frozen=True)
@@ -180,9 +181,9 @@ def validate(
     elif not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
     if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(backend).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise TypeError(f"backend must be a str, one of {BACKEND_CHOICES}, got {type(backend).__name__}")
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
     return Problem(
         batch=B,
         seq_len=N,
@@ -197,6 +198,11 @@ def validate(
         dtype=q.dtype,
         device=q.device,
     )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

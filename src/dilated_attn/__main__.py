@@ -25,12 +25,13 @@ from datetime import datetime, timezone
 import torch
 
 from . import __version__, build_info, dispatch
+from .backends import verdicts as backend_verdicts
+from .backends import triton as triton_backend
 from .functional import dilated_attention
 from .reference import dilated_attention_reference
-from .spec import flops, validate
+from .spec import BACKEND_NAMES, flops, validate
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-BACKEND_NAMES = tuple(dispatch.BACKENDS)
 MODES = {"fwd": ("fwd",), "fwdbwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}
 
 # Benchmark sizes when no flag says otherwise. GPU: the LongNet configuration every GPU number in the README
@@ -122,12 +123,12 @@ def environment(device: torch.device | None = None) -> dict:
         triton=triton_version,
         triton_error=triton_error,
         # Why the triton backend is unavailable even where triton itself imports (None if it loaded).
-        triton_backend_error=dispatch.TRITON_ERROR if triton_version else None,
+        triton_backend_error=triton_backend.load_error() if triton_version else None,
         build_info=build_info(),
         variables={k: os.environ[k] for k in ("DILATED_ATTN_BACKEND", "TRITON_INTERPRET",
                                               "DILATED_ATTN_TRITON_AUTOTUNE", "CUDA_VISIBLE_DEVICES")
                    if k in os.environ},
-        verdicts=dict(device=str(device), dtype=dtype_name(dtype), head_dim=64, backends=dispatch.verdicts(p)),
+        verdicts=dict(device=str(device), dtype=dtype_name(dtype), head_dim=64, backends=backend_verdicts(p)),
     )
 
 
@@ -224,7 +225,7 @@ def self_check(device: torch.device, dtypes=CHECK_DTYPES, backends=None) -> list
             ref = _outputs(lambda *x: dilated_attention_reference(*x, *CHECK_BRANCHES, **case),
                            [x.double() for x in inputs], grad_out, grad_lse)
             p = validate(*inputs, *CHECK_BRANCHES, **case)
-            found = dispatch.verdicts(p)
+            found = backend_verdicts(p)
             tol = tolerance(dtype, device)
             for name in backends or device_backends(p):
                 row = dict(backend=name, dtype=name_of_dtype, case=label, tolerance=tol)
@@ -316,7 +317,7 @@ def plan(cfg: dict, backends) -> tuple[dict[int, list[str]], dict[str, str]]:
                     raise ValueError(decision.error)
             out[n] = list(backends)
             continue
-        found = dispatch.verdicts(p)
+        found = backend_verdicts(p)
         out[n] = [name for name in device_backends(p) if found[name] is None]
         skipped.update({name: found[name] for name in device_backends(p) if found[name] is not None})
     return out, skipped

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
+
 
 # Integer arguments that change with every shape. Triton would otherwise specialise on their values
 # (== 1, divisible by 16) and compile a new kernel for each; strides stay specialised (aligned loads).
@@ -15,11 +17,6 @@ import triton.language as tl
 # kernels (IEEE float32 kernels take up to a minute each to compile).
 SIZE_ARGS = ["N", "H", "seg_len", "dilation", "n_seg", "head_lo", "offset_div", "offset_base", "max_members", "GROUP",
              "HEAD_DIM", "MAX_MEMBERS_BUCKET"]
-
-
-def interpreting() -> bool:
-    """TRITON_INTERPRET=1: kernels run on CPU tensors through Triton's interpreter (tests without a GPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ids of the configs made from `tf32x3_variants` (the autotuner keeps these objects for the process's life)
@@ -31,9 +28,8 @@ def autotune_configs(variants: list[dict], interpreter: dict,
     """triton.Config objects for `variants` (block sizes plus num_warps/num_stages); under the interpreter,
     where every config would be run and is slow, one small config. `tf32x3_variants` come last and are tuned
     only with tf32x3 products (see prune_by_shared_memory): small tiles, or one pipeline stage, that fit
-    tf32x3's doubled resident tiles. On an H200 at head dim 128 they won the tuning of every kernel and took
-    float32 forward+backward from 102 to 73 ms (N=16384; benchmarks/results/
-    auto_NVIDIA_H200_float32_tf32x3_configs.json against auto_NVIDIA_H200_float32.json)."""
+    tf32x3's doubled resident tiles, which are what wins float32 at head dim 128 (benchmarks/README.md,
+    "float32 products")."""
     if interpreting():
         variants, tf32x3_variants = [interpreter], []
     configs = []

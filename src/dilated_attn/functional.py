@@ -19,7 +19,7 @@ def dilated_attention(
     return_lse=False,
     backend="auto",
 ):
-    """LongNet dilated attention, exactly as ../shared/SPEC.md defines it.
+    """LongNet dilated attention, exactly as docs/SPEC.md defines it.
 
     Args:
         q: `[B, N, Hq, D]`; k, v: `[B, N, Hkv, D]` with `Hq % Hkv == 0` (query head h reads kv head
@@ -49,5 +49,5 @@ def dilated_attention(
         return_lse=return_lse,
         backend=backend,
     )
-    out, lse = dispatch.select(p, backend).run(q, k, v, p)
+    out, lse = dispatch.select(p, backend).forward(q, k, v, p)
     return (out, lse) if return_lse else out

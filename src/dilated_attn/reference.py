@@ -1,7 +1,7 @@
 """Pure-PyTorch implementations of the spec: the truth every backend, test and benchmark is compared with.
 
 * `dilated_attention_reference` gathers each branch's dilated rows into dense `[.., segment, member, D]`
-  blocks, attends within each block and merges branches by log-sum-exp. Memory is
+  blocks, attends within each block and merges branches with merge.merge. Memory is
   O(B*H*N*w/r^2) scores per branch, never N x N, so it runs at N = 65536 on one GPU.
 * `dilated_attention_bruteforce` builds the full N x N membership mask of every branch straight from the
   spec's wording (`(p mod s) mod r == o(h)`) in float64. It is for tests at small N only.
@@ -16,9 +16,10 @@ import math
 
 import torch
 
+from .merge import merge
 from .spec import Problem, lse_dtype, split_group_bounds, validate
 
-__all__ = ["dilated_attention_reference", "dilated_attention_bruteforce", "reference_memory_bytes"]
+__all__ = ["dilated_attention_reference", "dilated_attention_bruteforce", "default_compute_dtype"]
 
 
 def _masked_attention(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
@@ -41,30 +42,13 @@ def _masked_attention(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor,
     return probs @ v, lse
 
 
-def _merge_branches(outs: list[torch.Tensor], lses: list[torch.Tensor]):
-    """LSE = log sum_i exp(lse_i); out = sum_i exp(lse_i - LSE) out_i; rows where every lse_i = -inf give
-    (0, -inf). outs: [B, H, N, D], lses: [B, H, N]."""
-    lse_all = torch.stack(lses)  # [m, B, H, N]
-    covered = (lse_all != -math.inf).any(0)  # a NaN lse_i counts as covered, so the NaN reaches LSE
-    big = lse_all.amax(0).detach()
-    big = torch.where(covered, big, torch.zeros_like(big))
-    weights = torch.exp(lse_all - big)  # exp(lse_i - max): in (0, 1], no overflow
-    total = torch.where(covered, weights.sum(0), torch.ones_like(big))
-    lse = torch.where(covered, torch.log(total) + big, torch.full_like(big, -math.inf))
-    # Normalised by their own sum rather than taken as exp(lse_i - LSE): with a rounded LSE (|LSE| * eps
-    # comparable to the log of the branch count) those would no longer sum to 1.
-    out = sum((w / total).unsqueeze(-1) * oi for oi, w in zip(outs, weights))
-    return out, lse
-
-
 def _finish(out_bhnd: torch.Tensor, lse: torch.Tensor, p: Problem):
     out = out_bhnd.transpose(1, 2).to(p.dtype).contiguous()
     return out, lse.to(lse_dtype(p.dtype)).contiguous()
 
 
-def _compute_dtype(dtype: torch.dtype, compute_dtype):
-    if compute_dtype is not None:
-        return compute_dtype
+def default_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The reference's default arithmetic: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -93,7 +77,7 @@ def dilated_attention_reference(
     """
     p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups)
     B, N, Hq, D = q.shape
-    cdt = _compute_dtype(q.dtype, compute_dtype)
+    cdt = compute_dtype or default_compute_dtype(q.dtype)
     dev = q.device
     group = Hq // p.num_kv_heads
     kv_of_head = torch.arange(Hq, device=dev) // group
@@ -129,23 +113,8 @@ def dilated_attention_reference(
         lse_full[:, heads[:, None, None], pos] = lse_b
         outs.append(out_full[:, :, :N])
         lses.append(lse_full[:, :, :N])
-    out, lse = _merge_branches(outs, lses)
+    out, lse = merge(outs, lses)
     return _finish(out, lse, p)
-
-
-def reference_memory_bytes(p: Problem) -> int:
-    """An upper bound on what dilated_attention_reference allocates for `p`'s forward and backward beyond the
-    inputs: per branch four score-sized tensors (the scores, their exponentials and the probabilities, kept
-    for the backward, and one gradient) and four [B, H, N + 1, D] ones (gathered q, k, v and the output), in
-    the compute dtype. Peaks measured on an H200 (float32, head dims 128 and 256, N 4096 and 16384) were
-    0.72-0.97 of it (peak_memory_mib in benchmarks/results/auto_NVIDIA_H200_float32_tf32x3_configs.json)."""
-    element = torch.finfo(_compute_dtype(p.dtype, None)).bits // 8
-    total = 0
-    for br in p.branches:
-        members = -(-br.seg_len // br.dilation)
-        scores = (br.head_hi - br.head_lo) * -(-p.seq_len // br.seg_len) * members * members
-        total += 4 * scores + 4 * p.num_heads * (p.seq_len + 1) * p.head_dim
-    return p.batch * total * element
 
 
 def dilated_attention_bruteforce(
@@ -184,5 +153,5 @@ def dilated_attention_bruteforce(
         out_i, lse_i = _masked_attention(scores, mask.unsqueeze(0), vd)
         outs.append(out_i)
         lses.append(lse_i)
-    out, lse = _merge_branches(outs, lses)
+    out, lse = merge(outs, lses)
     return _finish(out, lse, p)

@@ -24,8 +24,10 @@ from . import dispatch
 from .functional import dilated_attention
 from .hilbert import _check_shape, hilbert_index
 from .reference import dilated_attention_reference
-from .ring import _check_layout, ring_attention
+from .ring import ring_attention
+from .ring.layout import check_layout
 from .spec import Problem, _int_list, validate
+from .trace import warn_once
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
@@ -80,7 +82,7 @@ def _check_ring_args(process_group, layout, dropout: float):
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be None or a torch.distributed.ProcessGroup, got "
                         f"{type(process_group).__name__}")
-    _check_layout(layout)
+    check_layout(layout)
     if process_group is not None and dropout > 0:
         raise ValueError(f"attention dropout ({dropout}) cannot be combined with process_group: ring_attention has "
                          f"no dropout")
@@ -155,7 +157,7 @@ class DilatedAttention(nn.Module):
         # Dispatch as usual (same errors, same fallback warnings), but run the reference, which has dropout.
         usual = dispatch.select(validate(*args, **kwargs, backend=self.backend), self.backend).name
         if usual != "reference":
-            dispatch.warn_once(
+            warn_once(
                 f"dilated_attn: attention_dropout={self.attention_dropout} in training mode runs the reference "
                 f"backend instead of {usual} (no kernel implements dropout; slower)"
             )

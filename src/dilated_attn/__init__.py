@@ -1,9 +1,9 @@
-"""dilated_attn: LongNet dilated attention for PyTorch (see README.md and ../shared/SPEC.md)."""
+"""dilated_attn: LongNet dilated attention for PyTorch, exact on every backend (docs/SPEC.md)."""
 
+from .backends.compiled import build_info
 from .dispatch import explain
 from .functional import dilated_attention
 from .nn import DilatedAttention, MultiheadDilatedAttention
-from .ops import build_info
 from .ring import ring_attention, shard, unshard
 
 __version__ = "0.1.0"

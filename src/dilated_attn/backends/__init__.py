@@ -1,0 +1,38 @@
+"""The backends, one module each; each declares what it supports (as data), why it cannot run an input
+(`why_not`), and its forward/backward ops (see base.Backend).
+
+    compiled.py   `cpu` and `cuda`: the ops of the compiled extension dilated_attn._C (csrc/)
+    triton/       `triton`: Triton kernels, imported on first use
+    reference.py  `reference`: pure PyTorch, any device
+
+dispatch.py ranks them for `backend="auto"`; the ring and the benchmarks look them up here by name.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..spec import BACKEND_NAMES, Problem
+from .base import Backend
+from .compiled import CPU, CUDA
+from .reference import REFERENCE
+from .triton import TRITON
+
+__all__ = ["Backend", "REGISTRY", "get", "verdicts", "CPU", "CUDA", "TRITON", "REFERENCE"]
+
+# name -> backend, in the order verdicts are listed
+REGISTRY: dict[str, Backend] = {b.name: b for b in (CUDA, TRITON, CPU, REFERENCE)}
+assert tuple(REGISTRY) == BACKEND_NAMES
+
+
+def get(name: str) -> Backend:
+    """The backend called `name` (one of spec.BACKEND_NAMES)."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}") from None
+
+
+def verdicts(p: Problem) -> dict[str, Optional[str]]:
+    """Every backend's verdict on `p`: None (can run) or why it cannot."""
+    return {name: b.why_not(p) for name, b in REGISTRY.items()}

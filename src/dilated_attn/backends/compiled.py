@@ -1,0 +1,118 @@
+"""The compiled extension `dilated_attn._C` (csrc/): its loading, its ops' fake kernels and autograd, and the two
+backends it serves: `cpu` (csrc/cpu/, C++ kernels) and `cuda` (csrc/cuda/, hand-written fp32-FMA kernels for every
+NVIDIA GPU from Pascal up).
+
+Loading the library registers `torch.ops.dilated_attn.forward` / `.backward` (csrc/registration.cpp); this module
+adds fake (meta) kernels for torch.compile and the autograd formula, so the ops trace and differentiate like
+built-in ones.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..spec import lse_dtype
+from .autograd import register_attention_autograd
+from .base import Backend
+
+__all__ = ["build_info", "has_kernel", "LOAD_ERROR", "CPU", "CUDA"]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _explain_load_failure(exc: ImportError) -> str:
+    built = any(name.startswith("_C.") and name.endswith((".so", ".pyd")) for name in os.listdir(_PACKAGE))
+    if not built:
+        return (f"dilated_attn._C is not built: the package imported from {_PACKAGE} has no compiled extension (a "
+                f"source tree rather than the installed package?). Install it with `pip install "
+                f"--no-build-isolation .` from the repository root, and run from anywhere but src/")
+    return (f"dilated_attn._C in {_PACKAGE} did not load ({type(exc).__name__}: {exc}); it was probably built "
+            f"against another torch than {torch.__version__}: reinstall with `pip install --no-build-isolation .`")
+
+
+try:
+    from .. import _C  # loading the library registers the ops
+
+    LOAD_ERROR: Optional[str] = None
+except ImportError as _exc:
+    _C = None
+    LOAD_ERROR = _explain_load_failure(_exc)
+
+
+def build_info() -> dict:
+    """What the compiled extension was built with (torch, CUDA version and targets, the CPU kernels' instruction
+    set), or why it could not be loaded."""
+    if _C is None:
+        return {"loaded": False, "error": LOAD_ERROR}
+    return {"loaded": True, **_C.build_info()}
+
+
+# Which devices the forward op has kernels for: fixed once the library is loaded, and read once because
+# torch.compile cannot trace the dispatcher query.
+_KERNELS = {
+    device: _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attn::forward", key)
+    for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+}
+
+
+def has_kernel(device_type: str) -> bool:
+    """True if the compiled forward op has a kernel for `device_type` ("cpu", "cuda")."""
+    return _KERNELS.get(device_type, False)
+
+
+if _C is not None:
+
+    @torch.library.register_fake("dilated_attn::forward")
+    def _forward_fake(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale):
+        B, N, H, _ = q.shape
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, H, N), dtype=lse_dtype(q.dtype), device=q.device)
+        return out, lse
+
+    @torch.library.register_fake("dilated_attn::backward")
+    def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads,
+                       causal, scale):
+        return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+    register_attention_autograd("dilated_attn::forward", "backward")
+
+
+class CompiledBackend(Backend):
+    """The ops of `dilated_attn._C` on one device type."""
+
+    def unavailable(self) -> Optional[str]:
+        device = self.device_types[0]
+        if has_kernel(device):
+            return None
+        if LOAD_ERROR is not None:
+            return f"the compiled extension dilated_attn._C is not loaded ({LOAD_ERROR})"
+        return f"dilated_attn._C was built without {device.upper()} kernels"
+
+    def ops(self):
+        return torch.ops.dilated_attn.forward, torch.ops.dilated_attn.backward
+
+
+class CpuBackend(CompiledBackend):
+    """Blocked online-softmax C++ kernels (csrc/cpu/), AVX2+FMA where the CPU has it."""
+
+    name = "cpu"
+    device_types = ("cpu",)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class CudaBackend(CompiledBackend):
+    """Hand-written CUDA kernels (csrc/cuda/): fp32 FMA, no tensor cores, so they run from Pascal up."""
+
+    name = "cuda"
+    device_types = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    max_head_dim = 256  # csrc/cuda/launch.h: kMaxHeadDim
+    min_capability = (6, 0)
+    capability_rule = "the CUDA kernels need Pascal or newer"
+
+
+CPU = CpuBackend()
+CUDA = CudaBackend()

@@ -1,0 +1,113 @@
+"""The `triton` backend: Triton kernels for NVIDIA GPUs from Volta up, the GPU fast path.
+
+This module declares what the backend runs and how it multiplies float32; it imports triton only when a kernel is
+first needed (`load_error()`), so that `import dilated_attn` stays cheap and a missing or broken triton costs this
+backend only. The rest of the package:
+
+    ops.py      launchers and the `torch.library.triton_op` registrations (`dilated_attn::triton_forward`,
+                `triton_backward`), the tile visiting order
+    fwd.py      the forward kernel          bwd.py     the backward kernels (delta, dK/dV, dQ)
+    common.py   segment decoding and autotuning configs shared by the kernels
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from ...trace import trace_constant
+from ..base import Backend
+
+__all__ = ["TRITON", "float32_precision", "interpreting", "load_error", "TF32X3_MAX_HEAD_DIM"]
+
+# Above this head dim the tf32x3 tiles that fit in shared memory are too small to be fast: float32 at head dim
+# 256 took 7x as long as the cuda kernels on an H200 (benchmarks/README.md, "float32 products").
+TF32X3_MAX_HEAD_DIM = 128
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: kernels run on CPU tensors through Triton's interpreter (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_ops = None  # the module ops.py once loaded
+_load_error: Optional[str] = None
+_loaded = False
+
+
+@trace_constant
+def load_error() -> Optional[str]:
+    """Import triton and the kernels (registering the triton ops) on the first call; None, or why they cannot
+    be loaded. Marked constant for torch.compile, so a first call inside a traced function loads them then."""
+    global _ops, _load_error, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            from . import ops as module
+        except Exception as exc:  # noqa: BLE001 - triton missing, or failing to load on this machine
+            _load_error = f"{type(exc).__name__}: {exc}"
+        else:
+            _ops = module
+    return _load_error
+
+
+def block_d(head_dim: int) -> int:
+    """The head-dim tile of the kernels: the next power of two, at least 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def float32_precision(device: torch.device, head_dim: int) -> str:
+    """How the kernels multiply float32 tiles (tl.dot's input_precision; 16-bit inputs ignore it).
+
+    TF32 (10-bit mantissa) only where torch's matmul setting allows it. Otherwise float32 accuracy: on Ampere and
+    newer, up to head dim TF32X3_MAX_HEAD_DIM, "tf32x3", three TF32 tensor-core products per tile product
+    (hi*hi + hi*lo + lo*hi of operands split into TF32 high and low parts, fp32 accumulation), held by the GPU
+    tests to the float32 reference's accuracy; else "ieee" fp32 FMAs (slow: see dispatch.auto_preference): on
+    Volta/Turing, which have no TF32, above TF32X3_MAX_HEAD_DIM, and where tf32x3's extra shared memory (a second
+    copy of the resident tiles) leaves some kernel no config that fits.
+    """
+    if torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    if (device.type == "cuda" and block_d(head_dim) <= TF32X3_MAX_HEAD_DIM
+            and torch.cuda.get_device_capability(device) >= (8, 0)):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if _tf32x3_fits(index, block_d(head_dim)):
+            return "tf32x3"
+    return "ieee"
+
+
+@functools.lru_cache(maxsize=None)
+def _tf32x3_fits(device_index: int, block_d: int) -> bool:
+    """Every kernel has a config whose tf32x3 tiles fit in the device's shared memory."""
+    if load_error() is not None:
+        return False
+    return _ops.tf32x3_fits(torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin, block_d)
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    device_types = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    max_head_dim = 256
+    min_capability = (7, 0)
+    capability_rule = "Triton needs Volta or newer"
+
+    def supported_device_types(self) -> tuple[str, ...]:
+        # CPU tensors only under Triton's interpreter, which is for tests
+        return ("cuda", "cpu") if interpreting() else ("cuda",)
+
+    def unavailable(self) -> Optional[str]:
+        why = load_error()
+        return None if why is None else f"triton is not available ({why})"
+
+    def ops(self):
+        why = self.unavailable()
+        if why is not None:
+            raise RuntimeError(f"dilated_attn: the triton backend cannot run: {why}")
+        return torch.ops.dilated_attn.triton_forward, torch.ops.dilated_attn.triton_backward
+
+
+TRITON = TritonBackend()

@@ -1,0 +1,194 @@
+"""Which backend runs: the ranking of the backends (dilated_attn.backends) and explain().
+
+`decide()` turns the requested backend into the one that runs:
+
+* an explicit backend runs if it can, else dilated_attention raises ValueError listing every verdict;
+* "auto" with the environment variable DILATED_ATTN_BACKEND set to a backend name behaves as that name;
+* otherwise "auto" runs the first backend of `auto_preference(problem)` that can run, warning once per distinct
+  reason when it had to pass over a preference that applies to the input's device, and once when it runs the
+  reference on a GPU (see reference_preferred).
+
+What each backend supports is the backend's own business (`Backend.why_not`); this module only ranks them.
+`explain()` (dilated_attn.explain) returns the decision without running attention.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import backends
+from .backends import reference as reference_backend
+from .backends import triton as triton_backend
+from .spec import BACKEND_NAMES, Problem, dtype_name, validate
+from .trace import trace_constant, warn_once
+
+__all__ = ["auto_preference", "decide", "explain", "select", "Decision", "ENV_VAR"]
+
+ENV_VAR = "DILATED_ATTN_BACKEND"
+
+# Preferences of "auto" by device type, best first; every list holds the reference, which runs anything.
+AUTO_ORDER = {"cpu": ("cpu", "reference"), "cuda": ("triton", "cuda", "reference")}
+
+# auto runs the reference on a GPU only where its memory estimate is at most this share of the GPU's memory.
+REFERENCE_MEMORY_SHARE = 0.25
+
+# Warned once when auto runs the reference on a GPU: its memory is not O(N).
+REFERENCE_ON_GPU_WARNING = (
+    "dilated_attn: backend='auto' runs the reference for float32 inputs with head_dim > 64 on this GPU (faster "
+    "there than the kernels; see dilated_attn.explain). It keeps about four score-sized tensors per branch for "
+    "the backward; backend='cuda' needs O(N) memory."
+)
+
+
+@trace_constant
+def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
+    # torch's TF32 setting and the device's properties: constants for a traced graph
+    return triton_backend.load_error() is None and triton_backend.float32_precision(device, head_dim) == "ieee"
+
+
+@trace_constant
+def _gpu_memory_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def _float32_with_ieee_products(p: Problem) -> bool:
+    """float32 on a GPU where Triton would multiply with IEEE fp32 FMAs (see triton.float32_precision)."""
+    return p.device.type == "cuda" and p.dtype == torch.float32 and _triton_float32_is_ieee(p.device, p.head_dim)
+
+
+def reference_preferred(p: Problem) -> Optional[str]:
+    """Why auto prefers the reference for `p` on a GPU (None where it does not): float32 with head_dim > 64
+    where Triton would multiply with IEEE fp32 FMAs, while the reference's memory estimate fits the share."""
+    if not (p.head_dim > 64 and _float32_with_ieee_products(p)):
+        return None
+    need, total = reference_backend.memory_bytes(p), _gpu_memory_bytes(p.device)
+    if need > REFERENCE_MEMORY_SHARE * total:
+        return None
+    return (f"float32 with head_dim {p.head_dim} > 64 and IEEE products in Triton: cuBLAS makes the reference "
+            f"fastest, and its estimated {need / 2**30:.1f} GiB for forward and backward is at most "
+            f"{REFERENCE_MEMORY_SHARE:.0%} of the GPU's {total / 2**30:.0f} GiB")
+
+
+def auto_preference(p: Problem) -> tuple[str, ...]:
+    """THE auto rule: the backends "auto" tries for `p`, best first; the first that can run runs.
+
+    CUDA tensors: triton, else the hand-written cuda kernels, else the reference. CPU tensors: the compiled cpu
+    kernels, else the reference. Other devices: the reference. One measured exception, for float32 where Triton
+    would multiply with IEEE fp32 FMAs (TF32 not allowed, and tf32x3 not available: see
+    triton.float32_precision): there the cuda kernels come first, and at head_dim > 64 the reference before them
+    while its memory fits (reference_preferred). The evidence is in benchmarks/README.md, "The auto rule".
+    Only backends that apply to the device are listed, so passing one over always has a reason worth a
+    warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
+    """
+    if _float32_with_ieee_products(p):
+        return ("reference", "cuda", "triton") if reference_preferred(p) else ("cuda", "triton", "reference")
+    return AUTO_ORDER.get(p.device.type, ("reference",))
+
+
+@trace_constant
+def _env_backend() -> str:
+    # read on every eager call; under torch.compile once, when traced (see dilated_attn.trace)
+    return os.environ.get(ENV_VAR, "")
+
+
+def _verdict_text(why: Optional[str]) -> str:
+    return "can run" if why is None else why
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which backend dilated_attention runs for an input, and why (returned by dilated_attn.explain)."""
+
+    backend: Optional[str]  # the backend that runs; None when the requested one cannot (see `error`)
+    decided_by: str  # the argument, the environment variable or the auto rule that decided
+    verdicts: dict  # name -> None (can run) or why it cannot, for every backend
+    fallback: Optional[str] = None  # auto had to pass over preferences for these reasons (warned once)
+    note: Optional[str] = None  # a warning select() gives once (auto running the reference on a GPU)
+    error: Optional[str] = None  # the ValueError dilated_attention raises when `backend` is None
+    problem: Optional[Problem] = None
+
+    def __str__(self) -> str:
+        lines = [f"dilated_attn backend: {self.backend or 'none (dilated_attention raises ValueError)'}"]
+        lines.append(f"  decided by: {self.decided_by}")
+        if self.fallback:
+            lines.append(f"  fallback: {self.fallback}")
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        if self.error:
+            lines.append(f"  error: {self.error}")
+        p = self.problem
+        if p is not None:
+            branches = ", ".join(f"({w}, {r})" for w, r in zip(p.segment_lengths, p.dilation_rates))
+            lines.append(
+                f"  input: B={p.batch} N={p.seq_len} Hq={p.num_heads} Hkv={p.num_kv_heads} D={p.head_dim} "
+                f"{dtype_name(p.dtype)} on {p.device}; branches {branches}; causal={p.causal}, "
+                f"head_groups={p.head_groups!r}"
+            )
+        width = max(len(name) for name in self.verdicts)
+        lines.append(f"  {'backend':<{width}}  verdict")
+        for name, why in self.verdicts.items():
+            mark = "  <- runs" if name == self.backend else ""
+            lines.append(f"  {name:<{width}}  {_verdict_text(why)}{mark}")
+        return "\n".join(lines)
+
+
+def decide(p: Problem, backend: str) -> Decision:
+    """Resolve `backend` ("auto" or a backend name, already validated) for `p`. Raises only for an invalid
+    DILATED_ATTN_BACKEND; an explicit backend that cannot run gives a Decision with `error` set."""
+    found = backends.verdicts(p)
+    label, decided_by = f"backend={backend!r}", "the backend argument"
+    if backend == "auto":
+        env = _env_backend()
+        if env not in ("", "auto"):
+            if env not in BACKEND_NAMES:
+                raise ValueError(
+                    f"environment variable {ENV_VAR} must be unset or one of {BACKEND_NAMES}, got {env!r}"
+                )
+            backend, label = env, f"{ENV_VAR}={env!r}"
+            decided_by = f"the environment variable {ENV_VAR} (the backend argument is 'auto')"
+    if backend != "auto":
+        if found[backend] is None:
+            return Decision(backend, f"{label}: {decided_by}", found, problem=p)
+        usable = ", ".join(n for n, why in found.items() if why is None)
+        listing = "; ".join(f"{n}: {_verdict_text(why)}" for n, why in found.items())
+        error = f"{label} cannot run this input: {found[backend]}. Backends that can: {usable} ({listing})"
+        return Decision(None, f"{label}: {decided_by}", found, error=error, problem=p)
+    order = auto_preference(p)
+    rule = f"the auto rule for {p.device.type} tensors: {' > '.join(order)}, the first that can run"
+    why_reference = reference_preferred(p) if order[0] == "reference" else None
+    if why_reference is not None:
+        rule += f" ({why_reference})"
+    passed = []
+    for name in order:
+        if found[name] is None:
+            break
+        passed.append(f"{name} cannot ({found[name]})")
+    else:  # unreachable while every preference list holds the reference
+        name = "reference"
+    fallback = f"backend='auto' runs {name}: " + "; ".join(passed) if passed else None
+    note = REFERENCE_ON_GPU_WARNING if name == "reference" and why_reference is not None else None
+    return Decision(name, rule, found, fallback=fallback, note=note, problem=p)
+
+
+def select(p: Problem, backend: str) -> backends.Backend:
+    """The backend that runs `p`: raises ValueError when the requested one cannot, warns once on a fallback."""
+    d = decide(p, backend)
+    if d.backend is None:
+        raise ValueError(d.error)
+    if d.fallback:
+        warn_once(f"dilated_attn: {d.fallback}", stacklevel=3)  # -> select -> dilated_attention -> caller
+    if d.note:
+        warn_once(d.note, stacklevel=3)
+    return backends.REGISTRY[d.backend]
+
+
+def explain(q, k, v, segment_lengths, dilation_rates, **kwargs) -> Decision:
+    """Which backend `dilated_attention(q, k, v, segment_lengths, dilation_rates, **kwargs)` would run, every
+    backend's verdict, and what decided; `print()` it for a table. Validates like dilated_attention (and
+    raises the same errors for invalid arguments), but does not run attention."""
+    p = validate(q, k, v, segment_lengths, dilation_rates, **kwargs)
+    return decide(p, kwargs.get("backend", "auto"))

@@ -1,0 +1,112 @@
+"""Ring attention: dilated (and dense) attention over a sequence sharded across the ranks of a process group.
+
+`ring_attention(q, k, v, ...)` takes each rank's shard `[B, L, H, D]` of a global sequence of `N = P * L` tokens
+(layout "contiguous" or "zigzag", docs/SPEC.md) and returns the output (and LSE) of `dilated_attention` on the
+gathered tensors, restricted to the local positions; its backward gives the gradients of the local shards. Every
+rank holds O(N/P) of every tensor. docs/ring.md describes the method; the parts:
+
+    layout.py    how the sequence is cut across ranks; shard / unshard
+    plan.py      which rows each rank computes against which, and sends where (the same on every rank)
+    blocks.py    the block primitive: a backend's single-device ops on one dense block of keys
+    comm.py      the point-to-point transfers of each ring step
+    autograd.py  forward and backward of one call on this rank
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .. import dispatch
+from ..functional import dilated_attention
+from ..spec import BACKEND_CHOICES, validate
+from .autograd import RingAttention
+from .layout import LAYOUTS, check_layout, group_size_rank, shard, unshard
+from .plan import RingPlan, ring_plan
+
+__all__ = ["ring_attention", "shard", "unshard", "ring_plan", "RingPlan", "LAYOUTS"]
+
+# The call's descriptor, all-gathered before any transfer (_check_same_config): categorical fields as codes.
+_CODES = {
+    "dtype": {d: n for n, d in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))},
+    "layout": {n: i for i, n in enumerate(LAYOUTS)},
+    "head_groups": {"all": 0, "split": 1},
+    "backend": {n: i for i, n in enumerate(BACKEND_CHOICES)},
+}
+_FIELDS = ("batch", "local length", "query heads", "kv heads", "head_dim", "dtype", "device type", "causal",
+           "layout", "head_groups", "backend", "scale", "segment_lengths/dilation_rates")
+
+
+def _check_same_config(group, device, fields: tuple[int, ...]) -> None:
+    """All-gather a small descriptor of the call and raise the same ValueError on every rank on a mismatch,
+    so a rank with a different configuration fails the call instead of hanging in a transfer."""
+    backend = dist.get_backend(group)
+    dev = device if "nccl" in str(backend).lower() else torch.device("cpu")
+    mine = torch.tensor(fields, dtype=torch.int64, device=dev)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu()
+    for col, name in enumerate(_FIELDS):
+        values = table[:, col]
+        if (values != values[0]).any():
+            bad = int((values != values[0]).nonzero()[0])
+            shown = values.tolist() if name not in ("scale", "segment_lengths/dilation_rates") else "differs"
+            raise ValueError(f"ring_attention: every rank of the group must pass the same {name}, but rank 0 and "
+                             f"rank {bad} differ ({shown})")
+
+
+def ring_attention(q, k, v, segment_lengths=None, dilation_rates=None, *, causal=False, scale=None,
+                   head_groups="all", group=None, layout="contiguous", return_lse=False, backend="auto"):
+    """Dilated attention over a sequence sharded across the ranks of `group` (docs/SPEC.md, docs/ring.md).
+
+    Each rank passes its shard `q` `[B, L, Hq, D]`, `k`, `v` `[B, L, Hkv, D]` of a global sequence of
+    `N = P * L` tokens (`layout="contiguous"`: rank j holds `[j*L, (j+1)*L)`; `"zigzag"`: the sequence cut in
+    2P chunks, rank j holds chunks j and 2P-1-j, which balances causal work) and gets the output (and with
+    `return_lse=True` the LSE `[B, Hq, L]`) of `dilated_attention` on the gathered tensors at its positions;
+    the backward gives its shards' gradients. `segment_lengths=None` (and `dilation_rates=None`) is dense
+    attention over the whole sequence (one branch `(N, 1)`). `group=None` is the default process group, or a
+    single process where none is initialised; with one rank this is `dilated_attention`. `backend` picks the
+    single-device kernels of the local blocks, as in `dilated_attention`.
+
+    Every rank must pass the same configuration; the call all-gathers a small descriptor first and raises the
+    same ValueError on every rank if they differ. `dilated_attn.shard` / `unshard` cut and reassemble tensors.
+    """
+    layout = check_layout(layout)
+    if (segment_lengths is None) != (dilation_rates is None):
+        raise ValueError("segment_lengths and dilation_rates must both be None (dense ring attention) or both "
+                         "be given")
+    P, rank = group_size_rank(group)
+    dense = segment_lengths is None
+    L = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    N = P * L
+    w, r = ([max(N, 1)], [1]) if dense else (segment_lengths, dilation_rates)
+    # validates the local tensors and every argument with the single-device rules
+    p = validate(q, k, v, w, r, causal=causal, scale=scale, head_groups=head_groups, return_lse=return_lse,
+                 backend=backend)
+    if layout == "zigzag" and L % 2:
+        raise ValueError(f"layout='zigzag' needs the global length N = P*L divisible by 2P, i.e. an even local "
+                         f"length L, got L={L} on {P} ranks")
+    if P == 1:
+        return dilated_attention(q, k, v, w, r, causal=causal, scale=scale, head_groups=head_groups,
+                                 return_lse=return_lse, backend=backend)
+    branches = tuple(zip(p.segment_lengths, p.dilation_rates))
+    digest = zlib.crc32(repr(("dense",) if dense else branches).encode())
+    scale_bits = struct.unpack("<q", struct.pack("<d", p.scale))[0]
+    _check_same_config(group, q.device, (
+        p.batch, L, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
+        ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(causal),
+        _CODES["layout"][layout], _CODES["head_groups"][head_groups], _CODES["backend"][backend], scale_bits,
+        digest))
+    plan = ring_plan(P, L, p.num_heads, p.num_kv_heads, p.segment_lengths, p.dilation_rates, head_groups,
+                     causal, layout)
+    # The kernels of the local blocks: the backend dilated_attention would pick for this shard.
+    local = plan.local_branches
+    local_problem = validate(q, k, v, [p.segment_lengths[i] for i in local] or [1],
+                             [p.dilation_rates[i] for i in local] or [1], causal=causal, scale=p.scale,
+                             head_groups=head_groups if len(local) == len(branches) else "all", backend=backend)
+    chosen = dispatch.select(local_problem, backend).name
+    out, lse = RingAttention.apply(q, k, v, plan, rank, group, local_problem, chosen, p.scale, causal)
+    return (out, lse) if return_lse else out

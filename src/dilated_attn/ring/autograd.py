@@ -1,0 +1,191 @@
+"""The ring's autograd function: forward and exact backward of one ring_attention call on this rank.
+
+Forward: the local branches run as one single-device call; each head stack's compacted queries meet the blocks of
+keys of every rank (own rows first, then one received block per step) and their partials merge in float32, then
+into the local result, rounded once. Backward: the exact method of the spec (each block's backward with the merged
+out and LSE), K/V exchanged again, dK/dV of received rows sent back to their owner, dQ local.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .. import backends
+from ..spec import lse_dtype
+from .blocks import merge_block, block_backward, block_forward
+from .comm import RingComm
+from .plan import HeadStack, RingPlan
+
+__all__ = ["RingAttention"]
+
+
+class RowSet:
+    """A set of (row, head) pairs of a [B, L, H, ...] tensor: head heads[c] at rows[:, c]. Gathers them as a
+    [B, n, c, ...] tensor and writes back. Where every head has the same contiguous rows and the heads are
+    contiguous (dense attention), the gather is a slice (a view), not a copy."""
+
+    def __init__(self, rows: list[torch.Tensor], heads: list[int], device):
+        n = len(rows[0])
+        first = int(rows[0][0]) if n else 0
+        # Columns with the same head and rows (query heads of one stack that share a kv entry's rows without a
+        # uniform grouping) are summed into the first of them before a write-back: `merge[c]` is its index.
+        first_col = {}
+        self.merge = [first_col.setdefault((h, int(r[0]) if n else None), c)
+                      for c, (h, r) in enumerate(zip(heads, rows))]
+        self.unique = [c for c, m in enumerate(self.merge) if m == c]
+        contiguous = n > 0 and all(torch.equal(r, rows[0]) for r in rows) and int(rows[0][-1]) == first + n - 1
+        if contiguous and heads == list(range(heads[0], heads[0] + len(heads))):
+            self.slices = (slice(first, first + n), slice(heads[0], heads[0] + len(heads)))
+        else:
+            self.slices = None
+            self.all_rows = torch.stack(rows, 1).to(device)  # [n, columns]
+            self.all_heads = torch.tensor(heads, dtype=torch.long, device=device)
+            self.rows, self.heads = self.all_rows[:, self.unique], self.all_heads[self.unique]
+
+    def _index(self, B: int, device, every_column: bool = False):
+        if self.slices is not None:
+            return (slice(None), *self.slices)
+        rows, heads = (self.all_rows, self.all_heads) if every_column else (self.rows, self.heads)
+        return (torch.arange(B, device=device).view(B, 1, 1), rows.unsqueeze(0), heads.view(1, 1, -1))
+
+    def gather(self, x):  # [B, L, H, ...] -> [B, n, c, ...]
+        return x[self._index(x.shape[0], x.device, every_column=True)]
+
+    def gather_lse(self, x):  # [B, H, L] -> [B, c, n]
+        return self.gather(x.transpose(1, 2)).transpose(1, 2)
+
+    def put(self, x, values):  # every column is distinct here: query rows (one per head and position)
+        x[self._index(x.shape[0], x.device, every_column=True)] = values.to(x.dtype)
+
+    def put_lse(self, x, values):
+        self.put(x.transpose(1, 2), values.transpose(1, 2))
+
+    def add(self, acc, values):
+        """acc[rows, heads] += values (float32/64, one rounding to acc's dtype). Repeated columns are summed
+        first, in column order, so the result does not depend on the device's scheduling."""
+        if len(self.unique) < len(self.merge):
+            summed = values[:, :, self.unique].clone()
+            slot = {c: i for i, c in enumerate(self.unique)}
+            for c, m in enumerate(self.merge):
+                if m != c:
+                    summed[:, :, slot[m]] += values[:, :, c]
+            values = summed
+        index = self._index(acc.shape[0], acc.device)
+        acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
+
+
+class CompactedRows:
+    """One head stack on one rank: its query rows and its kv rows."""
+
+    def __init__(self, stack: HeadStack, rank: int, device):
+        self.q = RowSet(stack.rows(rank, stack.q_offsets), stack.q_heads, device)
+        self.kv = RowSet(stack.rows(rank, stack.kv_offsets), stack.kv_heads, device)
+
+
+@functools.lru_cache(maxsize=64)
+def compacted_rows(plan: RingPlan, rank: int, device) -> list[CompactedRows]:
+    return [CompactedRows(stack, rank, device) for stack in plan.stacks]
+
+
+def _zeros_like(xs, dtype):
+    return [None if x is None else torch.zeros(x.shape, dtype=dtype, device=x.device) for x in xs]
+
+
+def _task_slices(task):
+    return task.stack, slice(task.q_start, task.q_stop), slice(task.kv_start, task.kv_stop)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, rank, group, local_problem, backend, scale, causal):
+        forward_op, _ = backends.get(backend).ops()
+        B, L, H, D = q.shape
+        acc_dtype = lse_dtype(q.dtype)
+        comm = RingComm(plan, rank, group, B, D, q.device)
+        rows = compacted_rows(plan, rank, q.device)
+        kc = [cp.kv.gather(k) for cp in rows]
+        vc = [cp.kv.gather(v) for cp in rows]
+        step = comm.post_kv(1, kc, vc)  # in flight while the local blocks compute
+        # The result starts as the local branches' (merged by the kernel, as on one device); the spanning
+        # branches' partials merge into their rows at the end, in float32, rounded once.
+        if plan.local_branches:
+            p = local_problem
+            out, lse = forward_op(q, k, v, list(p.segment_lengths), list(p.dilation_rates), p.split_heads, causal,
+                                  scale)
+        else:
+            out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.full((B, H, L), -math.inf, dtype=acc_dtype, device=q.device)
+        qc = [cp.q.gather(q) for cp in rows]
+        acc = [(torch.zeros(x.shape, dtype=acc_dtype, device=q.device),
+                torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=acc_dtype, device=q.device)) for x in qc]
+        for t in range(plan.P):
+            src = (rank - t) % plan.P
+            if t == 0:
+                keys, values = kc, vc
+            else:
+                keys, values = comm.received_kv(step, t)
+                step = comm.post_kv(t + 1, kc, vc)
+            for task in plan.tasks[rank][src]:
+                s, qs, ks = _task_slices(task)
+                block_forward(forward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
+                              acc[s][0][:, qs], acc[s][1][:, :, qs])
+        for cp, (acc_out, acc_lse) in zip(rows, acc):
+            cur_out, cur_lse = cp.q.gather(out).to(acc_dtype), cp.q.gather_lse(lse)
+            merge_block(cur_out, cur_lse, acc_out, acc_lse)
+            cp.q.put(out, cur_out)
+            cp.q.put_lse(lse, cur_lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.config = (plan, rank, group, local_problem, backend, scale, causal)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, rank, group, local_problem, backend, scale, causal = ctx.config
+        _, backward_op = backends.get(backend).ops()
+        B, L, H, D = q.shape
+        acc_dtype = lse_dtype(q.dtype)
+        d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
+        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
+        comm = RingComm(plan, rank, group, B, D, q.device)
+        rows = compacted_rows(plan, rank, q.device)
+        kc = [cp.kv.gather(k) for cp in rows]
+        vc = [cp.kv.gather(v) for cp in rows]
+        step = comm.post_kv(1, kc, vc)
+        # As in the forward: the local branches' gradients (the kernel's, as on one device), then each head
+        # stack's float32 sums added to their rows with one rounding.
+        if plan.local_branches:
+            p = local_problem
+            dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, list(p.segment_lengths),
+                                     list(p.dilation_rates), p.split_heads, causal, scale)
+        else:
+            dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
+        lc, dlc = ([cp.q.gather_lse(x) for cp in rows] for x in (lse, d_lse))
+        dqc, dkc, dvc = _zeros_like(qc, acc_dtype), _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
+        returning = []  # the dK/dV of my rows coming back from the ranks that read them
+        for t in range(plan.P):
+            src = (rank - t) % plan.P
+            if t == 0:
+                keys, values, gk, gv = kc, vc, dkc, dvc
+            else:
+                keys, values = comm.received_kv(step, t)
+                step = comm.post_kv(t + 1, kc, vc)
+                gk, gv = _zeros_like(keys, acc_dtype), _zeros_like(values, acc_dtype)
+            for task in plan.tasks[rank][src]:
+                s, qs, ks = _task_slices(task)
+                block_backward(backward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
+                               lc[s][:, :, qs], doc[s][:, qs], dlc[s][:, :, qs], task.causal, scale,
+                               dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
+            if t > 0:
+                returning.append(comm.post_grads(t, gk, gv, acc_dtype))
+        for ret, dst in returning:
+            comm.add_returned_grads(ret, dst, dkc, dvc)
+        for cp, g_q, g_k, g_v in zip(rows, dqc, dkc, dvc):
+            cp.q.add(dq, g_q)
+            cp.kv.add(dk, g_k)
+            cp.kv.add(dv, g_v)
+        return dq, dk, dv, None, None, None, None, None, None, None

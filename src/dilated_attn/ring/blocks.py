@@ -1,0 +1,64 @@
+"""The block primitive of the ring: local queries against one dense block of keys.
+
+A block runs a backend's single-device ops (dilated_attn.backends) with one branch `(n, 1)`: causal on a rank's own
+rows, full otherwise; unequal query and key lengths are cut into squares. So the ring and the single-device path
+share one kernel family. Partial results merge into float32 (float64 for float64) accumulators with merge.merge_into.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..merge import merge_into
+
+__all__ = ["block_forward", "block_backward", "merge_block"]
+
+
+def _squares(nq: int, nk: int) -> list[tuple[int, int, int, int]]:
+    """Cut a full nq x nk block into squares (q0, q1, k0, k1) the one-branch op can run (q and k of equal
+    length): keys in slices of nq when nk > nq, queries in slices of nk (the last padded) when nq > nk."""
+    if nq <= nk:
+        out = [(0, nq, k0, k0 + nq) for k0 in range(0, nk - nk % nq, nq)]
+        if nk % nq:
+            rest = nk - nk % nq
+            out += [(q0, q1, k0 + rest, k1 + rest) for q0, q1, k0, k1 in _squares(nq, nk % nq)]
+        return out
+    return [(q0, min(q0 + nk, nq), 0, nk) for q0 in range(0, nq, nk)]
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, m, ...] padded with zero rows to [B, n, ...] (zero queries: finite, and their output is dropped)."""
+    if x.shape[1] == n:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], n - x.shape[1], *x.shape[2:]))], 1)
+
+
+def merge_block(acc_out, acc_lse, out, lse) -> None:
+    """acc_out [B, n, H, D], acc_lse [B, H, n] <- their merge with (out, lse) of the same shapes, in place."""
+    merge_into(acc_out, acc_lse.transpose(1, 2), out, lse.transpose(1, 2))
+
+
+def block_forward(forward_op, q, k, v, causal, scale, acc_out, acc_lse) -> None:
+    """Merge the attention of q [B, nq, H, D] over k, v [B, nk, Hk, D] (one dense block) into acc_out/acc_lse."""
+    if causal:  # own rows: nq == nk
+        out, lse = forward_op(q, k, v, [q.shape[1]], [1], False, True, scale)
+        merge_block(acc_out, acc_lse, out, lse)
+        return
+    for q0, q1, k0, k1 in _squares(q.shape[1], k.shape[1]):
+        n = k1 - k0
+        out, lse = forward_op(_pad_rows(q[:, q0:q1], n), k[:, k0:k1], v[:, k0:k1], [n], [1], False, False, scale)
+        merge_block(acc_out[:, q0:q1], acc_lse[:, :, q0:q1], out[:, : q1 - q0], lse[:, :, : q1 - q0])
+
+
+def block_backward(backward_op, q, k, v, out, lse, d_out, d_lse, causal, scale, dq, dk, dv) -> None:
+    """Add one block's exact gradients (merged out/LSE of its query rows) into dq, dk, dv (accumulators)."""
+    squares = [(0, q.shape[1], 0, k.shape[1])] if causal else _squares(q.shape[1], k.shape[1])
+    for q0, q1, k0, k1 in squares:
+        n = k1 - k0
+        rows = [_pad_rows(x[:, q0:q1], n) for x in (q, out, d_out)]
+        pad_l = [torch.nn.functional.pad(x[:, :, q0:q1], (0, n - (q1 - q0))) for x in (lse, d_lse)]
+        gq, gk, gv = backward_op(rows[2], pad_l[1], rows[0], k[:, k0:k1], v[:, k0:k1], rows[1], pad_l[0], [n], [1],
+                                 False, causal, scale)
+        dq[:, q0:q1] += gq[:, : q1 - q0]
+        dk[:, k0:k1] += gk
+        dv[:, k0:k1] += gv

@@ -1,0 +1,122 @@
+"""The ring's communication: per-stack tensors `[B, n, Hk, D]` travel as one flat buffer per step and direction.
+
+At step `t = 1 .. P-1` rank `j` sends its compacted K/V rows to `j + t` and receives from `j - t`, only where the
+receiver reads rows (RingPlan.needed); the caller posts step `t + 1` before it computes step `t`. In the backward
+the dK/dV of received rows go back to their owner in float32 (float64 for float64).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .plan import RingPlan
+
+__all__ = ["RingComm", "Step"]
+
+
+def _pack(parts: list[torch.Tensor], ranges: list[list[tuple[int, int]]], dtype) -> torch.Tensor:
+    """The given row ranges of each stack's tensor, stack after stack, flattened (one send buffer)."""
+    flat = [x[:, a:b].reshape(-1) for x, rng in zip(parts, ranges) for a, b in rng]
+    return torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
+
+
+def _unpack(buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of `buf` as consecutive tensors of the given shapes (the inverse of _pack on the receiver)."""
+    out, start = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(buf[start: start + n].view(shape))
+        start += n
+    return out
+
+
+def _global(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+class Step:
+    """One step's point-to-point transfers, posted at once (batch_isend_irecv) and waited on later."""
+
+    def __init__(self, group, sends, recv=None):
+        ops = [dist.P2POp(dist.isend, buf, _global(group, peer), group) for peer, buf in sends]
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv[1], _global(group, recv[0]), group))
+        self.works = dist.batch_isend_irecv(ops) if ops else []
+        self.recv = recv
+        self.sends = sends  # the send buffers must live until the transfer is done
+
+    def wait(self) -> Optional[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        self.works, self.sends = [], []
+        return None if self.recv is None else self.recv[1]
+
+
+class RingComm:
+    """This rank's transfers under a plan: the K/V exchange of each step and the return of dK/dV."""
+
+    def __init__(self, plan: RingPlan, rank: int, group, B: int, D: int, device):
+        self.plan, self.rank, self.group, self.B, self.D = plan, rank, group, B, D
+        self.device = device
+
+    def shapes(self, dst: int, src: int) -> list[tuple[int, ...]]:
+        """Shapes of the per-stack tensors that src sends dst (one of K, V, dK or dV)."""
+        return [(self.B, sum(b - a for a, b in rng), len(stack.kv_heads), self.D)
+                for stack, rng in zip(self.plan.stacks, self.plan.needed[dst][src])]
+
+    def post_kv(self, t: int, kc, vc) -> Optional[Step]:
+        """Step t of the K/V exchange: my rows that rank+t reads go there; the rows I read from rank-t come."""
+        P, me = self.plan.P, self.rank
+        if t >= P:
+            return None
+        dst, src = (me + t) % P, (me - t) % P
+        sends, recv = [], None
+        if self.plan.rows_needed(dst, me):
+            rng = self.plan.needed[dst][me]
+            sends.append((dst, torch.cat([_pack(kc, rng, kc[0].dtype), _pack(vc, rng, vc[0].dtype)])))
+        rows = self.plan.rows_needed(me, src)
+        if rows:
+            recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device))
+        return Step(self.group, sends, recv)
+
+    def received_kv(self, step: Step, t: int):
+        """(keys, values) per stack received at step t (None for a stack with nothing received)."""
+        src = (self.rank - t) % self.plan.P
+        buf = step.wait()
+        shapes = self.shapes(self.rank, src)
+        if buf is None:
+            return [None] * len(shapes), [None] * len(shapes)
+        parts = _unpack(buf, shapes + shapes)
+        return parts[: len(shapes)], parts[len(shapes):]
+
+    def post_grads(self, t: int, gk, gv, dtype) -> tuple[Step, int]:
+        """Send dK/dV of the rows received at step t back to their owner rank-t (float32 or float64); receive
+        those of my rows from rank+t."""
+        P, me = self.plan.P, self.rank
+        src, dst = (me - t) % P, (me + t) % P
+        sends, recv = [], None
+        if self.plan.rows_needed(me, src):
+            whole = [[(0, x.shape[1])] for x in gk]
+            sends.append((src, torch.cat([_pack(gk, whole, gk[0].dtype), _pack(gv, whole, gv[0].dtype)])))
+        rows = self.plan.rows_needed(dst, me)
+        if rows:
+            recv = (dst, torch.empty(2 * rows * self.B * self.D, dtype=dtype, device=self.device))
+        return Step(self.group, sends, recv), dst
+
+    def add_returned_grads(self, step: Step, dst: int, dkc, dvc) -> None:
+        """Wait for the dK/dV that `dst` returns (posted by post_grads) and add them into my rows' accumulators."""
+        buf = step.wait()
+        if buf is None:
+            return
+        shapes = self.shapes(dst, self.rank)
+        parts = _unpack(buf, shapes + shapes)
+        for s, rng in enumerate(self.plan.needed[dst][self.rank]):
+            for grads, acc in ((parts[s], dkc[s]), (parts[len(shapes) + s], dvc[s])):
+                start = 0
+                for a, b in rng:
+                    acc[:, a:b] += grads[:, start: start + b - a]
+                    start += b - a

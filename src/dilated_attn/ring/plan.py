@@ -1,0 +1,219 @@
+"""The ring plan: which rows each rank computes against which, and which rows it sends where.
+
+The plan is a pure function of the configuration (`ring_plan`, cached), so every rank derives the same one and no
+sizes travel. For a branch `(w, r)`:
+
+* Local branches: when no segment crosses a chunk of the layout and chunks start on segment boundaries
+  (contiguous: `s | L`; zigzag: `s | L/2`), the branch on the local shard is the branch on the global sequence.
+  These run in one call of the single-device op, and nothing moves.
+* Spanning branches: each rank cuts its positions into pieces (a chunk intersected with a segment) and keeps only
+  the branch's members, per head: the compacted rows. Within a segment, the members of all ranks in position
+  order form one dense (causal or not) attention problem, so a spanning branch is dense ring attention on
+  compacted tensors among the ranks that share segments: only 1/r of K and V travels, only to ranks that read it.
+  Heads whose pieces have the same member counts are stacked into one problem (a `HeadStack`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..spec import branch_table
+from .layout import chunks
+
+__all__ = ["BlockTask", "HeadStack", "RingPlan", "ring_plan"]
+
+
+@dataclass
+class HeadStack:
+    """Heads of one spanning branch whose pieces have identical member counts: one stacked problem."""
+
+    q_heads: list[int]
+    q_offsets: list[int]  # each query head's offset in the branch
+    kv_heads: list[int]  # one entry per distinct (offset, kv head); q head i of the stack reads entry i // group
+    kv_offsets: list[int]
+    group: int
+    dilation: int
+    seg_len: int
+    pieces: list[list[tuple[int, int, int, int]]]  # [rank] -> (segment, global lo, global hi, local row of lo)
+    segments: list[list[tuple[int, int, int, int]]]  # [rank] -> (segment, global start, start, stop) per piece
+
+    def rows(self, rank: int, offsets: list[int]) -> list[torch.Tensor]:
+        """Per offset, the local rows of its members on `rank`, concatenated over the rank's pieces."""
+        r, s = self.dilation, self.seg_len
+        out = []
+        for o in offsets:
+            parts = []
+            for seg, lo, hi, local in self.pieces[rank]:
+                first = _first_member(lo, seg * s, o, r)
+                if first < hi:
+                    parts.append(torch.arange(first - lo + local, hi - lo + local, r))
+            out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
+        return out
+
+
+@dataclass
+class BlockTask:
+    """Queries of one head stack on this rank against one block of keys: a dense (causal or full) block."""
+
+    stack: int  # index into RingPlan.stacks
+    q_start: int  # query rows [q_start, q_stop) of the stack's compacted rows on this rank
+    q_stop: int
+    kv_start: int  # key rows [kv_start, kv_stop): own compacted rows, or offsets in the received payload
+    kv_stop: int
+    causal: bool
+
+
+@dataclass(eq=False)  # hashed by identity: plans are cached, and so are their index tensors
+class RingPlan:
+    """What one configuration computes and sends. `bytes_sent(rank, ...)` is the forward traffic of that rank;
+    backward sends the same K/V again and the same rows of dK/dV in float32."""
+
+    P: int
+    L: int
+    layout: str
+    local_branches: list[int]
+    stacks: list[HeadStack]
+    # needed[dst][src]: per stack, the compacted row ranges [a, b) of src that dst reads, in payload order
+    needed: list[list[list[list[tuple[int, int]]]]]
+    tasks: list[list[list[BlockTask]]] = field(default_factory=list)  # tasks[rank][src]
+
+    def rows_needed(self, dst: int, src: int) -> int:
+        """kv rows x kv heads that src sends dst (one of K or V)."""
+        return sum((b - a) * len(self.stacks[s].kv_heads)
+                   for s, ranges in enumerate(self.needed[dst][src]) for a, b in ranges)
+
+    def bytes_sent(self, rank: int, batch: int, head_dim: int, itemsize: int) -> int:
+        """Forward bytes of K and V that `rank` sends in total."""
+        rows = sum(self.rows_needed(dst, rank) for dst in range(self.P) if dst != rank)
+        return 2 * rows * batch * head_dim * itemsize
+
+
+def _first_member(lo: int, seg_start: int, offset: int, r: int) -> int:
+    """The first global position p >= lo with (p - seg_start) % r == offset (members are p, p + r, ...)."""
+    return seg_start + offset + r * max(0, -(-(lo - seg_start - offset) // r))
+
+
+def _count(lo: int, hi: int, seg_start: int, offset: int, r: int) -> int:
+    return max(0, -(-(hi - _first_member(lo, seg_start, offset, r)) // r))
+
+
+def _is_local(s: int, L: int, layout: str) -> bool:
+    chunk = L if layout == "contiguous" else L // 2
+    return chunk % s == 0
+
+
+@functools.lru_cache(maxsize=64)
+def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths: tuple, dilation_rates: tuple,
+              head_groups: str, causal: bool, layout: str) -> RingPlan:
+    """The plan of `ring_attention` for a configuration (cached): local branches, head stacks of the spanning
+    branches, the rows every rank sends every other, and each rank's block tasks."""
+    N = P * L
+    G = num_heads // num_kv_heads
+    table = branch_table(segment_lengths, dilation_rates, N, num_heads, head_groups)
+    all_local = all(_is_local(br.seg_len, L, layout) for br in table)
+    # Local branches run as a subset of the branch list; "split" heads depend on the whole list, so there a
+    # branch is only run locally when all are.
+    local = [i for i, br in enumerate(table)
+             if _is_local(br.seg_len, L, layout) and (head_groups == "all" or all_local)]
+    rank_chunks = [chunks(rank, P, L, layout) for rank in range(P)]
+    stacks: list[HeadStack] = []
+    for i, br in enumerate(table):
+        if i in local:
+            continue
+        s, r = br.seg_len, br.dilation
+        # pieces[rank]: (segment, global lo, global hi, local row of lo) in local order
+        pieces = []
+        for ranges in rank_chunks:
+            out, base = [], 0
+            for a, b in ranges:
+                for seg in range(a // s, (b - 1) // s + 1) if b > a else ():
+                    lo, hi = max(a, seg * s), min(b, (seg + 1) * s)
+                    out.append((seg, lo, hi, base + lo - a))
+                base += b - a
+            pieces.append(out)
+        heads_by_counts: dict = {}
+        for h in range(br.head_lo, br.head_hi):
+            o = br.offset(h)
+            counts = tuple(tuple(_count(lo, hi, seg * s, o, r) for seg, lo, hi, _ in own) for own in pieces)
+            heads_by_counts.setdefault(counts, []).append((h, o))
+        for counts, heads in heads_by_counts.items():
+            segments = []
+            for rank, own in enumerate(pieces):
+                start, listed = 0, []
+                for n, (seg, lo, _, _) in enumerate(own):
+                    count = counts[rank][n]
+                    if count:
+                        listed.append((seg, lo, start, start + count))
+                    start += count
+                segments.append(listed)
+            pairs = [(o, h // G) for h, o in heads]
+            distinct = list(dict.fromkeys(pairs))
+            per = len(heads) // len(distinct)
+            if any(distinct.index(pr) != n // per for n, pr in enumerate(pairs)):
+                distinct, per = pairs, 1  # no uniform grouping: one kv entry per query head
+            stacks.append(HeadStack([h for h, _ in heads], [o for _, o in heads], [kvh for _, kvh in distinct],
+                                    [o for o, _ in distinct], per, r, s, pieces, segments))
+    needed = [[[[] for _ in stacks] for _ in range(P)] for _ in range(P)]
+    tasks = [[[] for _ in range(P)] for _ in range(P)]
+    for index, stack in enumerate(stacks):
+        for rank in range(P):
+            for src in range(P):
+                _plan_rank_pair(index, stack, rank, src, causal, needed[rank][src][index], tasks[rank][src])
+    # A task against received rows indexes the stack's received tensor: the stack's ranges one after another.
+    for rank in range(P):
+        for src in range(P):
+            if src == rank:
+                continue
+            offsets = []
+            for ranges in needed[rank][src]:
+                base, offs = 0, []
+                for a, b in ranges:
+                    offs.append((a, b, base))
+                    base += b - a
+                offsets.append(offs)
+            for t in tasks[rank][src]:
+                a, b, off = next(rng for rng in offsets[t.stack] if rng[0] <= t.kv_start and t.kv_stop <= rng[1])
+                t.kv_start, t.kv_stop = off + t.kv_start - a, off + t.kv_stop - a
+    return RingPlan(P, L, layout, local, stacks, needed, tasks)
+
+
+def _plan_rank_pair(index: int, stack: HeadStack, rank: int, src: int, causal: bool, needed: list,
+                    tasks: list) -> None:
+    """Append the tasks of `rank`'s queries of stack `index` against `src`'s keys to `tasks`, and the ranges of
+    src's compacted rows they read to `needed` (merged)."""
+    mine, theirs = stack.segments[rank], stack.segments[src]
+    for seg in sorted({p[0] for p in mine}):
+        queries = [p for p in mine if p[0] == seg]
+        keys = [p for p in theirs if p[0] == seg]
+        if not keys:
+            continue
+        if src == rank:  # own rows in position order: one causal (or full) square over the segment's rows
+            start, stop = queries[0][2], queries[-1][3]
+            tasks.append(BlockTask(index, start, stop, start, stop, causal))
+            continue
+        for _, global_start, q_start, q_stop in queries:
+            # pieces are disjoint position ranges: a key piece is wholly before a query piece or after it
+            before = [p for p in keys if not causal or p[1] < global_start]
+            if before:
+                kv_start, kv_stop = before[0][2], before[-1][3]
+                last = tasks[-1] if tasks else None
+                if (last is not None and last.stack == index and (last.kv_start, last.kv_stop) == (kv_start, kv_stop)
+                        and last.q_stop == q_start):
+                    last.q_stop = q_stop  # the previous query piece reads the same keys: extend it
+                else:
+                    tasks.append(BlockTask(index, q_start, q_stop, kv_start, kv_stop, False))
+                if needed and needed[-1][1] >= kv_start:
+                    needed[-1] = (needed[-1][0], max(needed[-1][1], kv_stop))
+                else:
+                    needed.append((kv_start, kv_stop))
+    needed.sort()
+    merged = []
+    for a, b in needed:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    needed[:] = merged
