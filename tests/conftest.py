@@ -13,6 +13,15 @@ if not torch.cuda.is_available():
 os.environ.setdefault("DILATED_ATTN_TRITON_AUTOTUNE", "0")
 
 
+def pytest_sessionstart(session):
+    """Without the compiled extension nearly every test would fail on its own; say once what is wrong instead."""
+    import dilated_attn
+
+    info = dilated_attn.build_info()
+    if not info["loaded"]:
+        pytest.exit(info["error"], returncode=2)
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if has_gpu else 0

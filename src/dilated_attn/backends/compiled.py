@@ -26,9 +26,9 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _explain_load_failure(exc: ImportError) -> str:
     built = any(name.startswith("_C.") and name.endswith((".so", ".pyd")) for name in os.listdir(_PACKAGE))
     if not built:
-        return (f"dilated_attn._C is not built: the package imported from {_PACKAGE} has no compiled extension (a "
-                f"source tree rather than the installed package?). Install it with `pip install "
-                f"--no-build-isolation .` from the repository root, and run from anywhere but src/")
+        return (f"dilated_attn._C is not built: the dilated_attn imported from {_PACKAGE} has no compiled extension "
+                f"(a source tree, not an installed package). Build and install it with `pip install "
+                f"--no-build-isolation .` in the repository root")
     return (f"dilated_attn._C in {_PACKAGE} did not load ({type(exc).__name__}: {exc}); it was probably built "
             f"against another torch than {torch.__version__}: reinstall with `pip install --no-build-isolation .`")
 

@@ -149,11 +149,11 @@ def _fwd_kernel(
         lse_ptrs = Lse + (b * H + h).to(tl.int64) * N + pos_m
         o_ptrs = Out + b * stride_ob + h * stride_oh + pos_m[:, None] * stride_on + offs_d[None, :]
         o_mask = m_mask[:, None] & d_mask[None, :]
-        if not FIRST:
+        if not FIRST:  # the first branch has nothing to merge with: it writes (o, lse) as they are
+            # dilated_attn/merge.py's formula for two terms (tests/test_merge.py pins it); a row no earlier branch
+            # covered holds (0, -inf) and gets weight e_old = 0
             old_lse = tl.load(lse_ptrs, mask=m_mask, other=float("-inf"))
             old_o = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-            # Weights exp(. - max) normalised by their sum (not exp(. - merged lse), which a rounded merged lse
-            # would keep from summing to 1 at large |lse|).
             top = tl.maximum(old_lse, lse)
             e_old = tl.exp(old_lse - top)
             e_new = tl.exp(lse - top)
