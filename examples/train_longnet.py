@@ -8,13 +8,15 @@ download: the Python standard library's own source (the *.py files next to the `
 Model: byte embedding plus learned positions; `--layers` pre-norm blocks, each a causal
 dilated_attn.MultiheadDilatedAttention (with MAGNETO's sub-LayerNorm) and a GELU MLP; a final LayerNorm and
 an output head tied to the embedding (--untied for a separate one). AdamW with linear warm-up and cosine
-decay, gradients clipped at 1; bfloat16 autocast on a GPU (--dtype float32 turns it off). It prints step,
-loss and tokens/s, and at the end the loss on the held-out last 5% of the corpus. --json writes the loss
-curve, --plot draws it (needs matplotlib).
+decay, gradients clipped at 1; bfloat16 autocast on a GPU (--dtype float32 turns it off). Every --log-every
+steps it prints the step, the mean loss, the learning rate and tokens/s; at the end, the loss on windows from
+the held-out last 5% of the corpus. --json writes the loss curve and the run's settings and results, --plot
+draws the curve (needs matplotlib).
 
 Sequence parallel: launched by torchrun with several processes, every rank holds a zigzag shard of each
 window (dilated_attn.shard) and the attention runs as dilated_attn.ring_attention (the modules'
-process_group); weight gradients are summed across ranks, so all ranks take the same steps:
+process_group); weight gradients are averaged across ranks (all-reduced, then divided by the number of
+ranks), so every rank takes the step that one process would take on the full windows:
 
     torchrun --nproc_per_node=2 examples/train_longnet.py --seq-len 16384 ...   # NCCL on GPUs, gloo on CPUs
 """
@@ -143,23 +145,36 @@ def held_out_loss(model, data, args, device, dtype, batches=4):
     return sum(losses) / len(losses)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and "(default: ...)" after the help of each option whose default is not
+    None (those options state their default in their help)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--segment-lengths", type=int, nargs="+", default=[64, 128, 256, 512])
-    ap.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    ap.add_argument("--seq-len", type=int, default=512,
+                    help="window length in bytes; with torchrun, divisible by 2 x the number of processes")
+    ap.add_argument("--batch", type=int, default=8, help="windows per step")
+    ap.add_argument("--dim", type=int, default=128, help="model width (embed_dim)")
+    ap.add_argument("--layers", type=int, default=2, help="number of blocks")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads per block (must divide --dim)")
+    ap.add_argument("--segment-lengths", type=int, nargs="+", default=[64, 128, 256, 512], metavar="W",
+                    help="segment length of each attention branch")
+    ap.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4, 8], metavar="R",
+                    help="dilation rate of each attention branch, one per segment length")
     ap.add_argument("--untied", action="store_true", help="a separate output head instead of the embedding's")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--lr", type=float, default=3e-3,
+                    help="peak learning rate: linear warm-up over the first 10%% of the steps, then cosine "
+                         "decay to 10%% of it")
+    ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="autocast dtype (default: bfloat16 on a GPU, float32 on the CPU)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the training windows")
+    ap.add_argument("--log-every", type=int, default=25, help="print the mean loss every this many steps")
     ap.add_argument("--json", metavar="PATH", help="write the loss curve and the run's summary as JSON")
     ap.add_argument("--plot", metavar="PATH", help="draw the loss curve to a PNG (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -221,7 +236,9 @@ def main(argv=None) -> dict:
         loss = loss_of(model, x, y, device, dtype)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if process_group is not None:  # each rank's gradients are its shard's share of the batch's; their mean is the whole
+        # Sequence parallel: the ranks' gradients sum to that of the sum of their losses (each the mean over
+        # an equal shard), so their mean is the gradient of the batch's mean loss.
+        if process_group is not None:
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()

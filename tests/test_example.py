@@ -44,6 +44,19 @@ def test_bad_arguments(example, capsys):
     assert "--steps must be a positive integer, got 0" in capsys.readouterr().err
 
 
+def test_help(example, capsys):
+    with pytest.raises(SystemExit) as exc:
+        example.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert exc.value.code == 0
+    assert "averaged across ranks" in out and "summed" not in out
+    for default in ("300", "512", "[64, 128, 256, 512]", "[1, 2, 4, 8]", "0.003", "25", "False"):
+        assert f"(default: {default})" in out, default
+    assert "(default: None)" not in out and "(default: cuda if available, else cpu)" in out
+    ap, _ = example.parse_args(["--device", "cpu"])
+    assert all(action.help for action in ap._actions), [a.dest for a in ap._actions if not a.help]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_plot(example, tmp_path):
     png = tmp_path / "loss.png"
@@ -53,7 +66,7 @@ def test_plot(example, tmp_path):
 
 def test_sequence_parallel_training_matches_one_process(example, tmp_path):
     """torchrun with 2 CPU processes (gloo, ring attention, zigzag shards): the same losses as one process,
-    since the ring computes the same function and the weight gradients are summed across ranks."""
+    since the ring computes the same function and the weight gradients are averaged across ranks."""
     import subprocess
     import sys
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dilated_attn
-from dilated_attn import DilatedAttention, MultiheadDilatedAttention, dispatch, trace
+from dilated_attn import DilatedAttention, MultiheadDilatedAttention, trace
 from dilated_attn.hilbert import deserialize, hilbert_index, serialize
 from dilated_attn.reference import dilated_attention_reference
 
@@ -135,6 +135,79 @@ def test_device_and_dtype_reach_every_parameter():
     m = MultiheadDilatedAttention(16, 4, DILS, SEGS, num_kv_heads=2, dtype=torch.float64, device="meta")
     assert {(p.dtype, p.device.type) for p in m.parameters()} == {(torch.float64, "meta")}
     assert m.k_proj.out_features == 8 and m.v_proj.out_features == 8  # num_kv_heads * head_dim
+
+
+# --- compatibility with fkodom's dilated-attention-pytorch 0.2.0 ---------------------------------------------
+
+FKODOM_MODULE = ["segment_lengths", "dilation_rates", "softmax_scale", "attention_dropout", "op"]
+FKODOM_MULTIHEAD = ["embed_dim", "num_heads", "dilation_rates", "segment_lengths", "dropout", "bias", "layer_norm",
+                    "layer_norm_eps", "gamma_init", "device", "dtype", "op"]
+FKODOM_KEYS = {f"{name}.{p}" for name in ("q_proj", "k_proj", "v_proj", "norm", "out_proj") for p in ("weight", "bias")}
+FAKE_OP = (type("FwOp", (), {}), type("BwOp", (), {}))  # stands for an xformers (forward, backward) op pair
+
+
+@pytest.mark.parametrize("cls, fkodom", [(DilatedAttention, FKODOM_MODULE),
+                                         (MultiheadDilatedAttention, FKODOM_MULTIHEAD)])
+def test_signature_is_fkodoms_then_keyword_only(cls, fkodom):
+    params = list(inspect.signature(cls).parameters.values())
+    assert [p.name for p in params[: len(fkodom)]] == fkodom
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[len(fkodom):])
+    assert [p.name for p in inspect.signature(cls.forward).parameters.values()][1:] == [
+        "query", "key", "value", "is_causal"]
+
+
+@pytest.mark.parametrize("op", [None, FAKE_OP])
+def test_dilated_attention_fkodom_calls(op):
+    q, k, v = _inputs()
+    ref, _ = dilated_attention_reference(q, k, v, SEGS, DILS, causal=True, scale=0.3)
+    positional = DilatedAttention(SEGS, DILS, 0.3, 0.0, op)
+    keyword = DilatedAttention(segment_lengths=SEGS, dilation_rates=DILS, softmax_scale=0.3, attention_dropout=0.0,
+                               op=op)
+    for m in (positional, keyword):
+        torch.testing.assert_close(m(q, k, v, True), ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(m(query=q, key=k, value=v, is_causal=True), ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("op", [None, FAKE_OP])
+def test_multihead_fkodom_calls_and_state_dict(op):
+    positional = MultiheadDilatedAttention(16, 4, DILS, SEGS, 0.0, True, True, 1e-5, 0.5, None, torch.float64, op)
+    keyword = MultiheadDilatedAttention(embed_dim=16, num_heads=4, dilation_rates=DILS, segment_lengths=SEGS,
+                                        dropout=0.0, bias=True, layer_norm=True, layer_norm_eps=1e-5, gamma_init=0.5,
+                                        device=None, dtype=torch.float64, op=op)
+    assert set(positional.state_dict()) == FKODOM_KEYS  # dilated-attention-pytorch's parameter names
+    _perturb(positional)
+    keyword.load_state_dict(positional.state_dict(), strict=True)
+    x, kv = (torch.randn(2, 20, 16, dtype=torch.float64) for _ in range(2))
+    expected, _ = _composition(positional, x, kv, kv, True)
+    for m in (positional, keyword):
+        torch.testing.assert_close(m(x, kv, kv, True)[0], expected, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(m(query=x, key=kv, value=kv, is_causal=True)[0], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_our_arguments_are_keyword_only():
+    # A positional value in op's place is one of our keyword-only arguments, not an xformers op.
+    with pytest.raises(TypeError, match="op is .* got str 'split': the arguments after op are keyword-only"):
+        DilatedAttention(SEGS, DILS, None, 0.0, "split")
+    with pytest.raises(TypeError, match="op is .* got int 2"):
+        MultiheadDilatedAttention(16, 4, DILS, SEGS, 0.0, True, True, 1e-5, 1.0, None, None, 2)
+    with pytest.raises(TypeError, match="positional"):
+        DilatedAttention(SEGS, DILS, None, 0.0, None, "split")
+    q, k, v = _inputs()
+    with pytest.raises(TypeError, match="'q'"):  # one name per input: fkodom's query/key/value
+        DilatedAttention(SEGS, DILS)(q=q, k=k, v=v)
+
+
+def test_swapped_lists_are_refused():
+    swapped = r"dilation_rates \[128, 256, 512\] are each larger than the segment_lengths \[1, 2, 4\].*look swapped"
+    with pytest.raises(ValueError, match=swapped + r" \(MultiheadDilatedAttention takes dilation_rates before "
+                       r"segment_lengths, as dilated-attention-pytorch does\)"):
+        MultiheadDilatedAttention(256, 8, [128, 256, 512], [1, 2, 4])
+    with pytest.raises(ValueError, match=swapped + r" \(DilatedAttention takes segment_lengths before dilation_rates"):
+        DilatedAttention([1, 2, 4], [128, 256, 512])
+    # Some branches with r > w among others can be deliberate.
+    MultiheadDilatedAttention(16, 4, [8, 1, 32], [4, 8, 16])
+    DilatedAttention([4, 8, 16], [8, 1, 32])
+    DilatedAttention([4], [4])
 
 
 BAD_MULTIHEAD = [
@@ -310,11 +383,6 @@ def _grads(out, inputs, module, go):
     return torch.autograd.grad(out, list(inputs) + list(module.parameters()), go)
 
 
-def test_new_arguments_come_last():
-    # fkodom's positional order is kept: the new keywords are appended after the existing ones.
-    names = list(inspect.signature(MultiheadDilatedAttention).parameters)
-    assert names[-4:] == ["spatial_shape", "ordering", "process_group", "layout"]
-    assert names.index("backend") == len(names) - 5
 
 
 @pytest.mark.parametrize("shape", [(5, 6), (8, 8), (7, 3), (2, 3, 5), (4, 4, 2), (3, 1, 9)])

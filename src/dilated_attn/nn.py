@@ -1,8 +1,12 @@
-"""nn.Module front ends, argument-compatible with fkodom's dilated-attention-pytorch.
+"""nn.Module front ends, argument-compatible with fkodom's dilated-attention-pytorch 0.2.0.
 
 * `DilatedAttention`: the attention alone, on `[B, N, H, D]` query/key/value.
 * `MultiheadDilatedAttention`: q/k/v projections, dilated attention, optional sub-LayerNorm (MAGNETO) and the
   output projection, on `[B, N, embed_dim]`.
+
+Both take dilated-attention-pytorch's constructor arguments in its order (`op` included, and ignored) and
+its forward argument names; the arguments it does not have are keyword-only, after `op`. The default
+`head_groups="all"` is LongNet's; pass `head_groups="split"` for dilated-attention-pytorch's split heads.
 
 Attention dropout is not part of the spec and no kernel implements it: in training mode with a dropout
 probability p > 0 the modules run the pure-PyTorch reference, which drops entries of the merged attention
@@ -89,6 +93,23 @@ def _check_ring_args(process_group, layout, dropout: float):
     return process_group, layout
 
 
+def _check_op(op) -> None:
+    # No xformers op is a str or a number: such a value is a keyword-only argument passed by position.
+    if isinstance(op, (str, numbers.Number)):
+        raise TypeError(f"op is dilated-attention-pytorch's xformers attention op (ignored here), got "
+                        f"{type(op).__name__} {op!r}: the arguments after op are keyword-only")
+
+
+def _check_not_swapped(p: Problem, order: str) -> None:
+    """ValueError when every branch has r > w: each segment then holds at most one position per head, which
+    is what passing the two lists in each other's place gives. One such branch among others can be meant."""
+    w, r = list(p.segment_lengths), list(p.dilation_rates)
+    if all(ri > wi for wi, ri in zip(w, r)):
+        raise ValueError(f"dilation_rates {r} are each larger than the segment_lengths {w}: every segment would "
+                         f"hold at most one position per head; the lists look swapped ({order}, as "
+                         f"dilated-attention-pytorch does)")
+
+
 def _check_attention_args(
     segment_lengths, dilation_rates, *, scale=None, head_groups="all", backend="auto", num_heads=None, num_kv_heads=None
 ) -> Problem:
@@ -106,12 +127,16 @@ class DilatedAttention(nn.Module):
     """LongNet dilated attention (`dilated_attn.dilated_attention`) as a module.
 
     Args:
-        segment_lengths, dilation_rates: the branches `(w_i, r_i)`, positive ints, same length >= 1.
+        segment_lengths, dilation_rates: the branches `(w_i, r_i)`, positive ints, same length >= 1; not every
+            r_i > w_i (ValueError: the lists look swapped).
         softmax_scale: score scale, default `head_dim ** -0.5`.
         attention_dropout: dropout probability on the attention probabilities, in training mode only. With
             p > 0 training runs the reference backend (no kernel implements dropout; a one-time warning says
             so), which drops each entry of the merged softmax over the branches' keys independently and
             scales the kept ones by 1 / (1 - p). Needs `backend` "auto" or "reference".
+        op: accepted for dilated-attention-pytorch compatibility and ignored: xformers attention ops do not
+            apply here; dilated_attn picks its kernels through `backend`.
+    Keyword-only:
         head_groups: "all" (LongNet) or "split" (dilated-attention-pytorch), as in `dilated_attention`.
         backend: "auto", "cuda", "triton", "cpu" or "reference", as in `dilated_attention`.
         process_group: None, or a torch.distributed ProcessGroup (`dist.group.WORLD` for all ranks): then the
@@ -120,8 +145,9 @@ class DilatedAttention(nn.Module):
         layout: "contiguous" or "zigzag", the sharding of the sequence with a process_group (see
             `ring_attention`).
 
-    `forward(q, k, v, is_causal=False)`: q `[B, N, Hq, D]`, k and v `[B, N, Hkv, D]` with `Hq % Hkv == 0`;
-    returns `[B, N, Hq, D]`.
+    `forward(query, key, value, is_causal=False)`: query `[B, N, Hq, D]`, key and value `[B, N, Hkv, D]` with
+    `Hq % Hkv == 0`; returns `[B, N, Hq, D]`. (Errors from the call name them q, k and v, as
+    `dilated_attention` does.)
     """
 
     def __init__(
@@ -130,15 +156,19 @@ class DilatedAttention(nn.Module):
         dilation_rates: Sequence[int],
         softmax_scale: Optional[float] = None,
         attention_dropout: float = 0.0,
+        op=None,
+        *,
         head_groups: str = "all",
         backend: str = "auto",
         process_group=None,
         layout: str = "contiguous",
     ):
         super().__init__()
+        _check_op(op)
         p = _check_attention_args(
             segment_lengths, dilation_rates, scale=softmax_scale, head_groups=head_groups, backend=backend
         )
+        _check_not_swapped(p, "DilatedAttention takes segment_lengths before dilation_rates")
         self.attention_dropout = _check_dropout("attention_dropout", attention_dropout, backend)
         self.process_group, self.layout = _check_ring_args(process_group, layout, self.attention_dropout)
         self.segment_lengths = p.segment_lengths
@@ -147,8 +177,10 @@ class DilatedAttention(nn.Module):
         self.head_groups = head_groups
         self.backend = backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        args = (q, k, v, self.segment_lengths, self.dilation_rates)
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False
+    ) -> torch.Tensor:
+        args = (query, key, value, self.segment_lengths, self.dilation_rates)
         kwargs = dict(causal=is_causal, scale=self.softmax_scale, head_groups=self.head_groups)
         if self.process_group is not None:
             return ring_attention(*args, **kwargs, group=self.process_group, layout=self.layout, backend=self.backend)
@@ -175,7 +207,8 @@ class DilatedAttention(nn.Module):
 
 
 class MultiheadDilatedAttention(nn.Module):
-    """Multi-head dilated attention with projections, as fkodom's dilated-attention-pytorch defines it.
+    """Multi-head dilated attention with projections, laid out as in fkodom's dilated-attention-pytorch: the
+    same arguments and parameter names (q_proj, k_proj, v_proj, norm, out_proj), so its state_dicts load.
 
     `forward(query, key=None, value=None, is_causal=False)` on `[B, N, embed_dim]` (key and value default to
     query: self-attention) returns `(out [B, N, embed_dim], None)`:
@@ -187,9 +220,14 @@ class MultiheadDilatedAttention(nn.Module):
     Parameters are initialised as in MAGNETO (arXiv:2210.06423): xavier_normal_ weights, with gain
     `gamma_init` for v_proj and out_proj, zero biases.
 
-    Args beyond dilated-attention-pytorch's: `num_kv_heads` (GQA/MQA: k_proj and v_proj produce
+    `dilation_rates` come before `segment_lengths` here (as in dilated-attention-pytorch; DilatedAttention and
+    `dilated_attention` take segment_lengths first); not every r_i > w_i (ValueError: the lists look swapped).
+    `dropout` is the attention dropout probability. `op` is accepted and ignored: xformers attention ops do
+    not apply here; dilated_attn picks its kernels through `backend`.
+
+    Keyword-only args beyond dilated-attention-pytorch's: `num_kv_heads` (GQA/MQA: k_proj and v_proj produce
     `num_kv_heads * head_dim` features; default num_heads), `head_groups` and `backend` (see
-    `dilated_attention`). `dropout` is the attention dropout probability.
+    `dilated_attention`).
 
     Sequence parallel: `process_group` and `layout` as in DilatedAttention (forward then takes this rank's
     shards of query/key/value, and the projections act on the shards).
@@ -222,6 +260,8 @@ class MultiheadDilatedAttention(nn.Module):
         gamma_init: float = 1.0,
         device=None,
         dtype=None,
+        op=None,
+        *,
         num_kv_heads: Optional[int] = None,
         head_groups: str = "all",
         backend: str = "auto",
@@ -231,6 +271,7 @@ class MultiheadDilatedAttention(nn.Module):
         layout: str = "contiguous",
     ):
         super().__init__()
+        _check_op(op)
         self.spatial_shape = _check_ordering(spatial_shape, ordering)
         if process_group is not None and spatial_shape is not None:
             raise ValueError("spatial_shape (and ordering='hilbert') cannot be combined with process_group: the grid "
@@ -244,11 +285,12 @@ class MultiheadDilatedAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-        # With the head count known, "split" can be checked against the branches now.
-        _check_attention_args(
+        # The head count is known here, so "split" is checked against the branches at construction.
+        p = _check_attention_args(
             segment_lengths, dilation_rates, head_groups=head_groups, backend=backend, num_heads=num_heads,
             num_kv_heads=num_kv_heads,
         )
+        _check_not_swapped(p, "MultiheadDilatedAttention takes dilation_rates before segment_lengths")
         dropout = _check_dropout("dropout", dropout, backend)
         for name, flag in (("bias", bias), ("layer_norm", layer_norm)):
             if not isinstance(flag, bool):
@@ -337,4 +379,6 @@ class MultiheadDilatedAttention(nn.Module):
         return out, None
 
     def extra_repr(self) -> str:
-        return f"spatial_shape={self.spatial_shape}, ordering={self.ordering!r}" if self.spatial_shape is not None else ""
+        if self.spatial_shape is None:
+            return ""
+        return f"spatial_shape={self.spatial_shape}, ordering={self.ordering!r}"
