@@ -181,12 +181,12 @@ def test_auto_rule_for_float32_on_cuda(monkeypatch, capability, allow_tf32, tf32
         (128, 16384, [2048, 4096, 8192, 16384], "triton"),  # tf32x3 (with the tf32x3-only configs)
         (256, 4096, [512, 1024], "reference"),  # IEEE in Triton; reference estimate 1.25 GiB
         (256, 16384, [2048, 4096, 8192, 16384], "reference"),  # 19 GiB <= 35 GiB
-        (256, 65536, [2048, 4096, 8192, 16384], "cuda"),  # 68 GiB > 35 GiB
+        (256, 65536, [2048, 4096, 8192, 16384], "cuda"),  # 76 GiB > 35 GiB
     ],
 )
 def test_float32_rule_on_an_h200(monkeypatch, head_dim, N, segments, chosen):
-    """The decisions behind the float32 rows of the README's auto table, with an H200's properties (sm 9.0,
-    227 KiB of shared memory per block, 140 GiB) and its benchmark's shapes (B=1, H=16)."""
+    """The decisions behind the float32 rows of the auto table (benchmarks/README.md, "The auto rule"), with an
+    H200's properties (sm 9.0, 227 KiB of shared memory per block, 140 GiB) and its benchmark's shapes (B=1, H=16)."""
     import types
 
     h200 = types.SimpleNamespace(shared_memory_per_block_optin=232448, total_memory=143771 << 20)
@@ -393,7 +393,7 @@ def test_compile_fullgraph_forward_backward_matches_eager_gpu(dtype, head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, causal, head_groups", [(128, False, "all"), (256, True, "split")])
 def test_gpu_reference_memory_estimate_bounds_its_peak(head_dim, causal, head_groups):
-    """auto's memory rule rests on reference_memory_bytes: an upper bound on the reference's peak for a
+    """auto's memory rule rests on backends.reference.memory_bytes: an upper bound on the reference's peak for a
     forward and backward, and not a loose one (the measured peak is at least a quarter of it)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 3000, 8, head_dim, device="cuda", generator=g, requires_grad=True)
