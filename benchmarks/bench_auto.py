@@ -7,9 +7,10 @@
 For every configuration it times each backend that can run it (triton, cuda, reference; the same inputs,
 in the same process), records which one `dilated_attn.explain` says auto picks, and reports auto's time
 over the best backend's. The auto rule lives in dilated_attn.dispatch.auto_preference; this is its
-evidence. Times are medians of triton.testing.do_bench (CUDA events, warm-up); peak_memory_mib is what one
-call allocates beyond the inputs at its peak (outputs, saved tensors, gradients). JSON goes to
-benchmarks/results/auto_<device>.json, rewritten after every row (a run cut short keeps its rows).
+evidence. Times are medians over --repeats runs after --warmup runs (dilated_attn.benchmark.median_ms:
+CUDA events, L2 flushed before each run); peak_memory_mib is what one call allocates beyond the inputs at
+its peak (outputs, saved tensors, gradients). JSON goes to benchmarks/results/auto_<device>.json (or --out),
+rewritten after every row (a run cut short keeps its rows).
 
 --compile-workers K fills Triton's on-disk cache first, in K processes that each compile one autotuning
 config per kernel (IEEE float32 kernels take up to a minute each to compile, and autotuning compiles its
@@ -20,37 +21,29 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import multiprocessing
 import os
-import sys
 import time
-from datetime import datetime, timezone
 
 import torch
 import triton
-import triton.testing
 
 import dilated_attn
-from dilated_attn import triton as triton_backend
-from dilated_attn.triton import bwd, fwd
-from dilated_attn.spec import flops, validate
+from dilated_attn.backends import triton as triton_backend
+from dilated_attn.backends.triton import bwd, fwd
+from dilated_attn.benchmark import (LOCAL2, LONGNET, Record, attention_call, median_ms, peak_memory_bytes,
+                                    random_inputs, say, tflops)
+from dilated_attn.spec import validate
 
-BRANCHES = {
-    "longnet4": ([2048, 4096, 8192, 16384], [1, 2, 4, 8]),
-    "local2": ([512, 1024], [1, 2]),
-}
+BRANCHES = {"longnet4": LONGNET, "local2": LOCAL2}
 GRID = dict(dtype=["bfloat16", "float16", "float32"], head_dim=[64, 128], N=[4096, 16384, 65536],
             branches=list(BRANCHES))
 QUICK = dict(dtype=["bfloat16"], head_dim=[64, 128], N=[4096, 65536], branches=["longnet4"])
+MODE_NAMES = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}  # --mode -> dilated_attn.benchmark's mode
 
 
 def _inputs(dtype_name, head_dim, N, heads):
-    dtype = getattr(torch, dtype_name)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (1, N, heads, head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
-    return q, k, v, torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    return random_inputs(1, N, heads, head_dim, dtype=getattr(torch, dtype_name), device="cuda")
 
 
 def _compile_config(task):
@@ -58,6 +51,9 @@ def _compile_config(task):
     of its configs that fit (modulo their number), so that the binaries land in Triton's cache."""
     (dtype_name, head_dim, N, heads, branch_names, allow_tf32), index = task
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32  # a spawned process starts with torch's default
+    # The launchers read each kernel's own prune (its shared-memory rows) when they load: load them first.
+    if triton_backend.load_error() is not None:
+        raise RuntimeError(f"the triton backend cannot load: {triton_backend.load_error()}")
 
     for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
         fits = kernel.early_config_prune
@@ -92,23 +88,12 @@ def precompile(grid, heads, workers, allow_tf32):
                   + (f"; skipped {skipped}" if skipped else ""), flush=True)
 
 
-def time_backend(backend, q, k, v, segs, dils, grad, mode):
-    def call():
-        if mode == "fwd":
-            with torch.no_grad():
-                dilated_attn.dilated_attention(q, k, v, segs, dils, backend=backend)
-        else:
-            out = dilated_attn.dilated_attention(q, k, v, segs, dils, backend=backend)
-            torch.autograd.grad(out, (q, k, v), grad)
-
-    call()  # compile / autotune outside the timing
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    call()
-    torch.cuda.synchronize()
-    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"), peak_mib
+def time_backend(backend, inputs, segs, dils, mode, warmup, repeats):
+    """(median ms, peak MiB above the inputs) of one backend."""
+    call = attention_call(lambda q, k, v: dilated_attn.dilated_attention(q, k, v, segs, dils, backend=backend),
+                          inputs, mode)
+    ms = median_ms(call, "cuda", warmup, repeats)
+    return ms, peak_memory_bytes(call, "cuda") / 2**20
 
 
 def main(argv=None):
@@ -125,64 +110,60 @@ def main(argv=None):
                     help="compile the Triton kernels in this many processes before timing (0: no)")
     ap.add_argument("--allow-tf32", action="store_true",
                     help="set torch.backends.cuda.matmul.allow_tf32 (float32: TF32 in triton and the reference)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (the first compiles and autotunes)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed runs; their median is reported")
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/auto_<device>.json)")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     dev = torch.cuda.get_device_name()
-    print(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
+    say(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}")
     grid = dict(QUICK if args.quick else GRID)
     for key, value in (("dtype", args.dtypes), ("head_dim", args.head_dims), ("N", args.seq_lens),
                        ("branches", args.branches)):
         if value:
             grid[key] = value
     if args.compile_workers > 0:
-        print(f"compiling the Triton kernels in {args.compile_workers} processes", flush=True)
+        say(f"compiling the Triton kernels in {args.compile_workers} processes")
         precompile(grid, args.heads, args.compile_workers, args.allow_tf32)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"auto_{dev.replace(' ', '_')}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    record = dict(benchmark="auto_rule_sweep", command=" ".join(["python", *sys.argv]),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  device=dict(name=dev, capability=".".join(map(str, torch.cuda.get_device_capability()))),
-                  versions=dict(torch=torch.__version__, triton=triton.__version__,
-                                dilated_attn=dilated_attn.__version__),
-                  heads=args.heads, allow_tf32=args.allow_tf32, worst_auto_over_best=None, results=[])
-    rows = record["results"]
+    mode = MODE_NAMES[args.mode]
+    record = Record("auto_rule_sweep", "cuda", dict(grid=grid, mode=args.mode, warmup=args.warmup,
+                                                    repeats=args.repeats, max_reference_n=args.max_reference_n),
+                    json_path=out, heads=args.heads, allow_tf32=args.allow_tf32, worst_auto_over_best=None)
     for dtype_name, head_dim, N, branch_name in itertools.product(*grid.values()):
         segs, dils = BRANCHES[branch_name]
-        q, k, v, grad = _inputs(dtype_name, head_dim, N, args.heads)
-        decision = dilated_attn.explain(q, k, v, segs, dils)
+        inputs = _inputs(dtype_name, head_dim, N, args.heads)
+        decision = dilated_attn.explain(*inputs[:3], segs, dils)
         times, peak_mib = {}, {}
         for name, why in decision.verdicts.items():
             if why is not None or (name == "reference" and N > args.max_reference_n):
                 continue
-            times[name], peak_mib[name] = time_backend(name, q, k, v, segs, dils, grad, args.mode)
+            times[name], peak_mib[name] = time_backend(name, inputs, segs, dils, mode, args.warmup, args.repeats)
         best = min(times, key=times.get)
         auto_ms = times.get(decision.backend)
+        problem = validate(*inputs[:3], segs, dils)
         row = dict(dtype=dtype_name, head_dim=head_dim, N=N, branches=branch_name, segment_lengths=segs,
                    dilation_rates=dils, mode=args.mode, auto=decision.backend, best=best, times_ms=times,
                    peak_memory_mib=peak_mib,
-                   triton_products=triton_backend.float32_precision(q.device, head_dim) if dtype_name == "float32"
-                   else dtype_name,
+                   triton_products=triton_backend.float32_precision(problem.device, head_dim)
+                   if dtype_name == "float32" else dtype_name,
                    auto_over_best=None if auto_ms is None else auto_ms / times[best],
                    triton_configs={name: str(kernel.best_config) for name, kernel in
                                    (("forward", fwd._fwd_kernel), ("dkdv", bwd._dkdv_kernel), ("dq", bwd._dq_kernel))
                                    if "triton" in times and getattr(kernel, "best_config", None) is not None},
-                   tflops={n: flops(validate(q, k, v, segs, dils), backward=args.mode == "fwdbwd") / t / 1e9
-                           for n, t in times.items()})
-        rows.append(row)
+                   tflops={n: tflops(problem, t, backward=mode == "fwd+bwd") for n, t in times.items()})
+        record.add(row)
         timing = "  ".join(f"{n} {t:8.3f} ms" for n, t in times.items())
-        print(f"{row['triton_products']:>8} D={head_dim:<3} N={N:>6} {branch_name:>8}: auto={decision.backend:<9} "
-              f"best={best:<9} auto/best={row['auto_over_best'] or float('nan'):.2f}  {timing}", flush=True)
-        del q, k, v, grad
+        say(f"{row['triton_products']:>8} D={head_dim:<3} N={N:>6} {branch_name:>8}: auto={decision.backend:<9} "
+            f"best={best:<9} auto/best={row['auto_over_best'] or float('nan'):.2f}  {timing}")
+        del inputs
         torch.cuda.empty_cache()
-        record["worst_auto_over_best"] = max((r["auto_over_best"] for r in rows if r["auto_over_best"] is not None),
-                                             default=None)
-        with open(out, "w") as f:
-            json.dump(record, f, indent=2)
-    worst = record["worst_auto_over_best"]
-    print(f"worst auto/best over the grid: {worst:.3f}" if worst else "no comparable rows", flush=True)
-    print(f"wrote {out}")
+        record.set(worst_auto_over_best=max((r["auto_over_best"] for r in record.rows
+                                             if r["auto_over_best"] is not None), default=None))
+    worst = record.data["worst_auto_over_best"]
+    say(f"worst auto/best over the grid: {worst:.3f}" if worst else "no comparable rows")
+    record.close()
 
 
 if __name__ == "__main__":

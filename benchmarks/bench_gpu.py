@@ -1,7 +1,11 @@
 """GPU benchmark: dilated_attn's GPU backends against what users run today, all in one run.
 
-    python benchmarks/bench_gpu.py                 # the presets of the Triton issue (LongNet branches, bf16)
+    python benchmarks/bench_gpu.py                 # bf16, B=1, H=16, D=128: the four configurations below
     python benchmarks/bench_gpu.py --quick         # the N = 65536 non-causal configuration only
+
+Configurations: N = 65536 with the LongNet branches (2048,1), (4096,2), (8192,4), (16384,8), non-causal and
+causal; N = 16384 with the same branches; N = 262144 with the long branches (2048,1), (8192,4), (32768,16),
+(131072,64) (dilated_attn.benchmark.LONGNET, LONGNET_LONG).
 
 Providers (each measured in the same process, on the same inputs):
   triton, cuda                dilated_attn's backends (where they can run)
@@ -10,10 +14,12 @@ Providers (each measured in the same process, on the same inputs):
   sdpa_recipe_compiled        the flash recipe under torch.compile
   dense_cudnn                 dense cuDNN SDPA over the whole sequence, for scale (N <= 65536)
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
-every row also gives its fraction of it. Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed between runs); TFLOP/s use
+every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
+(dilated_attn.benchmark.median_ms: CUDA events, L2 flushed before each run); TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; "extra memory"
 is the peak allocated above the inputs during one call. Before timing, the tuned Triton kernels are
-checked against dilated_attn.reference at N = 16384. Results go to benchmarks/results/ as JSON.
+checked against dilated_attn.reference at N = 16384. The JSON (benchmarks/results/gpu_<device>_<dtype>.json,
+or --out) is rewritten after every row.
 """
 
 from __future__ import annotations
@@ -21,24 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
-from datetime import datetime, timezone
 
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 import dilated_attn
+from dilated_attn import backends
+from dilated_attn.benchmark import (LONGNET, LONGNET_LONG, Record, attention_call, median_ms, peak_memory_bytes,
+                                    random_inputs, say, tflops)
 from dilated_attn.reference import dilated_attention_reference
-from dilated_attn.spec import flops, validate
+from dilated_attn.spec import validate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from baselines import gather_sdpa_merge  # noqa: E402
 
-LONGNET = ([2048, 4096, 8192, 16384], [1, 2, 4, 8])
-LONGNET_LONG = ([2048, 8192, 32768, 131072], [1, 4, 16, 64])
 PRESETS = [  # (N, branches, causal)
     (65536, LONGNET, False),
     (65536, LONGNET, True),
@@ -47,22 +51,21 @@ PRESETS = [  # (N, branches, causal)
 ]
 
 
-def providers(N):
+def providers(N, segs, dils, causal):
+    """name -> attention(q, k, v) for this configuration."""
     def ours(backend):
-        return lambda q, k, v, w, r, causal: dilated_attn.dilated_attention(q, k, v, w, r, causal=causal,
-                                                                             backend=backend)
+        return lambda q, k, v: dilated_attn.dilated_attention(q, k, v, segs, dils, causal=causal, backend=backend)
 
     compiled = torch.compile(gather_sdpa_merge, dynamic=False)
     table = {
         "triton": ours("triton"),
         "cuda": ours("cuda"),
-        "sdpa_recipe": lambda q, k, v, w, r, causal: gather_sdpa_merge(q, k, v, w, r, causal=causal),
-        "sdpa_recipe_cudnn": lambda q, k, v, w, r, causal: gather_sdpa_merge(q, k, v, w, r, causal=causal,
-                                                                             kernel="cudnn"),
-        "sdpa_recipe_compiled": lambda q, k, v, w, r, causal: compiled(q, k, v, w, r, causal=causal),
+        "sdpa_recipe": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal),
+        "sdpa_recipe_cudnn": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal, kernel="cudnn"),
+        "sdpa_recipe_compiled": lambda q, k, v: compiled(q, k, v, segs, dils, causal=causal),
     }
     if N <= 65536:
-        def dense(q, k, v, w, r, causal):
+        def dense(q, k, v):
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
@@ -72,11 +75,7 @@ def providers(N):
 
 def check_tuned_kernels(dtype, head_dim, heads):
     """The autotuned Triton kernels at N = 16384 against the reference (float32 compute): relative errors."""
-    N = 16384
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v = (torch.randn(1, N, heads, head_dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-               for _ in range(3))
-    go = torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen)
+    q, k, v, go = random_inputs(1, 16384, heads, head_dim, dtype=dtype, device="cuda", seed=1)
     report = {}
     for causal in (False, True):
         out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=causal, backend="triton")
@@ -108,37 +107,15 @@ def _fma_chains(X, ITERS: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(X + offs, a + b + c + d + e + f + g + h)
 
 
-def fp32_fma_peak():
+def fp32_fma_peak(warmup, repeats):
     """The device's measured fp32 FMA throughput in TFLOP/s (2 FLOPs per FMA): the bar of the CUDA
     kernels, which use no tensor cores."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     block, iters = 1024, 4096
     x = torch.rand(sms * 16 * block, device="cuda")
     grid = (x.numel() // block,)
-    ms = triton.testing.do_bench(lambda: _fma_chains[grid](x, ITERS=iters, BLOCK=block, num_warps=8),
-                                 warmup=25, rep=200, return_mode="median")
+    ms = median_ms(lambda: _fma_chains[grid](x, ITERS=iters, BLOCK=block, num_warps=8), "cuda", warmup, repeats)
     return 2.0 * 8 * iters * x.numel() / ms / 1e9
-
-
-def measure(fn, args, grad, backward):
-    q, k, v = args[:3]
-    if backward:
-        def call():
-            out = fn(*args)
-            torch.autograd.grad(out, (q, k, v), grad)
-    else:
-        def call():
-            with torch.no_grad():
-                fn(*args)
-    call()  # compile / autotune outside the timed region and the memory measurement
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    call()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    ms = triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median")
-    return ms, extra
 
 
 def main(argv=None):
@@ -148,81 +125,71 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--providers", default=None, help="comma-separated subset")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed runs first (the first compiles and autotunes)")
+    ap.add_argument("--repeats", type=int, default=20, help="timed runs; their median is reported")
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/gpu_<device>_<dtype>.json)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     dev = torch.cuda.get_device_name()
-    print(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
+    say(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}")
 
-    peak = fp32_fma_peak()
-    print(f"measured fp32 FMA peak: {peak:.1f} TFLOP/s", flush=True)
+    peak = fp32_fma_peak(args.warmup, args.repeats)
+    say(f"measured fp32 FMA peak: {peak:.1f} TFLOP/s")
     check = check_tuned_kernels(dtype, args.dim, args.heads)
-    print("tuned Triton kernels vs reference (relative error):", json.dumps(check), flush=True)
+    say("tuned Triton kernels vs reference (relative error):", json.dumps(check))
 
-    presets = PRESETS[:1] if args.quick else PRESETS
-    rows = []
-    for N, (segs, dils), causal in presets:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        shape = (1, N, args.heads, args.dim)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
-        grad = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
-        problem = validate(q, k, v, segs, dils, causal=causal)
-        for name, fn in providers(N).items():
-            if args.providers and name not in args.providers.split(","):
-                continue
-            if name in ("triton", "cuda"):
-                reason = dilated_attn.dispatch.BACKENDS[name].reason(problem)
-                if reason:
-                    print(f"N={N:>6} causal={causal!s:5} {name:>20}: skipped ({reason})", flush=True)
-                    continue
-            for backward in (False, True):
-                mode = "fwd+bwd" if backward else "fwd"
-                run_flops = flops(problem, backward=backward)
-                if name == "dense_cudnn":
-                    run_flops = 4.0 * N * N * args.heads * args.dim * (0.5 if causal else 1) * (3.5 if backward else 1)
-                try:
-                    ms, extra = measure(fn, (q, k, v, segs, dils, causal), grad, backward)
-                except Exception as exc:  # a baseline that cannot run this configuration
-                    print(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
-                          f"{str(exc)[:120]})", flush=True)
-                    torch.cuda.empty_cache()
-                    continue
-                row = dict(N=N, segment_lengths=segs, dilation_rates=dils, causal=causal, provider=name, mode=mode,
-                           median_ms=ms, tflops=run_flops / ms / 1e9, extra_memory_gib=extra / 2**30)
-                row["fraction_of_fp32_peak"] = row["tflops"] / peak
-                rows.append(row)
-                print(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: {ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
-                      f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
-                      f"  extra {row['extra_memory_gib']:.2f} GiB", flush=True)
-        del q, k, v, grad
-        torch.cuda.empty_cache()
-
-    from dilated_attn.triton import bwd as triton_bwd, fwd as triton_fwd
-
-    tuned = {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()}
-             for name, kernel in (("forward", triton_fwd._fwd_kernel), ("dkdv", triton_bwd._dkdv_kernel),
-                                  ("dq", triton_bwd._dq_kernel))}
-    print("Triton configs chosen (autotune key -> config):", json.dumps(tuned, indent=1), flush=True)
-    record = dict(
-        benchmark="gpu_backends_vs_baselines",
-        command=" ".join(["python", *sys.argv]),
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        device=dict(name=dev, capability=".".join(map(str, torch.cuda.get_device_capability())),
-                    host_cpu=platform.processor() or platform.machine()),
-        versions=dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                      dilated_attn=dilated_attn.__version__),
-        config=dict(batch=1, heads=args.heads, head_dim=args.dim, dtype=args.dtype),
-        fp32_fma_peak_tflops=peak,
-        tuned_kernel_check=check,
-        triton_configs=tuned,
-        results=rows,
-    )
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"gpu_{dev.replace(' ', '_')}_{args.dtype}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(record, f, indent=2)
-    print(f"wrote {out}")
+    record = Record("gpu_backends_vs_baselines", "cuda",
+                    dict(batch=1, heads=args.heads, head_dim=args.dim, dtype=args.dtype, warmup=args.warmup,
+                         repeats=args.repeats),
+                    json_path=out, fp32_fma_peak_tflops=peak, tuned_kernel_check=check)
+    presets = PRESETS[:1] if args.quick else PRESETS
+    for N, (segs, dils), causal in presets:
+        inputs = random_inputs(1, N, args.heads, args.dim, dtype=dtype, device="cuda")
+        problem = validate(*inputs[:3], segs, dils, causal=causal)
+        for name, attention in providers(N, segs, dils, causal).items():
+            if args.providers and name not in args.providers.split(","):
+                continue
+            if name in backends.REGISTRY:
+                reason = backends.get(name).why_not(problem)
+                if reason:
+                    say(f"N={N:>6} causal={causal!s:5} {name:>20}: skipped ({reason})")
+                    continue
+            for mode in ("fwd", "fwd+bwd"):
+                backward = mode == "fwd+bwd"
+                call = attention_call(attention, inputs, mode)
+                try:
+                    ms = median_ms(call, "cuda", args.warmup, args.repeats)
+                    extra = peak_memory_bytes(call, "cuda")
+                except Exception as exc:  # noqa: BLE001 - a baseline that cannot run this configuration
+                    say(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
+                        f"{str(exc)[:120]})")
+                    torch.cuda.empty_cache()
+                    continue
+                if name == "dense_cudnn":  # all N x N scores, not the branches'
+                    rate = 4.0 * N * N * args.heads * args.dim * (0.5 if causal else 1) * (3.5 if backward else 1)
+                    rate /= ms * 1e9
+                else:
+                    rate = tflops(problem, ms, backward)
+                row = dict(N=N, segment_lengths=segs, dilation_rates=dils, causal=causal, provider=name, mode=mode,
+                           median_ms=ms, tflops=rate, extra_memory_gib=extra / 2**30,
+                           fraction_of_fp32_peak=rate / peak)
+                record.add(row)
+                say(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: {ms:9.3f} ms {rate:7.1f} TFLOP/s"
+                    f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
+                    f"  extra {row['extra_memory_gib']:.2f} GiB")
+        del inputs
+        torch.cuda.empty_cache()
+
+    from dilated_attn.backends.triton import bwd as triton_bwd, fwd as triton_fwd
+
+    tuned = {name: {str(key): str(cfg) for key, cfg in getattr(kernel, "cache", {}).items()}
+             for name, kernel in (("forward", triton_fwd._fwd_kernel), ("dkdv", triton_bwd._dkdv_kernel),
+                                  ("dq", triton_bwd._dq_kernel))}
+    say("Triton configs chosen (autotune key -> config):", json.dumps(tuned, indent=1))
+    record.set(triton_configs=tuned)
+    record.close()
 
 
 if __name__ == "__main__":

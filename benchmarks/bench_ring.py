@@ -1,6 +1,6 @@
 """Ring attention scaling: ring_attention on P GPUs against dilated_attention on one GPU, same global N.
 
-    torchrun --nproc_per_node=2 benchmarks/bench_ring.py                 # both presets of the ring issue
+    torchrun --nproc_per_node=2 benchmarks/bench_ring.py                 # both presets below
     torchrun --nproc_per_node=2 benchmarks/bench_ring.py --preset dense  # one of them
 
 Presets (bf16, B=1, H=16, D=128):
@@ -9,25 +9,26 @@ Presets (bf16, B=1, H=16, D=128):
 
 efficiency = T1 / (P * TP): T1 is forward+backward of dilated_attention on one GPU (rank 0 alone, the others
 wait) for the global tensors, TP the forward+backward of ring_attention on P GPUs (each iteration starts
-after a barrier; the slowest rank's time counts). Times are medians over --repeats after --warmup calls,
-CUDA events. Bytes sent per rank are the plan's forward K/V traffic (dilated_attn.ring.ring_plan), shown
-against the volume the branches select. Results go to benchmarks/results/ring_<device>_<P>gpu.json.
+after a barrier; the slowest rank's time counts). Times are medians over --repeats after --warmup calls
+(dilated_attn.benchmark.median_ms: CUDA events, L2 flushed before each run). Bytes sent per rank are the
+plan's forward K/V traffic (dilated_attn.ring.ring_plan), shown against the volume the branches select.
+Results go to benchmarks/results/ring_<device>_<P>gpu.json (or --out), rewritten after every preset.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-from datetime import datetime, timezone
+import shlex
+import sys
 
 import torch
 import torch.distributed as dist
 
 import dilated_attn
+from dilated_attn.benchmark import Record, attention_call, median_ms, random_inputs, say, tflops
 from dilated_attn.ring import ring_plan
-from dilated_attn.spec import flops, validate
+from dilated_attn.spec import validate
 
 PRESETS = {
     "longnet": dict(N=524288, w=[4096, 32768, 262144, 524288], r=[1, 4, 16, 32], causal=False, layout="contiguous"),
@@ -36,43 +37,29 @@ PRESETS = {
 B, H, D, DTYPE = 1, 16, 128, torch.bfloat16
 
 
+def synchronized():
+    """before_run for median_ms: every rank starts each run together."""
+    dist.barrier()
+    torch.cuda.synchronize()
+
+
+def slowest_rank(times: list[float]) -> list[float]:
+    """combine for median_ms: each run's time on its slowest rank."""
+    t = torch.tensor(times, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def timed(fn, warmup: int, repeats: int, group_sync: bool) -> float:
-    """Median milliseconds of fn() (the slowest rank's when group_sync)."""
-    times = []
-    for i in range(warmup + repeats):
-        if group_sync:
-            dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        ms = torch.tensor(start.elapsed_time(end), device="cuda")
-        if group_sync:
-            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(ms.item())
-    return statistics.median(times)
+    """Median milliseconds of fn() (with group_sync: all ranks start together, the slowest rank's time)."""
+    if group_sync:
+        return median_ms(fn, "cuda", warmup, repeats, before_run=synchronized, combine=slowest_rank)
+    return median_ms(fn, "cuda", warmup, repeats)
 
 
-def fwd_bwd(attn, q, k, v):
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-
-    def forward():
-        with torch.no_grad():
-            attn(*leaves)
-
-    def forward_backward():
-        for x in leaves:
-            x.grad = None
-        out = attn(*leaves)
-        out.backward(grad)
-
-    grad = None
-    out = attn(*leaves)
-    grad = torch.randn_like(out)
-    return forward, forward_backward
+def calls(attn, inputs):
+    """(forward, forward+backward) calls of attn on inputs, for timing."""
+    return attention_call(attn, inputs, "fwd"), attention_call(attn, inputs, "fwd+bwd")
 
 
 def p2p_bandwidth(mib: int = 256) -> float:
@@ -93,24 +80,23 @@ def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) 
     P, rank = dist.get_world_size(), dist.get_rank()
     N, L = cfg["N"], cfg["N"] // P
     w, r = cfg["w"], cfg["r"]
-    torch.manual_seed(rank)
     row = dict(preset=name, N=N, P=P, B=B, H=H, D=D, dtype=str(DTYPE).removeprefix("torch."),
                branches=None if w is None else list(zip(w, r)), causal=cfg["causal"], layout=cfg["layout"])
     t1 = {}
     if rank == 0:  # T1: one GPU, the global sequence
-        q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=DTYPE) for _ in range(3))
-        f, fb = fwd_bwd(lambda q, k, v: dilated_attn.dilated_attention(
-            q, k, v, w or [N], r or [1], causal=cfg["causal"]), q, k, v)
+        inputs = random_inputs(B, N, H, D, dtype=DTYPE, device="cuda", seed=rank)
+        f, fb = calls(lambda q, k, v: dilated_attn.dilated_attention(
+            q, k, v, w or [N], r or [1], causal=cfg["causal"]), inputs)
         t1 = dict(fwd_ms=timed(f, warmup, repeats, False), fwd_bwd_ms=timed(fb, warmup, repeats, False))
-        p = validate(q, k, v, w or [N], r or [1], causal=cfg["causal"])
-        row["tflops_1gpu_fwd_bwd"] = flops(p, backward=True) / t1["fwd_bwd_ms"] / 1e9
-        del q, k, v, f, fb
+        p = validate(*inputs[:3], w or [N], r or [1], causal=cfg["causal"])
+        row["tflops_1gpu_fwd_bwd"] = tflops(p, t1["fwd_bwd_ms"], backward=True)
+        del inputs, f, fb
         torch.cuda.empty_cache()
-        print(f"[{name}] 1 GPU: fwd {t1['fwd_ms']:.2f} ms, fwd+bwd {t1['fwd_bwd_ms']:.2f} ms", flush=True)
+        say(f"[{name}] 1 GPU: fwd {t1['fwd_ms']:.2f} ms, fwd+bwd {t1['fwd_bwd_ms']:.2f} ms")
     dist.barrier()
-    q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=DTYPE) for _ in range(3))
-    f, fb = fwd_bwd(lambda q, k, v: dilated_attn.ring_attention(
-        q, k, v, w, r, causal=cfg["causal"], layout=cfg["layout"]), q, k, v)
+    inputs = random_inputs(B, L, H, D, dtype=DTYPE, device="cuda", seed=rank)
+    f, fb = calls(lambda q, k, v: dilated_attn.ring_attention(
+        q, k, v, w, r, causal=cfg["causal"], layout=cfg["layout"]), inputs)
     tp = dict(fwd_ms=timed(f, warmup, repeats, True), fwd_bwd_ms=timed(fb, warmup, repeats, True))
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -118,9 +104,14 @@ def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) 
             fb()
             torch.cuda.synchronize()
         if rank == 0:
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+            say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     plan = ring_plan(P, L, H, H, tuple(w or [N]), tuple(r or [1]), "all", cfg["causal"], cfg["layout"])
     sent = torch.tensor([plan.bytes_sent(j, B, D, DTYPE.itemsize) for j in range(P)])
+    # the peak of one forward+backward, inputs included (measured apart from the timing, whose L2 flush
+    # buffer would count otherwise)
+    torch.cuda.reset_peak_memory_stats()
+    fb()
+    torch.cuda.synchronize()
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -136,11 +127,11 @@ def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) 
             # what the branches select: the spanning branches' 1/r of the K and V of a rank's L positions
             spanning = [i for i in range(len(w)) if i not in plan.local_branches]
             row["expected_bytes_per_rank"] = sum(2 * B * L * H * D * DTYPE.itemsize // r[i] for i in spanning)
-        print(f"[{name}] {P} GPUs: fwd {tp['fwd_ms']:.2f} ms, fwd+bwd {tp['fwd_bwd_ms']:.2f} ms; efficiency "
-              f"fwd+bwd {row['efficiency_fwd_bwd']:.1%}, fwd {row['efficiency_fwd']:.1%}; bytes sent per rank "
-              f"{[f'{b / 2**20:.1f} MiB' for b in sent.tolist()]}"
-              + (f" (selected volume {row['expected_bytes_per_rank'] / 2**20:.1f} MiB)" if w else ""), flush=True)
-    del q, k, v, f, fb
+        say(f"[{name}] {P} GPUs: fwd {tp['fwd_ms']:.2f} ms, fwd+bwd {tp['fwd_bwd_ms']:.2f} ms; efficiency "
+            f"fwd+bwd {row['efficiency_fwd_bwd']:.1%}, fwd {row['efficiency_fwd']:.1%}; bytes sent per rank "
+            f"{[f'{b / 2**20:.1f} MiB' for b in sent.tolist()]}"
+            + (f" (selected volume {row['expected_bytes_per_rank'] / 2**20:.1f} MiB)" if w else ""))
+    del inputs, f, fb
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return row
@@ -157,25 +148,26 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    P, rank = dist.get_world_size(), dist.get_rank()
     names = list(PRESETS) if args.preset == "all" else [args.preset]
     bandwidth = p2p_bandwidth()
-    if dist.get_rank() == 0:
-        print(f"point-to-point rank 0 -> 1: {bandwidth:.1f} GB/s (256 MiB)", flush=True)
-    rows = [run(n, PRESETS[n], args.warmup, args.repeats, args.profile) for n in names]
-    if dist.get_rank() == 0:
+    record = None
+    if rank == 0:
+        say(f"point-to-point rank 0 -> 1: {bandwidth:.1f} GB/s (256 MiB)")
         device = torch.cuda.get_device_name()
-        result = dict(device=device, gpus=dist.get_world_size(), torch=torch.__version__,
-                      nccl=".".join(map(str, torch.cuda.nccl.version())), p2p_GBps=bandwidth,
-                      date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      command="torchrun --nproc_per_node=%d benchmarks/bench_ring.py --preset %s"
-                              % (dist.get_world_size(), args.preset),
-                      rows=rows)
         path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        f"ring_{device.replace(' ', '_')}_{dist.get_world_size()}gpu.json")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", path)
+                                        f"ring_{device.replace(' ', '_')}_{P}gpu.json")
+        record = Record("ring_scaling", "cuda",
+                        dict(presets={n: PRESETS[n] for n in names}, B=B, H=H, D=D, dtype="bfloat16",
+                             warmup=args.warmup, repeats=args.repeats),
+                        json_path=path, command=shlex.join(["torchrun", f"--nproc_per_node={P}", *sys.argv]),
+                        gpus=P, nccl=".".join(map(str, torch.cuda.nccl.version())), p2p_GBps=bandwidth)
+    for name in names:
+        row = run(name, PRESETS[name], args.warmup, args.repeats, args.profile)
+        if record is not None:
+            record.add(row)
+    if record is not None:
+        record.close()
     dist.destroy_process_group()
 
 

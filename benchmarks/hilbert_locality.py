@@ -1,6 +1,6 @@
 """Locality of Hilbert-curve serialisation against raster (row-major) order, and index build times.
 
-    PYTHONPATH=. python benchmarks/hilbert_locality.py [--json PATH]
+    python benchmarks/hilbert_locality.py [--json PATH]
 
 A dilated-attention branch of segment length w attends within the runs of w consecutive positions
 [k*w, (k+1)*w). For each run this measures the bounding box of its cells on the grid: its size in cells
@@ -8,22 +8,20 @@ A dilated-attention branch of segment length w attends within the runs of w cons
 Area alone does not show locality: an aligned raster run of m full rows fills its box exactly, as a
 Hilbert square does; the half-perimeter tells a 1 x 256 stripe from a 16 x 16 square.
 
-Build times: "first" is a cold build (cache cleared; median of 3), "cached" a repeated call (median of
-1000). CPU only; the index is built on the CPU and copied once per device.
+Build times (dilated_attn.benchmark.median_ms): "first" is a cold build (cache cleared before each run;
+median of 3), "cached" a repeated call (median of 1000). CPU only; the index is built on the CPU and copied
+once per device. --json writes the locality rows as `results` and the build times as `build`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
-import statistics
-import time
 
 import torch
 
 from dilated_attn import hilbert
+from dilated_attn.benchmark import Record, median_ms
 
 LOCALITY = [((256, 256), (256, 1024, 4096)), ((224, 224), (256, 1024, 4096)), ((32, 32, 32), (512, 4096))]
 BUILD = [(256, 256), (224, 224), (1024, 1024), (1000, 999), (32, 32, 32), (100, 37, 55), (128, 128, 128)]
@@ -51,19 +49,12 @@ def locality(shape, ws):
 
 
 def build_time(shape):
-    cold = []
-    for _ in range(3):
-        hilbert.clear_cache()
-        t = time.perf_counter()
+    def build():
         hilbert.hilbert_index(shape)
-        cold.append(time.perf_counter() - t)
-    warm = []
-    for _ in range(1000):
-        t = time.perf_counter()
-        hilbert.hilbert_index(shape)
-        warm.append(time.perf_counter() - t)
-    return dict(grid="x".join(map(str, shape)), cells=math.prod(shape),
-                first_ms=statistics.median(cold) * 1e3, cached_us=statistics.median(warm) * 1e6)
+
+    first_ms = median_ms(build, "cpu", warmup=0, repeats=3, before_run=hilbert.clear_cache)
+    cached_ms = median_ms(build, "cpu", warmup=1, repeats=1000)
+    return dict(grid="x".join(map(str, shape)), cells=math.prod(shape), first_ms=first_ms, cached_us=cached_ms * 1e3)
 
 
 def main(argv=None):
@@ -86,11 +77,12 @@ def main(argv=None):
         print(f"| {b['grid']} | {b['cells']} | {b['first_ms']:.1f} ms | {b['cached_us']:.1f} us |")
 
     if args.json:
-        meta = dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
-                    threads=torch.get_num_threads())
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, locality=loc, build=builds), f, indent=1)
-        print(f"\nwrote {args.json}")
+        record = Record("hilbert_locality", "cpu", dict(locality=LOCALITY, build=BUILD), json_path=args.json,
+                        build=builds)
+        for row in loc:
+            record.add(row)
+        print()
+        record.close()
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ stages=${*:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 start=$(date +%s)
 if [ "${SKIP_BUILD:-0}" = 1 ]; then
-  # a later call on the same machine: the extension installed by an earlier call; else (Triton-only runs such
-  # as the ring) the source tree without the compiled extension
-  if ! (cd /tmp && python3 -c "import dilated_attn._C" 2>/dev/null); then
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  # a later call on the same machine: the extension installed by an earlier call; where none is installed
+  # (Triton-only runs such as the ring), the package from the source tree, without the compiled extension
+  if ! python3 -c "import dilated_attn._C" 2>/dev/null; then
+    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
   fi
 elif ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"
@@ -25,16 +25,15 @@ elif ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no
 else
   echo "build: $(( $(date +%s) - start )) s"
 fi
-(cd /tmp && python3 -c "import dilated_attn, json; print(json.dumps(dilated_attn.build_info()))")
+python3 -c "import dilated_attn, json; print(json.dumps(dilated_attn.build_info()))"
 
 for stage in $stages; do
   case $stage in
     tests|all)
-      # from tests/, so that the installed package (with its compiled _C) is imported, not the source tree;
       # spread over processes with pytest-xdist where it is installed (the tests are bound by Triton compiles)
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
-      (cd tests && python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfE --maxfail=10 -p no:cacheprovider \
-        --durations=10 $workers . 2>&1) | tee "$OUT/gpu_tests.log" | tail -40 ;;&
+      python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfE --maxfail=10 -p no:cacheprovider \
+        --durations=10 $workers tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;&
     sanitize)
       for tool in memcheck racecheck initcheck; do
         compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cuda.py > "$OUT/sanitize_$tool.log" 2>&1
@@ -50,11 +49,11 @@ for stage in $stages; do
       python3 benchmarks/bench_gpu.py --quick --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
     ring)
       gpus=$(nvidia-smi -L | wc -l)
-      (cd tests && python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider . 2>&1) | tee "$OUT/ring_tests.log" | tail -20
+      python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider tests 2>&1 | tee "$OUT/ring_tests.log" | tail -20
       torchrun --standalone --nproc_per_node="$gpus" benchmarks/bench_ring.py --out "$OUT/ring.json" 2>&1 \
         | tee "$OUT/ring.log" ;;
     main)
-      (cd /tmp && python3 -m dilated_attn 2>&1) | tee "$OUT/main.log"
+      python3 -m dilated_attn 2>&1 | tee "$OUT/main.log"
       python3 examples/train_longnet.py --device cuda --steps ${TRAIN_STEPS:-400} --seq-len 8192 --batch 4 --dim 512 --layers 6 \
         --heads 8 --segment-lengths 512 1024 2048 4096 8192 --dilation-rates 1 2 4 8 16 --log-every 20 \
         --json "$OUT/train_longnet.json" 2>&1 | tee "$OUT/train_longnet.log" ;;

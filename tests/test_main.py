@@ -1,4 +1,5 @@
-"""`python -m dilated_attn` (dilated_attn/__main__.py) and benchmarks/plot_results.py, at tiny sizes."""
+"""`python -m dilated_attn` (dilated_attn/__main__.py), its harness dilated_attn.benchmark and
+benchmarks/plot_results.py, at tiny sizes."""
 
 import csv
 import importlib.util
@@ -15,6 +16,7 @@ import torch
 import dilated_attn
 from dilated_attn import __main__ as cli
 from dilated_attn import backends
+from dilated_attn import benchmark as harness
 from dilated_attn.spec import flops, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +65,9 @@ def test_check_and_bench_on_gpu(tmp_path, capsys):
     rows = json.loads(path.read_text())["results"]
     assert {r["provider"] for r in rows} >= {"reference"}
     assert all(r["peak_memory_mib"] is not None and r["median_ms"] > 0 for r in rows)
+    x = torch.randn(1 << 20, device="cuda")
+    assert harness.median_ms(lambda: x.mul(2), "cuda", warmup=1, repeats=5) > 0
+    assert harness.peak_memory_bytes(lambda: x.mul(2), "cuda") >= x.numel() * 4
 
 
 def test_env(capsys):
@@ -96,10 +101,28 @@ def test_check_reports_a_backend_that_raises_as_failed(capsys, monkeypatch):
     assert "FAIL: raised RuntimeError: kernel exploded" in out and "reference  float32   causal, split" in out
 
 
-def test_check_reports_backends_that_cannot_run(capsys):
-    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cuda", "cpu"]) == 0
+def test_check_refuses_a_named_backend_that_cannot_run(capsys):
+    # Named: a failure with the package's reason, before anything runs (the same status as `bench`).
+    status = cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cuda", "cpu"])
+    assert status == cli.EXIT_CANNOT_RUN == 3
+    captured = capsys.readouterr()
+    assert "backend 'cuda' cannot run here: needs CUDA tensors, got cpu" in captured.err
+    assert "PASS" not in captured.out
+
+
+def test_check_skips_backends_not_named_that_cannot_run(capsys, monkeypatch):
+    monkeypatch.setattr(backends.CPU, "why_not", lambda p: "switched off for this test")
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
-    assert "cuda       float32   non-causal, all    SKIP: needs CUDA tensors, got cpu" in out
+    assert "cpu        float32   non-causal, all    SKIP: switched off for this test" in out
+    assert "self-check: 2 passed, 0 failed, 2 skipped" in out
+
+
+def test_bench_refuses_a_named_backend_that_cannot_run(capsys):
+    assert cli.main(["bench", *TINY, "--backends", "cpu", "cuda"]) == cli.EXIT_CANNOT_RUN
+    captured = capsys.readouterr()
+    assert "backend 'cuda' cannot run here: needs CUDA tensors, got cpu" in captured.err
+    assert "N=" not in captured.out  # refused before anything was timed
 
 
 @pytest.mark.skipif(backends.TRITON.unavailable() is not None or os.environ.get("TRITON_INTERPRET") != "1",
@@ -150,7 +173,6 @@ def test_bench_forward_only_one_backend(capsys):
     (["--segment-lengths", "16", "32", "--dilation-rates", "1"],
      "segment_lengths and dilation_rates must have the same length"),
     (["--heads", "6", "--kv-heads", "4"], "q heads (6) must be a multiple of k/v heads (4)"),
-    (["--backends", "cuda"], "backend='cuda' cannot run this input: needs CUDA tensors, got cpu"),
 ])
 def test_invalid_configuration_exits_2_with_the_package_message(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -173,6 +195,63 @@ def test_bad_flags_are_argparse_errors(flags, message, capsys):
         cli.main(["bench", *flags])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_median_ms_times_after_warmup_with_hooks():
+    calls = []
+    ms = harness.median_ms(lambda: calls.append("run") or sum(range(10_000)), "cpu", warmup=2, repeats=5,
+                           before_run=lambda: calls.append("before"))
+    assert ms > 0 and calls == ["before", "run"] * 7  # every run, warm-up included, after its hook
+    # combine maps the run times before the median, as bench_ring takes the slowest rank's
+    assert harness.median_ms(lambda: None, "cpu", warmup=0, repeats=3, combine=lambda t: [7.0, 1.0, 7.0]) == 7.0
+    with pytest.raises(ValueError, match="repeats must be a positive integer, got 0"):
+        harness.median_ms(lambda: None, "cpu", warmup=0, repeats=0)
+    assert harness.peak_memory_bytes(lambda: None, "cpu") is None
+
+
+def test_random_inputs_are_seeded_and_gqa_shaped():
+    a = harness.random_inputs(2, 24, 4, 8, kv_heads=2, dtype=torch.float64, seed=3)
+    b = harness.random_inputs(2, 24, 4, 8, kv_heads=2, dtype=torch.float64, seed=3)
+    assert [tuple(x.shape) for x in a] == [(2, 24, 4, 8), (2, 24, 2, 8), (2, 24, 2, 8), (2, 24, 4, 8)]
+    assert all(x.requires_grad for x in a[:3]) and not a.grad_out.requires_grad
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and a.q.dtype == torch.float64
+    with pytest.raises(ValueError, match="mode must be 'fwd' or 'fwd\\+bwd', got 'back'"):
+        harness.attention_call(lambda q, k, v: q, a, "back")
+
+
+def test_record_rewrites_json_and_csv_after_every_row(tmp_path):
+    jpath, cpath = tmp_path / "r" / "rows.json", tmp_path / "rows.csv"
+    record = harness.Record("unit", "cpu", dict(size=1), json_path=str(jpath), csv_path=str(cpath), extra="x")
+    data = json.loads(jpath.read_text())  # written at once, with no rows yet
+    assert {"benchmark", "command", "date", "device", "versions", "config", "extra", "results"} <= set(data)
+    assert data["results"] == [] and data["versions"]["dilated_attn"] == dilated_attn.__version__
+    assert data["device"]["type"] == "cpu" and data["date"].endswith("+00:00")
+    for n in (1, 2):
+        record.add(dict(N=n, provider="p", segment_lengths=[4, 8]))
+        assert [r["N"] for r in json.loads(jpath.read_text())["results"]] == list(range(1, n + 1))
+        with open(cpath) as f:
+            assert [row["N"] for row in csv.DictReader(f)] == [str(i) for i in range(1, n + 1)]
+    record.set(summary=0.5)
+    assert json.loads(jpath.read_text())["summary"] == 0.5
+    assert sorted(os.listdir(tmp_path / "r")) == ["rows.json"]  # no temporary file left behind
+
+
+def test_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    timed = harness.median_ms
+
+    def interrupted_at_the_third(fn, *args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return timed(fn, *args, **kwargs)
+
+    calls = []
+    monkeypatch.setattr(harness, "median_ms", interrupted_at_the_third)
+    path = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", *TINY, "--json", str(path)])
+    rows = json.loads(path.read_text())["results"]
+    assert [(r["N"], r["provider"], r["mode"]) for r in rows] == [(40, "cpu", "fwd"), (40, "cpu", "fwd+bwd")]
 
 
 @pytest.mark.skipif(not has_matplotlib(), reason="matplotlib is not installed")

@@ -18,8 +18,8 @@ import sys
 import torch
 
 import dilated_attn
-from dilated_attn import triton as triton_backend
-from dilated_attn.triton import bwd, fwd
+from dilated_attn.backends import triton as triton_backend
+from dilated_attn.backends.triton import bwd, fwd, ops  # ops first: it reads the kernels' own prunes at import
 
 KERNELS = {"forward": fwd._fwd_kernel, "dkdv": bwd._dkdv_kernel, "dq": bwd._dq_kernel}
 
@@ -63,11 +63,11 @@ def main(argv=None):
             # captured with products whose smallest configs fit and compile quickly (TF32 from Ampere on, IEEE
             # before), then compiled with `precision`
             capture = "tf32" if torch.cuda.get_device_capability() >= (8, 0) else "ieee"
-            choose, triton_backend.float32_precision = triton_backend.float32_precision, lambda *a: capture
+            choose, ops.float32_precision = ops.float32_precision, lambda *a: capture  # what the launchers call
             try:
                 launches = capture_launches(dtype, head_dim)
             finally:
-                triton_backend.float32_precision = choose
+                ops.float32_precision = choose
             for name, kernel in KERNELS.items():
                 kernel.run, kernel.early_config_prune = runs[name], prunes[name]
                 call_args, kwargs = launches[name]
