@@ -1,4 +1,4 @@
-// Argument checks shared by the launchers of every device. The Python layer (dilated_attn/spec.py)
+// Argument checks shared by the launchers of every device. The Python layer (src/dilated_attn/spec.py)
 // raises the spec's errors first; these keep a direct call of torch.ops.dilated_attn.* from reaching a
 // kernel with arguments it cannot handle. TORCH_CHECK_VALUE / TORCH_CHECK_TYPE surface in Python as
 // ValueError / TypeError.

@@ -13,7 +13,7 @@
 
 namespace dilated_attn {
 
-// One branch (w, r) of the spec resolved for a sequence length and head count.
+// One branch (w, r) of the spec (docs/SPEC.md) resolved for a sequence length and head count.
 // Query head h takes part iff head_lo <= h < head_hi and then uses offset
 // offset_base + (h - head_lo) / offset_div:
 //   head_groups="all":   every head, offset h / ceil(Hq / r)

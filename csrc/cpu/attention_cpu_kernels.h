@@ -69,9 +69,9 @@ DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t lda, const T* B, int6
   }
 }
 
-// Online-softmax step on one score row s[0:kBlockK] of which the first `visible` entries are real:
-// returns the new running max (max of m and the visible scores) and leaves s = exp(s - max) there, 0
-// elsewhere. Max and sum are reduced in vector registers (a scalar loop would not vectorise).
+// First half of an online-softmax step on one score row s[0:kBlockK] of which the first `visible` entries
+// are real: sets the others to -inf and returns the new running max (max of m and the visible scores),
+// reduced in vector registers (a scalar loop would not vectorise). exp_row does the second half.
 template <typename T>
 DA_INLINE T row_max(T* __restrict s, T m, int64_t visible) {
   using V = typename Vec<T>::type;
@@ -222,13 +222,13 @@ void forward_tile(const ForwardArgs<scalar_t, acc_t>& a, const Branch& br, int64
     acc_t* row = a.out + ((b * N + pos) * sh.num_heads + h) * D;
     acc_t& L = a.lse[(b * sh.num_heads + h) * N + pos];
     const acc_t* o = O + i * Dp;
+    // Two-term LSE merge, w_i = exp(L_i - max) / sum_j exp(L_j - max) (src/dilated_attn/merge.py).
+    // Running lse -inf (no earlier branch covered the row): w_old = 0, so (o / l, lse_i) is stored as is.
     if (L == neg_inf<acc_t>()) {
       const acc_t inv = acc_t(1) / l[i];
       for (int64_t d = 0; d < D; ++d) row[d] = o[d] * inv;
       L = lse_i;
     } else {
-      // Weights exp(. - max) normalised by their sum, not exp(. - merged): with a rounded merged lse (|lse| * eps
-      // near log 2) the latter would no longer sum to 1.
       const acc_t hi = std::max(L, lse_i);
       const acc_t e_old = std::exp(L - hi), e_new = std::exp(lse_i - hi), sum = e_old + e_new;
       const acc_t w_old = e_old / sum, w_new = e_new / sum / l[i];

@@ -3,15 +3,16 @@
 // With the merged output O and log-sum-exp L of the forward, every key t a query p sees in any branch has
 // P = exp(s_pt - L(p)) and dS = P * (dP - delta), delta(p) = rowsum(dO * O)(p) - dL(p). Running each
 // branch's flash-style backward with these merged O, L, delta gives the gradient of the merged function,
-// merge weights included (see the spec).
+// merge weights included (docs/SPEC.md, "Gradients").
 //
 // - delta_kernel: one warp per (batch, position, head) row.
-// - dq_kernel: a block owns 64 query members of one (batch, head, segment), like the forward, and walks
-//   the segment's keys: S = Q K^T and dP = dO V^T reduced over the head dim in chunks gathered into
-//   transposed shared tiles, dS through shared memory, dQ += dS K with K's rows streamed.
-// - dkdv_kernel: a block owns 64 (32 for head dim 256) key members of one (batch, kv head, segment) and,
-//   for each query head of its group that takes part, walks the query members 32 at a time:
-//   S^T = K Q^T, dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
+// - dq_kernel: a block owns kDqBlockM (64) query members of one (batch, head, segment), like the forward,
+//   and walks the segment's keys kDqBlockN (64) at a time: S = Q K^T and dP = dO V^T reduced over the
+//   head dim in chunks gathered into transposed shared tiles, dS through shared memory, dQ += dS K with
+//   K's rows streamed.
+// - dkdv_kernel: a block owns dkdv_block_n (64; 32 for head dim 256) key members of one (batch, kv head,
+//   segment) and, for each query head of its group that takes part, walks the query members kDkdvBlockM
+//   (32) at a time: S^T = K Q^T, dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
 // Every block adds its fp32 sums into fp32 accumulators with a plain read-add-write: within one launch no
 // two blocks write the same position (the blocks of a segment own disjoint members, heads of one block
 // are visited by the same threads in turn), so there are no atomics and results are deterministic.
@@ -22,7 +23,31 @@ namespace cuda {
 namespace {
 
 constexpr int kChunkD = 16;  // head-dim chunk of the two score reductions (four tiles in flight)
-constexpr int kTileFloats = 4352;  // shared floats for the chunked tiles, as in the forward (17 KiB)
+
+// Blocks per SM the registers of dq_kernel and dkdv_kernel are sized for (__launch_bounds__): 2, so 255
+// registers a thread at every head dim.
+constexpr int kBackwardMinBlocks = 2;
+
+// dq_kernel's tiles: kDqBlockM queries per block against kDqBlockN keys per step. Q^T and dO^T (kDqBlockM
+// rows), K^T and V^T (kDqBlockN rows) and dS^T (indexed by query) share one leading dim.
+constexpr int kDqBlockM = 64;
+constexpr int kDqBlockN = 64;
+constexpr int kDqLd = transposed_ld(kDqBlockM);  // 68: LD % 32 == 4, conflict-free transposed gathers
+static_assert(kDqBlockN <= kDqBlockM, "K^T and V^T rows fit kDqLd");
+
+// Shared floats for the chunked tiles: dq_kernel's four transposed chunks Q^T, dO^T, K^T, V^T (17 KiB,
+// as much as the forward's score tiles). The row chunks of both kernels and dkdv_kernel's four chunks
+// reuse the same space.
+constexpr int kTileFloats = 4 * kChunkD * kDqLd;
+
+// dkdv_kernel's tiles: dkdv_block_n<DMAX>() keys per block against kDkdvBlockM queries per step. dK and
+// dV take 2 * (keys / 8) * (DMAX / 16) accumulator registers a thread: at most 128 with 64 keys up to head
+// dim 128; head dim 256 takes 32 keys (64 would need 256 registers).
+constexpr int kDkdvBlockM = 32;
+template <int DMAX>
+__host__ __device__ constexpr int dkdv_block_n() {
+  return DMAX > 128 ? 32 : 64;
+}
 
 template <int ROWS_MAX, int DMAX>
 __host__ __device__ constexpr int row_chunk() {  // rows of a [rows][DMAX] tile that fit the tile space
@@ -49,11 +74,7 @@ __global__ void __launch_bounds__(kThreads) delta_kernel(const DeltaParams p) {
   }
 }
 
-struct Pointers {  // the rows of one (batch, query head) and its kv head for one segment's members
-  int64_t b, head, kvh;
-  Members mem;
-};
-
+// The rows of tensor x for (batch b, head `head`) at one segment's members.
 template <typename T>
 __device__ __forceinline__ DilatedRows<T> rows_of(const void* x, const Strides& s, int64_t b, int64_t head,
                                                   const Members& mem, int64_t dilation) {
@@ -62,8 +83,9 @@ __device__ __forceinline__ DilatedRows<T> rows_of(const void* x, const Strides& 
 }
 
 template <typename T, int DMAX>
-__global__ void __launch_bounds__(kThreads, 2) dq_kernel(const BackwardParams p) {
-  constexpr int BM = 64, BN = 64, R = BM / kRowsY, C = BN / kColsX, J = DMAX / kColsX, LD = 68;
+__global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const BackwardParams p) {
+  constexpr int BM = kDqBlockM, BN = kDqBlockN, LD = kDqLd;
+  constexpr int R = BM / kRowsY, C = BN / kColsX, J = DMAX / kColsX;  // rows, key columns, dims per thread
   constexpr int KC = row_chunk<BN, DMAX>();
   __shared__ __align__(16) float tiles[kTileFloats];  // Q^T, dO^T, K^T, V^T chunks; then K row chunks
   __shared__ __align__(16) float ds_t[BN * LD];       // dS^T: [key][query]
@@ -74,13 +96,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(const BackwardParams p)
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
-  const int64_t n_seg = br.num_segments(sh.seq_len);
-  const int64_t n_tiles = (br.max_members() + BM - 1) / BM;
-  const int64_t n_heads = br.head_hi - br.head_lo;
-  const int64_t tile = blockIdx.x % n_tiles;
-  const int64_t seg = (blockIdx.x / n_tiles) % n_seg;
-  const int64_t head = br.head_lo + (blockIdx.x / n_tiles / n_seg) % n_heads;
-  const int64_t b = blockIdx.x / n_tiles / n_seg / n_heads;
+  const auto [b, head, seg, tile] = query_grid(br, sh, BM).block_tile();
   const Members mem = members_of(br, sh.seq_len, head, seg);
   const int64_t start_m = tile * BM;
   if (start_m >= mem.count) return;
@@ -184,15 +200,11 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(const BackwardParams p)
   }
 }
 
-template <int DMAX>
-__host__ __device__ constexpr int kv_block() {  // key members per dK/dV block
-  return DMAX > 128 ? 32 : 64;
-}
-
 template <typename T, int DMAX>
-__global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(const BackwardParams p) {
-  constexpr int BN = kv_block<DMAX>(), BM = 32, R = BN / kRowsY, C = BM / kColsX, J = DMAX / kColsX;
-  constexpr int LDN = BN + 4, LDM = BM + 4;
+__global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(const BackwardParams p) {
+  constexpr int BN = dkdv_block_n<DMAX>(), BM = kDkdvBlockM;
+  constexpr int R = BN / kRowsY, C = BM / kColsX, J = DMAX / kColsX;  // key rows, query columns, dims per thread
+  constexpr int LDN = transposed_ld(BN), LDM = transposed_ld(BM);    // K^T, V^T, P, dS; Q^T, dO^T
   constexpr int QC = row_chunk<BM, DMAX>() / 2;  // query rows per chunk: Q and dO side by side
   static_assert(2 * kChunkD * (LDN + LDM) <= kTileFloats, "score tiles");
   __shared__ __align__(16) float tiles[kTileFloats];  // K^T, V^T, Q^T, dO^T chunks; then Q, dO row chunks
@@ -205,12 +217,7 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(const BackwardParams 
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
-  const int64_t n_seg = br.num_segments(sh.seq_len);
-  const int64_t n_tiles = (br.max_members() + BN - 1) / BN;
-  const int64_t tile = blockIdx.x % n_tiles;
-  const int64_t seg = (blockIdx.x / n_tiles) % n_seg;
-  const int64_t kvh = (blockIdx.x / n_tiles / n_seg) % sh.num_kv_heads;
-  const int64_t b = blockIdx.x / n_tiles / n_seg / sh.num_kv_heads;
+  const auto [b, kvh, seg, tile] = kv_grid(br, sh, BN).block_tile();
   const int64_t group = sh.num_heads / sh.num_kv_heads;
   const int64_t h_begin = max(kvh * group, br.head_lo), h_end = min((kvh + 1) * group, br.head_hi);
   const int64_t start_n = tile * BN;
@@ -333,7 +340,7 @@ cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t str
   const int64_t rows = p.shape.batch * p.shape.seq_len * p.shape.num_heads;
   const int64_t blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
   if (blocks == 0) return cudaSuccess;
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
   return dispatch_scalar(kind, [&](auto tag) {
     delta_kernel<decltype(tag)><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
     return cudaGetLastError();
@@ -343,14 +350,13 @@ cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t str
 cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
-  const int64_t segs = br.num_segments(sh.seq_len);
   return dispatch_scalar(kind, [&](auto tag) {
     using T = decltype(tag);
     return dispatch_head_dim(sh.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
-      const int64_t kv_blocks = sh.batch * sh.num_kv_heads * segs * ((br.max_members() + kv_block<DMAX>() - 1) / kv_block<DMAX>());
-      const int64_t q_blocks = sh.batch * (br.head_hi - br.head_lo) * segs * ((br.max_members() + 63) / 64);
-      if (kv_blocks > 0x7fffffffLL || q_blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+      const int64_t kv_blocks = kv_grid(br, sh, dkdv_block_n<DMAX>()).blocks();
+      const int64_t q_blocks = query_grid(br, sh, kDqBlockM).blocks();
+      if (kv_blocks > kMaxGridBlocks || q_blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
       if (kv_blocks == 0 || q_blocks == 0) return cudaSuccess;
       dkdv_kernel<T, DMAX><<<static_cast<unsigned>(kv_blocks), kThreads, 0, stream>>>(p);
       cudaError_t err = cudaGetLastError();

@@ -1,25 +1,25 @@
 // CUDA forward: one branch of dilated attention, merged into the running (out, lse) in place.
 //
-// A block owns 64 query members of one (batch, head, segment) and walks the segment's key members 64 at a
-// time (flash-attention's online softmax, base 2). Scores S = Q K^T are reduced over the head dim in
-// chunks of 32: each chunk of the dilated Q and K rows is gathered straight from global memory
-// (positions first + r * j) into transposed fp32 shared tiles, and every thread accumulates an 8 x 4
-// block of S with FMAs. The probabilities go through shared memory (transposed) and O += P V streams the
-// key rows of V in chunks. All math is fp32; inputs may be fp16, bf16 or fp32. No tensor cores, so the
-// same code runs from Pascal up.
+// A block owns kBlockM (64) query members of one (batch, head, segment) and walks the segment's key
+// members kBlockN (64) at a time (flash-attention's online softmax, base 2). Scores S = Q K^T are reduced
+// over the head dim in chunks of 32: each chunk of the dilated Q and K rows is gathered straight from
+// global memory (positions first + r * j) into transposed fp32 shared tiles, and every thread accumulates
+// an 8 x 4 block of S with FMAs. The probabilities go through shared memory (transposed) and O += P V
+// streams the key rows of V in chunks. All math is fp32; inputs may be fp16, bf16 or fp32. No tensor
+// cores, so the same code runs from Pascal up.
 #include "common.cuh"
 
 namespace dilated_attn {
 namespace cuda {
 namespace {
 
-constexpr int kBlockM = 64;                // queries per block
-constexpr int kBlockN = 64;                // keys per step
-constexpr int kChunkD = 32;                // head-dim chunk of the score reduction
-constexpr int kRows = kBlockM / kRowsY;    // 8 query rows per thread
-constexpr int kCols = kBlockN / kColsX;    // 4 key columns per thread
-constexpr int kLdM = kBlockM + 4;          // transposed tiles: LD % 32 == 4 (see gather_transposed)
-constexpr int kLdN = kBlockN + 4;
+constexpr int kBlockM = 64;                    // queries per block
+constexpr int kBlockN = 64;                    // keys per step
+constexpr int kChunkD = 32;                    // head-dim chunk of the score reduction
+constexpr int kRows = kBlockM / kRowsY;        // 8 query rows per thread
+constexpr int kCols = kBlockN / kColsX;        // 4 key columns per thread
+constexpr int kLdM = transposed_ld(kBlockM);   // Q^T and P^T (indexed by query)
+constexpr int kLdN = transposed_ld(kBlockN);   // K^T (indexed by key)
 constexpr int kScoreTiles = kChunkD * (kLdM + kLdN);  // Q and K chunks (floats)
 
 // Key rows of V per chunk of the O += P V product: as many as fit in the score tiles' space.
@@ -38,6 +38,13 @@ __host__ __device__ constexpr int forward_smem_floats() {
   return (RESIDENT_Q ? DMAX * kLdM : 0) + kScoreTiles + kBlockN * kLdM;
 }
 
+// Blocks per SM the register budget is sized for (__launch_bounds__): 3 (168 registers a thread) up to
+// head dim 128, 2 (255) for 256. tools/check_cuda_kernels.sh prints every kernel's registers and spills.
+template <int DMAX>
+__host__ __device__ constexpr int min_blocks() {
+  return DMAX > 128 ? 2 : 3;
+}
+
 template <typename T, int DMAX, bool RESIDENT_Q>
 __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(const ForwardParams p) {
   constexpr int J = DMAX / kColsX;  // output columns per thread
@@ -50,14 +57,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
-  const int64_t n_seg = br.num_segments(sh.seq_len);
-  const int64_t n_tiles = (br.max_members() + kBlockM - 1) / kBlockM;
-  const int64_t n_heads = br.head_hi - br.head_lo;
-  // 1-D grid, the query tiles of one segment adjacent so that they share its K/V in L2.
-  const int64_t tile = blockIdx.x % n_tiles;
-  const int64_t seg = (blockIdx.x / n_tiles) % n_seg;
-  const int64_t head = br.head_lo + (blockIdx.x / n_tiles / n_seg) % n_heads;
-  const int64_t b = blockIdx.x / n_tiles / n_seg / n_heads;
+  const auto [b, head, seg, tile] = query_grid(br, sh, kBlockM).block_tile();
   const Members mem = members_of(br, sh.seq_len, head, seg);
   const int64_t start_m = tile * kBlockM;
   if (start_m >= mem.count) return;
@@ -168,8 +168,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
     }
   }
 
-  // Merge (o / l, lse_branch) into the running (out, lse). Every member query sees at least itself, so
-  // l > 0 on stored rows. All 16 lanes of a row read the old lse before lane 0 overwrites it.
+  // Merge (o / l, lse_b) into the running (out, lse). Every member query sees at least itself, so l > 0
+  // on stored rows. All 16 lanes of a row read the old lse before lane 0 overwrites it.
   T* out_base = static_cast<T*>(p.out) + b * p.so.batch + head * p.so.head;
   float* lse_base = p.lse + (b * sh.num_heads + head) * sh.seq_len;
   float old_lse[kRows], new_lse[kRows];
@@ -181,8 +181,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
     const float inv_l = stored ? 1.f / l_i[r] : 0.f;
     const float lse_b = stored ? (m_i[r] + __log2f(l_i[r])) * kLn2 : -INFINITY;
     old_lse[r] = stored ? lse_base[pos] : -INFINITY;
-    // Weights exp(. - max) normalised by their sum, not exp(. - merged lse): a rounded merged lse (|lse| * eps
-    // near log 2) would keep the latter from summing to 1.
+    // Two-term LSE merge, w_i = exp(L_i - max) / sum_j exp(L_j - max) (src/dilated_attn/merge.py).
     const float top = fmaxf(old_lse[r], lse_b);
     const float e_old = __expf(old_lse[r] - top), e_new = __expf(lse_b - top), total = e_old + e_new;
     new_lse[r] = top + __logf(total);
@@ -193,6 +192,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
       for (int j = 0; j < J; ++j) {
         const int d = tx + j * kColsX;
         if (d < dim) {
+          // Running lse -inf (no earlier branch covered the row): w_old = 0, so prev = 0 without reading it.
           const float prev = old_lse[r] == -INFINITY ? 0.f : to_float(row[d]) * w_old;
           row[d] = from_float<T>(prev + o[r][j] * w_new);
         }
@@ -212,11 +212,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
 }  // namespace
 
 cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, cudaStream_t stream) {
-  const Branch& br = p.branch;
-  const int64_t blocks = p.shape.batch * (br.head_hi - br.head_lo) * br.num_segments(p.shape.seq_len) *
-                         ((br.max_members() + kBlockM - 1) / kBlockM);
+  const int64_t blocks = query_grid(p.branch, p.shape, kBlockM).blocks();
   if (blocks == 0) return cudaSuccess;
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
   return dispatch_scalar(kind, [&](auto tag) {
     using T = decltype(tag);
     return dispatch_head_dim(p.shape.head_dim, [&](auto dmax) {

@@ -1,5 +1,6 @@
-// Device helpers shared by the forward and backward kernels: dtype conversion, the decoding of a block's
-// (batch, head, segment), and the shared-memory gathers of dilated rows. No ATen.
+// Device helpers shared by the forward and backward kernels: the thread layout, the grid of a branch
+// (block -> batch, head, segment, tile), dtype conversion, and the shared-memory gathers of dilated rows.
+// No ATen.
 //
 // Every kernel runs 128 threads seen as an 8 x 16 grid (ty = threadIdx.x / 16, tx = threadIdx.x % 16).
 // A thread owns rows ty * R .. ty * R + R - 1 of a tile (R consecutive rows, read as float4 from
@@ -69,6 +70,51 @@ __device__ __forceinline__ Members members_of(const Branch& br, int64_t seq_len,
   return Members{seg * br.seg_len + off, br.members(seq_len, seg, off)};
 }
 
+// The 1-D grid of one kernel launch over one branch. Block i owns tile `tile` (members tile * block ..
+// tile * block + block - 1) of segment `seg` of head `head` in batch `b`, the tile varying fastest, then
+// the segment, the head and the batch: the tiles of one segment run side by side and share its K/V rows
+// in L2. The forward and dq grids run over the branch's query heads, the dK/dV grid over all kv heads.
+struct GridTile {
+  int64_t b, head, seg, tile;
+};
+
+struct TileGrid {
+  int64_t tiles, segments, head_lo, heads, batch;
+
+  __host__ __device__ int64_t blocks() const { return batch * heads * segments * tiles; }
+
+  // This block's tile.
+  __device__ __forceinline__ GridTile block_tile() const {
+    const int64_t i = blockIdx.x;
+    GridTile t;
+    t.tile = i % tiles;
+    t.seg = (i / tiles) % segments;
+    t.head = head_lo + (i / tiles / segments) % heads;
+    t.b = i / tiles / segments / heads;
+    return t;
+  }
+};
+
+// Tiles of `block` members per segment: enough for the longest (offset 0, full length).
+__host__ __device__ inline int64_t tiles_per_segment(const Branch& br, int64_t block) {
+  return (br.max_members() + block - 1) / block;
+}
+
+// Query heads head_lo .. head_hi - 1 of the branch, in tiles of `block` query members.
+__host__ __device__ inline TileGrid query_grid(const Branch& br, const AttentionShape& sh, int64_t block) {
+  const int64_t segments = br.num_segments(sh.seq_len);
+  return TileGrid{tiles_per_segment(br, block), segments, br.head_lo, br.head_hi - br.head_lo, sh.batch};
+}
+
+// Every kv head, in tiles of `block` key members.
+__host__ __device__ inline TileGrid kv_grid(const Branch& br, const AttentionShape& sh, int64_t block) {
+  const int64_t segments = br.num_segments(sh.seq_len);
+  return TileGrid{tiles_per_segment(br, block), segments, 0, sh.num_kv_heads, sh.batch};
+}
+
+// The largest 1-D grid a launch may ask for (gridDim.x).
+constexpr int64_t kMaxGridBlocks = 0x7fffffffLL;
+
 // Rows of a [B, N, H, D] tensor as seen by one (batch, head) and one segment's members.
 template <typename T>
 struct DilatedRows {
@@ -80,10 +126,15 @@ struct DilatedRows {
   __device__ __forceinline__ const T* row(int64_t j) const { return base + (first + j * dilation) * stride; }
 };
 
+// Leading dimension of a transposed tile of `rows` rows (a multiple of 32): rows + 4, so that LD % 32 == 4
+// and gather_transposed stores a warp's 4 rows x 8 dims to 32 distinct banks.
+__host__ __device__ constexpr int transposed_ld(int rows) { return rows + 4; }
+
 // Transposed gather: dst[d * LD + i] = rows.row(start + i)[d0 + d] for i < ROWS, d < DC; zero for members
 // past the end and dims past `dim`. A warp covers 4 rows x 8 dims per step: short coalesced runs in
-// global memory, and 32 distinct banks in shared memory when LD % 32 == 4. Each thread keeps one dim and
-// steps one row pointer (few registers, so the loads of a few steps can be in flight at once).
+// global memory, and 32 distinct banks in shared memory when LD % 32 == 4 (transposed_ld). Each thread
+// keeps one dim and steps one row pointer (few registers, so the loads of a few steps can be in flight at
+// once).
 template <typename T, int ROWS, int DC, int LD>
 __device__ __forceinline__ void gather_transposed(float* dst, const DilatedRows<T>& rows, int64_t start, int d0,
                                                   int dim) {
@@ -163,13 +214,6 @@ template <int R>
 __device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]) {
 #pragma unroll
   for (int i = 0; i < R; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
-}
-
-// Blocks per SM a kernel's register budget is sized for (__launch_bounds__): 3 (168 registers a thread)
-// up to head dim 128, 2 (255) for 256. Checked for spills with -Xptxas -v (tools/check_cuda_build.sh).
-template <int DMAX>
-__host__ __device__ constexpr int min_blocks() {
-  return DMAX > 128 ? 2 : 3;
 }
 
 // The current device's shared memory per block with opt-in (48 KiB without).
