@@ -12,6 +12,7 @@ Providers (each measured in the same process, on the same inputs):
   sdpa_recipe                 gather + flash SDPA + LSE merge (torchscale's recipe, benchmarks/baselines.py)
   sdpa_recipe_cudnn           the same with cuDNN attention
   sdpa_recipe_compiled        the flash recipe under torch.compile
+  sdpa_recipe_cudnn_compiled  the cuDNN recipe under torch.compile: the strongest baseline
   dense_cudnn                 dense cuDNN SDPA over the whole sequence, for scale (N <= 65536)
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
@@ -41,7 +42,7 @@ from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from baselines import gather_sdpa_merge  # noqa: E402
+from baselines import compiled_recipe, gather_sdpa_merge  # noqa: E402
 
 PRESETS = [  # (N, branches, causal)
     (65536, LONGNET, False),
@@ -56,13 +57,14 @@ def providers(N, segs, dils, causal):
     def ours(backend):
         return lambda q, k, v: dilated_attn.dilated_attention(q, k, v, segs, dils, causal=causal, backend=backend)
 
-    compiled = torch.compile(gather_sdpa_merge, dynamic=False)
     table = {
         "triton": ours("triton"),
         "cuda": ours("cuda"),
         "sdpa_recipe": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal),
         "sdpa_recipe_cudnn": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal, kernel="cudnn"),
-        "sdpa_recipe_compiled": lambda q, k, v: compiled(q, k, v, segs, dils, causal=causal),
+        "sdpa_recipe_compiled": lambda q, k, v: compiled_recipe("flash")(q, k, v, segs, dils, causal=causal),
+        "sdpa_recipe_cudnn_compiled":
+            lambda q, k, v: compiled_recipe("cudnn")(q, k, v, segs, dils, causal=causal),
     }
     if N <= 65536:
         def dense(q, k, v):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
 # JSON go under $OUT (default ./gpu_out).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tile_order|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tile_order|ncu|all]...
+#   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
+#   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS})
 #   smem: tools/triton_shared_memory.py ${SMEM_ARGS} (the Triton configs' shared memory against the estimate)
 #   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
 #   main: `python -m dilated_attn` and a GPU run of examples/train_longnet.py (loss curve as JSON)
@@ -46,7 +48,13 @@ for stage in $stages; do
     tile_order)
       python3 benchmarks/bench_tile_order.py --out "$OUT/tile_order.json" 2>&1 | tee "$OUT/tile_order.log" ;;
     quick)
-      python3 benchmarks/bench_gpu.py --quick --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
+      python3 benchmarks/bench_gpu.py --quick ${BENCH_ARGS:-} --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
+    ncu)
+      ncu --profile-from-start off -k regex:"_fwd_kernel|_dkdv_kernel|_dq_kernel" -c 6 --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+        python3 benchmarks/profile_triton.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
+      grep -E "^  _|hmma_cycles|Registers Per|Theoretical Occ|Duration|Issue Slots Busy" "$OUT/ncu.txt" ;;
     ring)
       gpus=$(nvidia-smi -L | wc -l)
       python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider tests 2>&1 | tee "$OUT/ring_tests.log" | tail -20
@@ -58,6 +66,6 @@ for stage in $stages; do
         --heads 8 --segment-lengths 512 1024 2048 4096 8192 --dilation-rates 1 2 4 8 16 --log-every 20 \
         --json "$OUT/train_longnet.json" 2>&1 | tee "$OUT/train_longnet.log" ;;
     bench|all)
-      python3 benchmarks/bench_gpu.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+      python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
   esac
 done

@@ -20,7 +20,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m, offs_d, d_mask,
                 lo, hi, key_end, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                PRECISION: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) of one query block; MASKED: keys >= key_end and (causal)
     keys after the query are masked, else every key of every block is visible."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -38,18 +38,27 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, d
         else:
             k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-        # (cast: torch.compile may hand qk_scale over as a float64 scalar)
-        qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             valid = n_mask[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            qk = tl.where(valid, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = tl.where(valid, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_new[:, None]
+        else:
+            # the scale folded into the row maximum and into one FMA per score: max(s * x) = s * max(x) for
+            # s >= 0, s * min(x) for s < 0 (a negative scale is legal)
+            if NEGATIVE_SCALE:
+                m_new = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
+            else:
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_new[:, None]
+        p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        # accumulating in the product's own accumulator (no separate sum) keeps one [BLOCK_M, BLOCK_D] tile live
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -92,6 +101,7 @@ def _fwd_kernel(
     stride_ob, stride_on, stride_oh,
     N, H, seg_len, dilation, n_seg, head_lo, n_heads, offset_div, offset_base, max_members,
     qk_scale,  # scale * log2(e): the softmax runs in base 2
+    NEGATIVE_SCALE: tl.constexpr,  # qk_scale < 0
     GROUP,  # query heads per kv head
     HEAD_DIM,
     BLOCK_D: tl.constexpr,
@@ -104,6 +114,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    scale2 = tl.cast(qk_scale, tl.float32)  # torch.compile may hand qk_scale over as a float64 (or constant)
     # 1-D grid, the blocks of one segment adjacent so that they share its K/V in L2.
     n_blocks = tl.cdiv(max_members, BLOCK_M)
     pid_m = tl.program_id(0) % n_blocks
@@ -138,9 +149,11 @@ def _fwd_kernel(
         if CAUSAL:
             full = tl.minimum(full, (start_m + 1) // BLOCK_N * BLOCK_N)
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m,
-                                    offs_d, d_mask, 0, full, hi, qk_scale, False, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
+                                    offs_d, d_mask, 0, full, hi, scale2, False, CAUSAL, EVEN_D, PRECISION,
+                                    NEGATIVE_SCALE, BLOCK_N)
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m,
-                                    offs_d, d_mask, full, hi, hi, qk_scale, True, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
+                                    offs_d, d_mask, full, hi, hi, scale2, True, CAUSAL, EVEN_D, PRECISION,
+                                    NEGATIVE_SCALE, BLOCK_N)
 
         # Every member query sees at least itself: l_i > 0 on the rows that are stored.
         l_safe = tl.where(m_mask, l_i, 1.0)

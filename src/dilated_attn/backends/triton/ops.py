@@ -129,7 +129,7 @@ def triton_forward(
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
-            scale * LOG2E,
+            scale * LOG2E, scale < 0,
             CAUSAL=causal, FIRST=i == 0, PRECISION=_precision(q), MAX_MEMBERS_BUCKET=bucket,
             ORDERED=ordered, **meta,
         )

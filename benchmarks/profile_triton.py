@@ -1,0 +1,45 @@
+"""One forward+backward of the Triton backend under Nsight Compute, after a warm-up that compiles and autotunes.
+
+    ncu --profile-from-start off -k regex:"_fwd_kernel|_dkdv_kernel|_dq_kernel" -c 6 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \\
+        python benchmarks/profile_triton.py [--seq-len 65536] [--dim 128] [--causal]
+
+Only the call between cudaProfilerStart and cudaProfilerStop is profiled: with -c 6 that is the four branches'
+forward kernels and the first branch's dK/dV and dQ kernels (bf16, B=1, H=16, the LongNet branches).
+`bash benchmarks/run_on_gpu.sh ncu` runs exactly this and keeps the report under $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import dilated_attn
+from dilated_attn.benchmark import LONGNET, random_inputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq-len", type=int, default=65536)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    args = ap.parse_args()
+    q, k, v, go = random_inputs(1, args.seq_len, 16, args.dim, dtype=torch.bfloat16, device="cuda")
+
+    def step() -> None:
+        out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=args.causal, backend="triton")
+        torch.autograd.grad(out, (q, k, v), go)
+
+    for _ in range(2):  # compile and autotune outside the profiled range
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
