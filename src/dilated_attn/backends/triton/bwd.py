@@ -13,7 +13,8 @@ and delta gives the gradient of the merged function, merge weights included.
 
 Within a branch every sum is fp32; the gradients themselves (input dtype) carry the sum across branches,
 so the backward allocates nothing gradient-sized beyond the gradients (one rounding per branch in
-fp16/bf16, the same as a per-branch reference summed in that dtype).
+fp16/bf16, the same as a per-branch reference summed in that dtype). When the first branch has dilation 1
+and all heads, it covers every position: it stores its gradients into uninitialised ones instead of adding.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def _dkdv_configs():
     prune_configs_by={"early_config_prune": prune_by_shared_memory(
         lambda c: (2 * c["BLOCK_N"], 2 * c["BLOCK_M"], 2 * c["BLOCK_M"]))},
 )
-@triton.jit(do_not_specialize=SIZE_ARGS + ["H_KV", "head_hi"])
+@triton.jit(do_not_specialize=SIZE_ARGS + ["H_KV", "head_hi", "accumulate"])
 def _dkdv_kernel(
     Q, K, V, dO, Lse, Delta, dK, dV,
     stride_qb, stride_qn, stride_qh,
@@ -137,6 +138,7 @@ def _dkdv_kernel(
     stride_dob, stride_don, stride_doh,
     stride_gb, stride_gn, stride_gh,  # dK and dV: contiguous [B, N, Hkv, D], the input dtype
     N, H, H_KV, seg_len, dilation, n_seg, head_lo, head_hi, offset_div, offset_base, max_members,
+    accumulate,  # add to dK/dV (else store: the first branch, when it covers every position of every head)
     sm_scale,
     qk_scale,  # sm_scale * log2(e)
     GROUP,  # query heads per kv head
@@ -197,8 +199,11 @@ def _dkdv_kernel(
                                     dilation, offs_n, offs_d, d_mask, n, qk_scale, full, n,
                                     True, CAUSAL, EVEN_D, PRECISION, BLOCK_M)
             g_ptrs = b * stride_gb + kvh * stride_gh + pos_n[:, None] * stride_gn + offs_d[None, :]
-            dk = tl.load(dK + g_ptrs, mask=kv_mask, other=0.0).to(tl.float32) + tl.trans(dkT) * sm_scale
-            dv = tl.load(dV + g_ptrs, mask=kv_mask, other=0.0).to(tl.float32) + tl.trans(dvT)
+            dk = tl.trans(dkT) * sm_scale
+            dv = tl.trans(dvT)
+            if accumulate or h > h_begin:
+                dk += tl.load(dK + g_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+                dv += tl.load(dV + g_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
             tl.store(dK + g_ptrs, dk.to(dK.dtype.element_ty), mask=kv_mask)
             tl.store(dV + g_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
 
@@ -251,7 +256,7 @@ def _dq_configs():
     restore_value=["dQ"],
     prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (2 * c["BLOCK_M"], 2 * c["BLOCK_N"], 0))},
 )
-@triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
+@triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads", "accumulate"])
 def _dq_kernel(
     Q, K, V, dO, Lse, Delta, dQ,
     stride_qb, stride_qn, stride_qh,
@@ -260,6 +265,7 @@ def _dq_kernel(
     stride_dob, stride_don, stride_doh,
     stride_gb, stride_gn, stride_gh,  # dQ: contiguous [B, N, H, D], the input dtype
     N, H, seg_len, dilation, n_seg, head_lo, n_heads, offset_div, offset_base, max_members,
+    accumulate,  # add to dQ (else store, as in the dK/dV kernel)
     sm_scale,
     qk_scale,
     GROUP,  # query heads per kv head
@@ -308,5 +314,7 @@ def _dq_kernel(
         dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, first, dilation, offs_m, offs_d,
                         d_mask, full, hi, hi, qk_scale, True, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
         g_ptrs = dQ + b * stride_gb + h * stride_gh + pos_m[:, None] * stride_gn + offs_d[None, :]
-        dq = tl.load(g_ptrs, mask=q_mask, other=0.0).to(tl.float32) + dq * sm_scale
+        dq = dq * sm_scale
+        if accumulate:
+            dq += tl.load(g_ptrs, mask=q_mask, other=0.0).to(tl.float32)
         tl.store(g_ptrs, dq.to(dQ.dtype.element_ty), mask=q_mask)

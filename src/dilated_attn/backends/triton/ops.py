@@ -88,6 +88,11 @@ def _common(q, k, segment_lengths, dilation_rates, split_heads):
     return table, meta
 
 
+def covers_everything(br, n_heads: int) -> bool:
+    """A branch with dilation 1 over all heads has every (head, position) as a member of some segment."""
+    return br.dilation == 1 and br.head_lo == 0 and br.head_hi == n_heads
+
+
 def _branch_geometry(br, N):
     """Segments of the branch, the most members one segment has, and that count's autotuning bucket."""
     max_members = -(-br.seg_len // br.dilation)
@@ -108,8 +113,12 @@ def triton_forward(
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     B, N, H, D = q.shape
     table, meta = _common(q, k, segment_lengths, dilation_rates, split_heads)
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full((B, H, N), -math.inf, dtype=torch.float32, device=q.device)
+    if covers_everything(table[0], H):  # the first branch writes every row: no fill needed
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((B, H, N), -math.inf, dtype=torch.float32, device=q.device)
     order = auto_tile_order(N, H, k.shape[2]) if TILE_ORDER == "auto" else TILE_ORDER
     if torch.compiler.is_compiling():
         order = "plain"  # the order tables are cached host-side objects, which a traced graph cannot hold
@@ -168,10 +177,13 @@ def triton_backward(
         N, H, HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], HAS_DLSE=has_dlse, BLOCK=block,
     )
     # The gradients accumulate across branches in place (fp32 within a branch): no gradient-sized
-    # scratch. Zero-filled because positions no branch covers get no contribution.
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=v.dtype, device=q.device)
+    # scratch. Zero-filled because positions no branch covers get no contribution, unless the first branch
+    # covers them all and stores rather than adds.
+    first_stores = covers_everything(table[0], H)
+    new = torch.empty if first_stores else torch.zeros
+    dq = new(q.shape, dtype=q.dtype, device=q.device)
+    dk = new(k.shape, dtype=k.dtype, device=q.device)
+    dv = new(v.shape, dtype=v.dtype, device=q.device)
     strides = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -179,9 +191,10 @@ def triton_backward(
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
     )
     flags = dict(CAUSAL=causal, PRECISION=_precision(q), **meta)
-    for br in table:
+    for i, br in enumerate(table):
         n_seg, max_members, bucket = _branch_geometry(br, N)
         n_heads = br.head_hi - br.head_lo
+        accumulate = int(i > 0 or not first_stores)  # an int (a bool argument would be an i1)
 
         def kv_grid(m, programs=B * Hkv * n_seg, max_members=max_members):
             return (programs * triton.cdiv(max_members, m["BLOCK_N"]),)
@@ -190,7 +203,7 @@ def triton_backward(
             q, k, v, grad_out, lse, delta, dk, dv, *strides,
             dk.stride(0), dk.stride(1), dk.stride(2),
             N, H, Hkv, br.seg_len, br.dilation, n_seg, br.head_lo, br.head_hi, br.offset_div, br.offset_base,
-            max_members, scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
+            max_members, accumulate, scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
         )
 
         def q_grid(m, programs=B * n_heads * n_seg, max_members=max_members):
@@ -200,7 +213,7 @@ def triton_backward(
             q, k, v, grad_out, lse, delta, dq, *strides,
             dq.stride(0), dq.stride(1), dq.stride(2),
             N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
-            scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
+            accumulate, scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
         )
     return dq, dk, dv
 
