@@ -201,7 +201,7 @@ def _dkdv_kernel(
             g_ptrs = b * stride_gb + kvh * stride_gh + pos_n[:, None] * stride_gn + offs_d[None, :]
             dk = tl.trans(dkT) * sm_scale
             dv = tl.trans(dvT)
-            if accumulate or h > h_begin:
+            if (accumulate != 0) | (h > h_begin):
                 dk += tl.load(dK + g_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
                 dv += tl.load(dV + g_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
             tl.store(dK + g_ptrs, dk.to(dK.dtype.element_ty), mask=kv_mask)
@@ -315,6 +315,6 @@ def _dq_kernel(
                         d_mask, full, hi, hi, qk_scale, True, CAUSAL, EVEN_D, PRECISION, BLOCK_N)
         g_ptrs = dQ + b * stride_gb + h * stride_gh + pos_m[:, None] * stride_gn + offs_d[None, :]
         dq = dq * sm_scale
-        if accumulate:
+        if accumulate != 0:
             dq += tl.load(g_ptrs, mask=q_mask, other=0.0).to(tl.float32)
         tl.store(g_ptrs, dq.to(dQ.dtype.element_ty), mask=q_mask)
