@@ -125,9 +125,10 @@ def _dkdv_configs():
     configs=_dkdv_configs(),
     key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
     restore_value=["dK", "dV"],
-    # resident K and V rows; per stage Q and dO rows, and their lse and delta values
+    # resident K and V rows; per stage Q and dO rows, and their lse and delta values; P and dS, the B operands
+    # of the dV and dK products, staged through one [BLOCK_M, BLOCK_N] tile
     prune_configs_by={"early_config_prune": prune_by_shared_memory(
-        lambda c: (2 * c["BLOCK_N"], 2 * c["BLOCK_M"], 2 * c["BLOCK_M"]))},
+        lambda c: (2 * c["BLOCK_N"], 2 * c["BLOCK_M"], 2 * c["BLOCK_M"], c["BLOCK_M"] * c["BLOCK_N"]))},
 )
 @triton.jit(do_not_specialize=SIZE_ARGS + ["H_KV", "head_hi", "accumulate"])
 def _dkdv_kernel(

@@ -50,16 +50,18 @@ def _shared_memory_limit(tensor) -> int:
 
 def shared_memory_need(rows_per_stage, config, block_d: int, elt: int, copies: int) -> int:
     """Bytes of shared memory a config asks for (see prune_by_shared_memory)."""
-    resident, streamed, values = rows_per_stage(config.kwargs)
+    resident, streamed, values, *tile = rows_per_stage(config.kwargs)
     stages = max(config.num_stages, 1)
-    return (resident * copies + streamed * stages) * block_d * elt + values * stages * 4
+    staged = tile[0] * elt * copies if tile else 0  # a [rows, cols] operand staged through shared memory, once
+    return (resident * copies + streamed * stages) * block_d * elt + values * stages * 4 + staged
 
 
 def prune_by_shared_memory(rows_per_stage):
     """An `early_config_prune` for triton.autotune: drop configs whose tiles would not fit in shared memory.
 
     `rows_per_stage(config)` -> (rows held for the whole loop, rows loaded per pipeline stage, fp32 values
-    loaded per stage beside them), each row BLOCK_D elements. With tf32x3 products Triton keeps the resident
+    loaded per stage beside them[, elements of a computed operand staged through shared memory]), each row
+    BLOCK_D elements. With tf32x3 products Triton keeps the resident
     rows twice (their TF32 high and low parts). tools/triton_shared_memory.py checks this against what Triton
     3.6 compiles (exact for the rows, the fp32 term a bound). With DILATED_ATTN_TRITON_AUTOTUNE=0 (read at
     import) it keeps only the first config that fits: no tuning, far fewer compilations (the GPU test suite)."""
