@@ -262,8 +262,12 @@ def main(argv=None) -> dict:
     config = {k: str(v) if isinstance(v, (torch.device, torch.dtype)) else v for k, v in vars(args).items()}
     result = dict(config=config, corpus=corpus, parameters=params, losses=curve, held_out_loss=final,
                   tokens_per_s=args.steps * args.batch * args.seq_len / elapsed)
-    if rank != 0:
+    if process_group is not None:
+        # every rank done with its collectives before any tears its connections down (a gloo peer whose
+        # partner left first can abort at exit)
+        dist.barrier()
         dist.destroy_process_group()
+    if rank != 0:
         return result
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -283,8 +287,6 @@ def main(argv=None) -> dict:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         fig.savefig(args.plot, dpi=110)
         print(f"wrote {args.plot}")
-    if process_group is not None:
-        dist.destroy_process_group()
     return result
 
 
