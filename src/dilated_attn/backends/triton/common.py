@@ -52,7 +52,7 @@ def shared_memory_need(rows_per_stage, config, block_d: int, elt: int, copies: i
     """Bytes of shared memory a config asks for (see prune_by_shared_memory)."""
     resident, streamed, values, *tile = rows_per_stage(config.kwargs)
     stages = max(config.num_stages, 1)
-    staged = tile[0] * elt * copies if tile else 0  # a [rows, cols] operand staged through shared memory, once
+    staged = tile[0] * elt if tile else 0  # a computed [rows, cols] operand staged through shared memory, once
     return (resident * copies + streamed * stages) * block_d * elt + values * stages * 4 + staged
 
 
