@@ -168,6 +168,7 @@ def main():
             record.add(row)
     if record is not None:
         record.close()
+    dist.barrier()  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
 
 

@@ -127,6 +127,9 @@ def _worker(rank, world, port, backend, job, cases, outdir):
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     if job != "die":  # the group lost a member: tearing it down would wait for it
+        # every rank done with its collectives before any tears its connections down (a gloo rank whose peer
+        # left first can abort at exit)
+        dist.barrier()
         dist.destroy_process_group()
 
 
