@@ -1,8 +1,8 @@
 """What users run today, for comparison: torchscale's recipe (gather each branch's dilated rows, run
 PyTorch SDPA with its log-sum-exp, scatter back, merge branches by a softmax over the stacked LSEs), with
 the flash or cuDNN kernel, eager or under torch.compile (`compiled_recipe`). Compiled with cuDNN attention
-it is the strongest baseline we know: its training step on an H100 is as fast as a dedicated kernel's, at
-about 3x the extra memory.
+it is the strongest baseline we know: on an H100 its training step is within a few percent of the `triton`
+backend's, with about 4x its extra memory (benchmarks/README.md, "The compiled cuDNN recipe").
 
 Like torchscale, its gradient treats the merge weights as constants (SDPA's LSE has no gradient), so it is
 a speed baseline only; dilated_attn.reference is the truth. It needs N % w == 0 and w % r == 0.

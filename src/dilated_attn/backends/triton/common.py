@@ -61,9 +61,9 @@ def prune_by_shared_memory(rows_per_stage):
 
     `rows_per_stage(config)` -> (rows held for the whole loop, rows loaded per pipeline stage, fp32 values
     loaded per stage beside them[, elements of a computed operand staged through shared memory]), each row
-    BLOCK_D elements. With tf32x3 products Triton keeps the resident
-    rows twice (their TF32 high and low parts). tools/triton_shared_memory.py checks this against what Triton
-    3.6 compiles (exact for the rows, the fp32 term a bound). With DILATED_ATTN_TRITON_AUTOTUNE=0 (read at
+    BLOCK_D elements. With tf32x3 products Triton keeps the resident rows twice (their TF32 high and low
+    parts). tools/triton_shared_memory.py checks this against what Triton 3.6 compiles (exact for the rows,
+    the fp32 and staged terms bounds). With DILATED_ATTN_TRITON_AUTOTUNE=0 (read at
     import) it keeps only the first config that fits: no tuning, far fewer compilations (the GPU test suite)."""
     tune = os.environ.get("DILATED_ATTN_TRITON_AUTOTUNE", "1") != "0"
 

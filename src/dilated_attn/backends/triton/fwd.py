@@ -3,7 +3,8 @@
 A program owns BLOCK_M consecutive members j of one (batch, head, segment) of a branch, i.e. the query
 rows at positions `first + r*j` (first = seg*s + o(h)): strided row pointers straight into q/k/v, no
 gathered copies. It runs flash attention over the members of its segment and merges its result into
-`out`/`lse`, which hold the merge of the earlier branches (0 and -inf where nothing has landed yet).
+`out`/`lse`, which hold the merge of the earlier branches (0 and -inf where nothing has landed yet; the
+first branch writes its result as is, and when it covers every position they start uninitialised).
 Within one launch every (batch, head, position) belongs to exactly one program, so the merge has no race.
 """
 
