@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 HEAD_GROUPS = ("all", "split")
-BACKEND_NAMES = ("cuda", "triton", "cpu", "reference")  # dilated_attn.backends.REGISTRY, in its order
+BACKEND_NAMES = ("cuda", "triton", "cudnn", "cpu", "reference")  # dilated_attn.backends.REGISTRY, in its order
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # what the `backend` argument accepts
 
 

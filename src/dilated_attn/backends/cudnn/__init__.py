@@ -1,0 +1,82 @@
+"""The `cudnn` backend: each branch's segments run through cuDNN's fused attention (PyTorch's
+`aten::_scaled_dot_product_cudnn_attention` and its backward) reading q, k, v in place through strided views, with
+no gather and no scatter; a Triton kernel merges each call's result into the running (out, lse). It is the fast
+path on Hopper for large inputs (dispatch.auto_preference; the measurements are in benchmarks/README.md, "The cudnn
+backend").
+
+    ops.py    the call plan of a branch (`branch_calls`), the views, the merge and gradient-addition kernels and
+              the `torch.library.custom_op` registrations (`dilated_attn::cudnn_forward`, `cudnn_backward`)
+
+Like the triton backend, it imports its ops (and triton) on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...spec import Problem
+from ...trace import trace_constant
+from .. import triton as triton_backend
+from ..base import Backend
+
+__all__ = ["CUDNN", "MIN_CUDNN_VERSION"]
+
+MIN_CUDNN_VERSION = 90000  # cuDNN 9: fused attention forward and backward with the LSE, arbitrary strides
+
+_load_error: Optional[str] = None
+_loaded = False
+
+
+@trace_constant
+def load_error() -> Optional[str]:
+    """Import the ops (registering them) on the first call; None, or why they cannot be loaded."""
+    global _load_error, _loaded
+    if not _loaded:
+        _loaded = True
+        why = triton_backend.load_error()
+        if why is not None:
+            _load_error = f"its merge kernel needs triton ({why})"
+        elif not torch.backends.cudnn.is_available():
+            _load_error = "this torch has no cuDNN"
+        elif torch.backends.cudnn.version() < MIN_CUDNN_VERSION:
+            _load_error = f"cuDNN {torch.backends.cudnn.version()} < {MIN_CUDNN_VERSION} (cuDNN 9)"
+        else:
+            try:
+                from . import ops  # noqa: F401 - registers the ops
+            except Exception as exc:  # noqa: BLE001
+                _load_error = f"{type(exc).__name__}: {exc}"
+    return _load_error
+
+
+class CudnnBackend(Backend):
+    name = "cudnn"
+    device_types = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16)
+    max_head_dim = 128
+    min_capability = (8, 0)
+    capability_rule = "cuDNN's fused attention needs Ampere or newer"
+
+    def unavailable(self) -> Optional[str]:
+        why = load_error()
+        return None if why is None else f"cuDNN attention is not available ({why})"
+
+    def why_not(self, p: Problem) -> Optional[str]:
+        why = super().why_not(p)
+        if why is not None:
+            return why
+        if p.head_dim % 8:
+            return f"head_dim {p.head_dim} is not a multiple of 8 (cuDNN's 16-byte rows)"
+        if p.num_kv_heads != p.num_heads:
+            return f"grouped-query attention (Hkv={p.num_kv_heads} < Hq={p.num_heads}) is not mapped onto cuDNN"
+        return None
+
+    def ops(self):
+        why = self.unavailable()
+        if why is not None:
+            raise RuntimeError(f"dilated_attn: the cudnn backend cannot run: {why}")
+        return torch.ops.dilated_attn.cudnn_forward, torch.ops.dilated_attn.cudnn_backward
+
+
+CUDNN = CudnnBackend()

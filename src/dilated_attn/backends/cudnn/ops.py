@@ -1,0 +1,342 @@
+"""The cudnn backend's ops: cuDNN's fused attention on strided views of each branch's members, and the Triton
+kernel that merges each call's (out, lse) into the running result.
+
+A branch's members are evenly spaced rows: for offset `o`, segment `j` holds rows `j*s + o + r*i`. For a run of
+heads sharing one offset they form a 4-D strided view `[segments, heads, members, D]` of `[B, N, H, D]` (row stride
+`r*H*D`, segment stride `s*H*D`), which cuDNN reads in place, with no gather. With `head_groups="all"` the offset
+grows by one per `c = ceil(H/r)` heads, so the `i`-th head of every offset group also forms one view (head stride
+`(H + c)*D`): a branch takes `min(groups, c)` calls, not one per group. The backward passes cuDNN the merged
+`out` and `lse` of the whole problem: its `P = exp(S - lse)` and `delta = rowsum(dO * out)` are then this
+branch's share of the exact gradient (docs/SPEC.md, "Gradients"), which is added into the gradients in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...spec import Branch, branch_table, lse_dtype
+from ..autograd import register_attention_autograd
+from ..triton.ops import covers_everything, triton_backward
+
+__all__ = ["Call", "branch_calls", "cudnn_forward", "cudnn_backward"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call over `n_seg` segments (`seg_rows` rows apart) starting at row `first_row`: head `i` of
+    the call is head `head0 + i*head_step` at row shift `i*row_step`, and its members are `members` rows `dilation`
+    apart."""
+
+    first_row: int
+    n_seg: int
+    seg_rows: int
+    members: int
+    dilation: int
+    head0: int
+    n_heads: int
+    head_step: int = 1
+    row_step: int = 0
+
+
+def _offset_groups(br: Branch) -> list[tuple[int, int, int]]:
+    """(offset, first head, heads) for each run of heads that share an offset."""
+    groups, h = [], br.head_lo
+    while h < br.head_hi:
+        offset = br.offset(h)
+        end = min(br.head_hi, br.head_lo + (offset - br.offset_base + 1) * br.offset_div)
+        groups.append((offset, h, end - h))
+        h = end
+    return groups
+
+
+def branch_calls(br: Branch, seq_len: int) -> list[Call]:
+    """The calls that cover branch `br`: the full segments, then the shorter last one (if any), each by offset
+    group, or by head within the groups when that takes fewer calls (equal groups, consecutive offsets, and every
+    offset with the same number of members)."""
+    s, r = br.seg_len, br.dilation
+    n_full, tail = divmod(seq_len, s)
+    groups = _offset_groups(br)
+    size = groups[0][2]
+    calls = []
+    for first_row, n_seg, length in ((0, n_full, s), (n_full * s, 1, tail)):
+        if n_seg == 0 or length == 0:
+            continue
+        stackable = (len(groups) > size and length % r == 0
+                     and all(g == (groups[0][0] + i, br.head_lo + i * size, size) for i, g in enumerate(groups)))
+        if stackable:
+            calls += [Call(first_row + groups[0][0], n_seg, s, length // r, r, br.head_lo + i, len(groups),
+                           head_step=size, row_step=1) for i in range(size)]
+            continue
+        for offset, head0, n_heads in groups:
+            if offset < length:
+                calls.append(Call(first_row + offset, n_seg, s, -(-(length - offset) // r), r, head0, n_heads))
+    return calls
+
+
+def _batch_merges(call: Call, shape, stride) -> bool:
+    """Batches of a `[B, N, H, ...]` layout continue its segment dimension (one view spans them)."""
+    return shape[0] == 1 or stride[0] == call.n_seg * call.seg_rows * stride[1]
+
+
+# The most elements (segments x heads x members x D) one cuDNN call takes: bounds what a call allocates beyond
+# the result (its output in the forward; its gradients and cuDNN's float32 dQ accumulator in the backward) to a
+# few times 2^24 elements, while a call still has >= 1024 programs at the sizes that matter.
+MAX_CALL_ELEMENTS = 1 << 24
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(call: Call, layouts: tuple, limit: Optional[int]) -> tuple:
+    """as_strided arguments (sizes, strides, offset) of the call's views `[segments, heads, members, *rest]` of
+    tensors with `layouts` (shape, strides, storage offset) `[B, N, H, *rest]`: per piece, one per tensor. A piece
+    spans all batches where every layout lets it (_batch_merges), else one batch; with a `limit`, pieces hold at
+    most that many elements (whole segments, at least one)."""
+    merged = all(_batch_merges(call, shape, stride) for shape, stride, _ in layouts)
+    n_batch = layouts[0][0][0]
+    segments = call.n_seg * (n_batch if merged else 1)
+    size = segments
+    if limit is not None:
+        size = max(1, limit // (call.n_heads * call.members * layouts[0][0][-1]))
+    pieces = []
+    for b in [0] if merged else range(n_batch):
+        for first in range(0, segments, size):
+            piece = []
+            for shape, (sb, sn, sh, *rest), offset in layouts:
+                strides = (call.seg_rows * sn, call.row_step * sn + call.head_step * sh, call.dilation * sn, *rest)
+                start = offset + b * sb + call.first_row * sn + call.head0 * sh + first * strides[0]
+                piece.append(((min(size, segments - first), call.n_heads, call.members, *shape[3:]), strides, start))
+            pieces.append(tuple(piece))
+    return tuple(pieces)
+
+
+def _call_views(call: Call, *tensors: torch.Tensor, pieces: bool = True) -> list[tuple[torch.Tensor, ...]]:
+    """The call's views of each of `tensors`, as one tuple per piece (see _geometry; with `pieces`, of at most
+    MAX_CALL_ELEMENTS elements). The geometry is cached: this runs once per call on every step."""
+    layouts = tuple((tuple(x.shape), x.stride(), x.storage_offset()) for x in tensors)
+    return [tuple(x.as_strided(*g) for x, g in zip(tensors, piece))
+            for piece in _geometry(call, layouts, MAX_CALL_ELEMENTS if pieces else None)]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, heads: int, split_heads: bool):
+    """(the calls of each branch, whether the first branch reaches every row and head once)."""
+    table = branch_table(list(segment_lengths), list(dilation_rates), seq_len, heads,
+                         "split" if split_heads else "all")
+    plans = tuple(tuple(branch_calls(br, seq_len)) for br in table) if seq_len else ()
+    return plans, bool(table) and covers_everything(table[0], heads)
+
+
+def _attend(q, k, v, causal: bool, scale: float):
+    """cuDNN attention of `[b, h, s, d]` views: out `[b, h, s, d]` and the natural-log LSE `[b, h, s]` (float32)."""
+    if q.shape[2] == 1:  # cuDNN rejects s_q = s_kv = 1: the one key's weight is 1
+        return v.clone(), _single_key_scores(q, k, scale)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention.default(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    return out, lse.view(q.shape[:3])
+
+
+def _attend_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """cuDNN's attention backward given `out` and `lse` `[b, h, s]`: (dq, dk, dv) `[b, h, s, d]`."""
+    if q.shape[2] == 1:  # as in _attend, the same formulas with one key
+        do = grad_out.float()
+        p = torch.exp(_single_key_scores(q, k, scale) - lse)[..., None]
+        ds = p * ((do * v.float()).sum(-1, keepdim=True) - (do * out.float()).sum(-1, keepdim=True))
+        return tuple(x.to(q.dtype) for x in (ds * k.float() * scale, ds * q.float() * scale, p * do))
+    none = _no_philox(q.device)  # philox seed and offset: no dropout
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(
+        grad_out, q, k, v, out, lse.unsqueeze(-1), none, none, None, None, None, q.shape[2], k.shape[2], 0.0,
+        causal, scale=scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_philox(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
+
+
+def _single_key_scores(q, k, scale: float) -> torch.Tensor:
+    return (q.float() * k.float()).sum(-1) * scale
+
+
+@triton.jit
+def _merge_kernel(out, lse, part_out, part_lse,
+                  so_b, so_h, so_s, sl_b, sl_h, sl_s, sp_b, sp_h, sp_s, sq_b, sq_h, sq_s,
+                  n_heads, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """(out, lse) <- merge([out, part_out], [lse, part_lse]) over `[b, h, s(, d)]` views: the two-term form of
+    dilated_attn.merge (weights normalised by their sum; rows without keys give (0, -inf))."""
+    bh = tl.program_id(0)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_D)
+    in_rows = rows < n_rows
+    mask = in_rows[:, None] & (cols[None, :] < HEAD_DIM)
+    lse_acc = tl.load(lse + b * sl_b + h * sl_h + rows * sl_s, mask=in_rows, other=-float("inf"))
+    lse_new = tl.load(part_lse + b * sq_b + h * sq_h + rows * sq_s, mask=in_rows, other=-float("inf"))
+    top = tl.maximum(lse_acc, lse_new)
+    covered = top != -float("inf")
+    top = tl.where(covered, top, 0.0)
+    w_acc = tl.exp(lse_acc - top)
+    w_new = tl.exp(lse_new - top)
+    total = tl.where(covered, w_acc + w_new, 1.0)
+    out_rows = out + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :]
+    acc = tl.load(out_rows, mask=mask, other=0.0).to(lse.dtype.element_ty)  # float32 (float64 for float64)
+    new = tl.load(part_out + b * sp_b + h * sp_h + rows[:, None] * sp_s + cols[None, :], mask=mask,
+                  other=0.0).to(lse.dtype.element_ty)
+    merged = (acc * (w_acc / total)[:, None] + new * (w_new / total)[:, None])
+    tl.store(out_rows, merged.to(out.dtype.element_ty), mask=mask)
+    tl.store(lse + b * sl_b + h * sl_h + rows * sl_s, tl.where(covered, tl.log(total) + top, -float("inf")),
+             mask=in_rows)
+
+
+def _merge(out, lse, part_out, part_lse) -> None:
+    b, h, s, d = out.shape
+    block = 64
+    _merge_kernel[(b * h, triton.cdiv(s, block))](
+        out, lse, part_out, part_lse, *out.stride()[:3], *lse.stride(), *part_out.stride()[:3], *part_lse.stride(),
+        h, s, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK=block)
+
+
+@triton.jit
+def _add_or_store(dst_ptr, src_ptr, dst, src, mask, STORE: tl.constexpr):
+    value = tl.load(src_ptr + src, mask=mask)
+    if not STORE:
+        value += tl.load(dst_ptr + dst, mask=mask)  # one rounding, in the gradients' dtype
+    tl.store(dst_ptr + dst, value, mask=mask)
+
+
+@triton.jit
+def _accumulate_kernel(dst_q, dst_k, dst_v, src_q, src_k, src_v, sd_b, sd_h, sd_s, sq_b, sq_h, sq_s,
+                       sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, n_heads, n_rows,
+                       STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """dst += src (dst = src with STORE) for the three gradients of one call, over `[b, h, s, d]` views: one
+    pass instead of three strided elementwise kernels."""
+    bh = tl.program_id(0)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    rows = (tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK))[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < n_rows) & (cols < HEAD_DIM)
+    dst = b * sd_b + h * sd_h + rows * sd_s + cols
+    _add_or_store(dst_q, src_q, dst, b * sq_b + h * sq_h + rows * sq_s + cols, mask, STORE)
+    _add_or_store(dst_k, src_k, dst, b * sk_b + h * sk_h + rows * sk_s + cols, mask, STORE)
+    _add_or_store(dst_v, src_v, dst, b * sv_b + h * sv_h + rows * sv_s + cols, mask, STORE)
+
+
+def _accumulate(dst: tuple, src: tuple, store: bool) -> None:
+    """Add (or with `store`, copy) the call's gradients `src` (each with its own unit-stride rows) into the
+    gradient views `dst` (one set of strides)."""
+    b, h, s, d = dst[0].shape
+    assert len({x.stride() for x in dst}) == 1 and all(x.stride(-1) == 1 for x in src)
+    block = 64
+    _accumulate_kernel[(b * h, triton.cdiv(s, block))](
+        *dst, *src, *dst[0].stride()[:3], *(st for x in src for st in x.stride()[:3]), h, s,
+        STORE=store, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK=block)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _single_full_call(calls: tuple, *tensors: torch.Tensor) -> bool:
+    """The branch is one call over every row and head, in one view of each of `tensors` `[B, N, H, ...]`: its
+    result, in row-major layout, is the whole `[B, N, H, ...]` one."""
+    x, call = tensors[0], calls[0]
+    return (len(calls) == 1 and call.n_seg * call.seg_rows == x.shape[1] and call.dilation == 1
+            and call.n_heads == x.shape[2] and all(_batch_merges(call, t.shape, t.stride()) for t in tensors))
+
+
+def _as_rows(result: torch.Tensor, shape) -> torch.Tensor:
+    """A call's `[B*segments, H, members, D]` result over all rows as `[B, N, H, D]` (a view where its layout
+    allows)."""
+    return result.transpose(1, 2).reshape(shape).contiguous()
+
+
+@torch.library.custom_op("dilated_attn::cudnn_forward", mutates_args=())
+def cudnn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    split_heads: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    B, N, H, D = q.shape
+    plans, _ = _plan(tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
+    if plans and _single_full_call(plans[0], q, k, v):  # the first branch's result is the starting (out, lse)
+        (first,), plans = plans[0], plans[1:]
+        part_out, part_lse = _attend(*_call_views(first, q, k, v, pieces=False)[0], causal, scale)
+        out = _as_rows(part_out, q.shape)
+        lse_rows = part_lse.view(B, N // first.seg_rows, H, first.seg_rows).transpose(2, 3).reshape(B, N, H)
+        lse_rows = lse_rows.to(lse_dtype(q.dtype))
+    else:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse_rows = torch.full((B, N, H), -math.inf, dtype=lse_dtype(q.dtype), device=q.device)
+    for calls in plans:
+        for call in calls:
+            for qc, kc, vc, oc, lc in _call_views(call, q, k, v, out, lse_rows):
+                _merge(oc, lc, *_attend(qc, kc, vc, causal, scale))  # one call's output alive at a time
+    return out, lse_rows.transpose(1, 2).contiguous()
+
+
+@cudnn_forward.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale):
+    B, N, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, N), dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("dilated_attn::cudnn_backward", mutates_args=())
+def cudnn_backward(
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    split_heads: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if grad_lse is not None:  # cuDNN's backward has no LSE gradient input: the Triton kernels take it
+        return triton_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads,
+                               causal, scale)
+    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    grad_out, out = grad_out.to(q.dtype).contiguous(), out.contiguous()
+    B, N, H, D = q.shape
+    lse_rows = lse.to(lse_dtype(q.dtype)).transpose(1, 2).contiguous()
+    # A first branch with dilation 1 over all heads reaches every gradient row once: its calls store, not add
+    plans, store = _plan(tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
+    tensors = (grad_out, q, k, v, out, lse_rows)
+    if plans and _single_full_call(plans[0], *tensors) and len(_call_views(plans[0][0], q)) == 1:
+        # one cuDNN call of at most MAX_CALL_ELEMENTS: its gradients, in row-major layout, are the starting ones
+        grads = _attend_backward(*_call_views(plans[0][0], *tensors)[0], causal, scale)
+        dq, dk, dv = (_as_rows(g, q.shape) for g in grads)
+        plans, store = plans[1:], False
+    else:
+        new = torch.empty if store else torch.zeros
+        dq, dk, dv = (new(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
+    for i, calls in enumerate(plans):
+        for call in calls:
+            for go, qc, kc, vc, oc, lc, dqc, dkc, dvc in _call_views(call, *tensors, dq, dk, dv):
+                _accumulate((dqc, dkc, dvc), _attend_backward(go, qc, kc, vc, oc, lc, causal, scale),
+                            store and i == 0)
+    return dq, dk, dv
+
+
+@cudnn_backward.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+register_attention_autograd("dilated_attn::cudnn_forward", "cudnn_backward")

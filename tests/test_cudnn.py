@@ -1,0 +1,277 @@
+"""The cudnn backend: its call plan and views on CPU (cuDNN's attention replaced by a float64 math version with the
+same contract, the merge kernel under Triton's interpreter), and on the GPU against the float64 reference."""
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+
+import dilated_attn
+from dilated_attn.reference import dilated_attention_reference
+from dilated_attn.spec import branch_table, lse_dtype
+
+from cases import make_qkv, random_case
+from parity import poison_allocator
+
+ops = pytest.importorskip("dilated_attn.backends.cudnn.ops", reason="the cudnn ops need triton")
+from dilated_attn.backends.triton.ops import triton_backward  # noqa: E402
+
+# Random configurations without GQA (which the backend does not take): odd lengths, w > N, r > w, both head
+# groupings, heads not divisible by r, causal, three memory layouts, batch 2.
+CASES = [dataclasses.replace(c, num_kv_heads=c.num_heads)
+         for c in (random_case(random.Random(8100 + i), max_seq=80) for i in range(40))]
+LONGNET = dataclasses.replace(CASES[0], batch=2, seq_len=64, num_heads=8, num_kv_heads=8, head_dim=8,
+                              segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), head_groups="all",
+                              layout="contiguous")
+
+
+def _scores(q, k, causal, scale):
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
+    return s
+
+
+def math_attend(q, k, v, causal, scale):
+    """cuDNN's contract in float64: out [b, h, s, d] in q's dtype, the LSE [b, h, s]."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]) @ v.double()).to(q.dtype), lse.to(lse_dtype(q.dtype))
+
+
+def math_attend_backward(grad_out, q, k, v, out, lse, causal, scale):
+    """cuDNN's backward contract: P from the given LSE, delta from the given out."""
+    p = torch.exp(_scores(q, k, causal, scale) - lse.double()[..., None])
+    do = grad_out.double()
+    ds = p * (do @ v.double().transpose(-1, -2) - (do * out.double()).sum(-1, keepdim=True))
+    return tuple(x.to(q.dtype) for x in (ds @ k.double() * scale, ds.transpose(-1, -2) @ q.double() * scale,
+                                         p.transpose(-1, -2) @ do))
+
+
+@pytest.fixture
+def math_primitives(monkeypatch):
+    monkeypatch.setattr(ops, "_attend", math_attend)
+    monkeypatch.setattr(ops, "_attend_backward", math_attend_backward)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_calls_cover_every_member_once(index):
+    case = CASES[index]
+    for br in branch_table(case.segment_lengths, case.dilation_rates, case.seq_len, case.num_heads,
+                           case.head_groups):
+        want = {(p, h) for h in range(br.head_lo, br.head_hi) for p in range(case.seq_len)
+                if (p % br.seg_len) % br.dilation == br.offset(h)}
+        got = []
+        for c in ops.branch_calls(br, case.seq_len):
+            rows = [(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation, c.head0 + i * c.head_step)
+                    for j in range(c.n_seg) for i in range(c.n_heads) for m in range(c.members)]
+            # one call's members share one segment: they attend to each other only
+            for j in range(c.n_seg):
+                segs = {(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation) // br.seg_len
+                        for i in range(c.n_heads) for m in range(c.members)}
+                assert len(segs) == 1
+            got += rows
+        assert len(got) == len(set(got)) and set(got) == want
+
+
+def test_longnet_branches_take_few_calls():
+    # H=16, r=8: two calls (one per head within the offset groups of 2), not eight
+    table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 65536, 16, "all")
+    assert [len(ops.branch_calls(br, 65536)) for br in table] == [1, 2, 4, 2]
+
+
+def _reference_grads(q, k, v, case, grad_out):
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out, lse = dilated_attention_reference(*inputs, case.segment_lengths, case.dilation_rates, **case.kwargs())
+    return out, lse, torch.autograd.grad((out * grad_out.double()).sum(), inputs)
+
+
+@pytest.mark.parametrize("pieces", ["whole", "split"])
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_plan_views_and_merge_equal_the_reference(index, pieces, math_primitives, monkeypatch):
+    if pieces == "split":  # calls cut into pieces of a few segments
+        if index % 4:
+            pytest.skip("a quarter of the cases is enough")
+        monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", 64)
+    case = CASES[index]
+    q, k, v = make_qkv(case, dtype=torch.float64, seed=index)
+    args = (list(case.segment_lengths), list(case.dilation_rates), case.head_groups == "split", case.causal,
+            case.head_dim ** -0.5)
+    torch.manual_seed(index)
+    out, lse = ops.cudnn_forward(q, k, v, *args)
+    grad_out = torch.randn(out.shape, dtype=torch.float64)
+    ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, case, grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    assert out.is_contiguous() and lse.is_contiguous()
+    grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_first_branch_result_is_used_in_place(math_primitives, monkeypatch):
+    """LongNet branches: the first (dilation 1) call's out, and in the backward its gradients, become the result
+    without a merge or a copy; the later branches' calls each merge (add their gradients) once."""
+    merges, adds = [], []
+    merge, accumulate = ops._merge, ops._accumulate
+    monkeypatch.setattr(ops, "_merge", lambda *a: (merges.append(a[0].shape), merge(*a)))
+    monkeypatch.setattr(ops, "_accumulate", lambda *a: (adds.append(a[2]), accumulate(*a)))
+    q, k, v = make_qkv(LONGNET, dtype=torch.float64, seed=1)
+    args = ([16, 32, 64], [1, 2, 4], False, False, 8 ** -0.5)
+    out, lse = ops.cudnn_forward(q, k, v, *args)
+    assert len(merges) == 2 + 2  # r=2: one call per offset group of 4 heads; r=4: one per head of the groups of 2
+    grad_out = torch.randn(out.shape, dtype=torch.float64)
+    grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args)
+    assert adds == [False] * 4
+    ref_out, _, ref_grads = _reference_grads(q, k, v, LONGNET, grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_lse_gradient_goes_to_the_triton_backward(math_primitives):
+    case = LONGNET
+    q, k, v = make_qkv(case, dtype=torch.float32, seed=2)
+    args = ([16, 32, 64], [1, 2, 4], False, True, 8 ** -0.5)
+    out, lse = ops.cudnn_forward(q, k, v, *args)
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    got = ops.cudnn_backward(grad_out, grad_lse, q, k, v, out, lse, *args)
+    want = triton_backward(grad_out, grad_lse, q, k, v, out, lse, *args)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_single_member_calls_use_the_one_key_formulas():
+    """cuDNN rejects one query and one key (a tail segment with one member): _attend and _attend_backward answer
+    those with the formulas, which must equal attention's contract."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, grad_out = (torch.randn(3, 2, 1, 16, generator=g) for _ in range(4))
+    merged_out, merged_lse = torch.randn(3, 2, 1, 16, generator=g), torch.randn(3, 2, 1, generator=g)
+    for got, want in zip(ops._attend(q, k, v, True, 0.25), math_attend(q, k, v, True, 0.25)):
+        torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
+    got = ops._attend_backward(grad_out, q, k, v, merged_out, merged_lse, True, 0.25)
+    want = math_attend_backward(grad_out, q, k, v, merged_out, merged_lse, True, 0.25)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# --- GPU: the real cuDNN ---------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    dict(B=1, N=4096, H=16, D=128, segs=[512, 1024, 2048, 4096], dils=[1, 2, 4, 8], groups="all"),
+    dict(B=2, N=1000, H=6, D=64, segs=[128, 300, 1000], dils=[1, 3, 4], groups="all"),  # odd lengths
+    dict(B=2, N=777, H=6, D=64, segs=[100, 300, 2000], dils=[2, 3, 5], groups="split"),
+    dict(B=1, N=2048, H=4, D=32, segs=[2048], dils=[1], groups="all"),
+    dict(B=3, N=513, H=5, D=96, segs=[64, 512], dils=[1, 7], groups="all"),
+]
+# Tolerances against float64: the reference run in the same dtype sets the scale (cuDNN rounds P and dS to the
+# input dtype, as the Triton kernels do), with the floors of tests/parity.py.
+FACTOR = 2.0
+FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+GRAD_FLOOR = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("index", range(len(GPU_CASES)))
+def test_gpu_parity(index, causal, dtype):
+    c = GPU_CASES[index]
+    if dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    g = torch.Generator().manual_seed(index)
+    q, k, v = (torch.randn(c["B"], c["N"], c["H"], c["D"], generator=g).to("cuda", dtype) for _ in range(3))
+    if index % 2:  # heads-first storage: the views of a non-contiguous layout
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    kw = dict(causal=causal, head_groups=c["groups"])
+    poison_allocator()  # an element left unwritten shows up as NaN
+    inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = dilated_attn.dilated_attention(*inputs, c["segs"], c["dils"], return_lse=True, backend="cudnn", **kw)
+    grad_out = torch.randn(out.shape, generator=g).to("cuda", dtype)
+    grads = torch.autograd.grad(out, inputs, grad_out)  # no LSE gradient: cuDNN's backward runs
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dilated_attention_reference(*ref, c["segs"], c["dils"], **kw)
+    ref_grads = torch.autograd.grad(ref_out, ref, grad_out.double())
+    low = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    low_out, low_lse = dilated_attention_reference(*low, c["segs"], c["dils"], compute_dtype=dtype, **kw)
+    low_grads = torch.autograd.grad(low_out, low, grad_out)
+    assert torch.isfinite(out).all()
+    assert _err(out, ref_out) <= FACTOR * _err(low_out, ref_out) + FLOOR[dtype]
+    finite = torch.isfinite(ref_lse)  # head_groups="split" leaves some (head, position) pairs without keys
+    assert torch.equal(torch.isfinite(lse), finite) and (out.transpose(1, 2)[~finite] == 0).all()
+    assert _err(lse[finite], ref_lse[finite]) <= FACTOR * _err(low_lse[finite], ref_lse[finite]) + FLOOR[dtype]
+    for name, a, b, lo in zip("qkv", grads, ref_grads, low_grads):
+        size = max(b.abs().max().item(), 1.0)
+        assert _err(a, b) <= FACTOR * _err(lo, b) + GRAD_FLOOR[dtype] * size, f"grad {name}"
+
+
+@pytest.mark.parametrize("capability, seq_len, chosen", [((9, 0), 65536, "cudnn"), ((9, 0), 32768, "triton"),
+                                                         ((8, 0), 65536, "triton")])
+def test_auto_prefers_cudnn_on_hopper_for_large_problems(monkeypatch, capability, seq_len, chosen):
+    """auto's rule, without a GPU: cudnn first from compute capability 9.0 and 2^26 elements of q (B*N*H*D)."""
+    from dilated_attn import dispatch
+    from dilated_attn.spec import validate
+
+    monkeypatch.setattr(dispatch.cudnn_backend.CUDNN, "why_not", lambda p: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    q = torch.empty(1, seq_len, 16, 64, dtype=torch.bfloat16, device="meta")
+    p = dataclasses.replace(validate(q, q, q, [2048, 4096], [1, 2]), device=torch.device("cuda", 0))
+    assert dispatch.auto_preference(p)[0] == chosen
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_cudnn_on_hopper():
+    q = torch.randn(1, 65536, 16, 64, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    expected = "cudnn" if hopper and dilated_attn.backends.CUDNN.unavailable() is None else "triton"
+    assert dilated_attn.explain(q, q, q, [1024, 2048], [1, 2]).backend == expected
+    small = q[:, :4096]  # host-bound in cudnn: triton
+    assert dilated_attn.explain(small, small, small, [1024, 2048], [1, 2]).backend == "triton"
+    kv = q[:, :, :4]  # GQA: triton, without a warning
+    assert dilated_attn.explain(q, kv, kv, [1024], [1]).backend == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "auto"])
+def test_gpu_torch_compile_fullgraph(backend):
+    """Compiled without graph breaks, by name and through auto's rule (which picks cudnn on Hopper): the same
+    output and gradients as eager."""
+    if dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    n = 65536 if backend == "auto" else 1024  # auto prefers cudnn from 2^26 elements
+    q, k, v = (torch.randn(1, n, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    if backend == "auto" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("auto prefers cudnn from compute capability 9.0")
+    assert dilated_attn.explain(q, k, v, [256, 512], [1, 2], backend=backend).backend == "cudnn"
+
+    def f(q, k, v):
+        return dilated_attn.dilated_attention(q, k, v, [256, 512], [1, 2], backend=backend)
+
+    compiled = torch.compile(f, fullgraph=True)
+    out, out_eager = compiled(q, k, v), f(q, k, v)
+    torch.testing.assert_close(out, out_eager)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    for a, b in zip(grads, torch.autograd.grad(out_eager, (q, k, v), grad_out)):
+        torch.testing.assert_close(a, b)
+
+
+def test_autograd_without_lse_gradient_runs_cudnn_backward(math_primitives, monkeypatch):
+    """Autograd passes no LSE gradient when only `out` is used, so cuDNN's backward runs, not the Triton one."""
+    calls = []
+    monkeypatch.setattr(ops, "_attend_backward", lambda *a: (calls.append(1), math_attend_backward(*a))[1])
+    q, k, v = (x.requires_grad_() for x in make_qkv(LONGNET, dtype=torch.float64, seed=3))
+    out, lse = ops.cudnn_forward(q, k, v, [16, 32, 64], [1, 2, 4], False, False, 8 ** -0.5)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert len(calls) == 1 + 2 + 2
+    ref = [x.detach().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(dilated_attention_reference(*ref, [16, 32, 64], [1, 2, 4])[0].sum(), ref)
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
