@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from . import backends
+from .backends import cudnn as cudnn_backend
 from .backends import reference as reference_backend
 from .backends import triton as triton_backend
 from .spec import BACKEND_NAMES, Problem, dtype_name, validate
@@ -48,6 +49,19 @@ REFERENCE_ON_GPU_WARNING = (
 def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
     # torch's TF32 setting and the device's properties: constants for a traced graph
     return triton_backend.load_error() is None and triton_backend.float32_precision(device, head_dim) == "ieee"
+
+
+# auto prefers the cudnn backend from this compute capability on (Hopper) and from this many elements of q on:
+# it issues one cuDNN call per branch and offset group, each with ~50-70 us of host time, so small problems are
+# bound by the host. Measured on an H100: faster than triton at 2^26 elements (N=65536, H=16, D=64) and above,
+# slower at 2^25 (N=16384, H=16, D=128).
+CUDNN_PREFERRED_FROM = (9, 0)
+CUDNN_MIN_ELEMENTS = 1 << 26
+
+
+@trace_constant
+def _cudnn_preferred_on(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= CUDNN_PREFERRED_FROM
 
 
 @trace_constant
@@ -83,10 +97,19 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     while its memory fits (reference_preferred). The evidence is in benchmarks/README.md, "The auto rule".
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
+
+    The cudnn backend comes first on GPUs of compute capability CUDNN_PREFERRED_FROM and newer, for q of at least
+    CUDNN_MIN_ELEMENTS elements, where it can run (16-bit, no GQA, head_dim a multiple of 8 up to 128): there it
+    measured faster than triton (benchmarks/README.md, "The cudnn backend"). It is listed only there, so other
+    inputs go to triton without a warning.
     """
     if _float32_with_ieee_products(p):
         return ("reference", "cuda", "triton") if reference_preferred(p) else ("cuda", "triton", "reference")
-    return AUTO_ORDER.get(p.device.type, ("reference",))
+    order = AUTO_ORDER.get(p.device.type, ("reference",))
+    if (p.device.type == "cuda" and p.batch * p.seq_len * p.num_heads * p.head_dim >= CUDNN_MIN_ELEMENTS
+            and _cudnn_preferred_on(p.device) and cudnn_backend.CUDNN.why_not(p) is None):
+        order = ("cudnn", *order)
+    return order
 
 
 @trace_constant
