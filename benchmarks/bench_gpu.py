@@ -8,7 +8,7 @@ causal; N = 16384 with the same branches; N = 262144 with the long branches (204
 (131072,64) (dilated_attn.benchmark.LONGNET, LONGNET_LONG).
 
 Providers (each measured in the same process, on the same inputs):
-  triton, cuda                dilated_attn's backends (where they can run)
+  triton, cudnn, cuda         dilated_attn's backends (where they can run)
   sdpa_recipe                 gather + flash SDPA + LSE merge (torchscale's recipe, benchmarks/baselines.py)
   sdpa_recipe_cudnn           the same with cuDNN attention
   sdpa_recipe_compiled        the flash recipe under torch.compile
@@ -18,9 +18,9 @@ The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they 
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
 (dilated_attn.benchmark.median_ms: CUDA events, L2 flushed before each run); TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; "extra memory"
-is the peak allocated above the inputs during one call. Before timing, the tuned Triton kernels are
-checked against dilated_attn.reference at N = 16384. The JSON (benchmarks/results/gpu_<device>_<dtype>.json,
-or --out) is rewritten after every row.
+is the peak allocated above the inputs during one call. Before timing, the tuned Triton kernels and the
+cudnn backend are checked against dilated_attn.reference at N = 16384. The JSON
+(benchmarks/results/gpu_<device>_<dtype>.json, or --out) is rewritten after every row.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def providers(N, segs, dils, causal):
 
     table = {
         "triton": ours("triton"),
+        "cudnn": ours("cudnn"),
         "cuda": ours("cuda"),
         "sdpa_recipe": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal),
         "sdpa_recipe_cudnn": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal, kernel="cudnn"),
@@ -76,17 +77,22 @@ def providers(N, segs, dils, causal):
 
 
 def check_tuned_kernels(dtype, head_dim, heads):
-    """The autotuned Triton kernels at N = 16384 against the reference (float32 compute): relative errors."""
+    """The autotuned Triton kernels and the cudnn backend at N = 16384 against the reference (float32 compute):
+    relative errors, under "<backend>/<causal or noncausal>"."""
     q, k, v, go = random_inputs(1, 16384, heads, head_dim, dtype=dtype, device="cuda", seed=1)
+    problem = validate(q, k, v, *LONGNET)
     report = {}
     for causal in (False, True):
-        out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=causal, backend="triton")
-        grads = torch.autograd.grad(out, (q, k, v), go)
         ref = dilated_attention_reference(q, k, v, *LONGNET, causal=causal, compute_dtype=torch.float32)[0]
         ref_grads = torch.autograd.grad(ref, (q, k, v), go)
-        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
-        report["causal" if causal else "noncausal"] = dict(
-            out=rel(out, ref), **{f"grad_{n}": rel(a, b) for n, a, b in zip("qkv", grads, ref_grads)})
+        for backend in ("triton", "cudnn"):
+            if backends.get(backend).why_not(problem) is not None:
+                continue
+            out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=causal, backend=backend)
+            grads = torch.autograd.grad(out, (q, k, v), go)
+            rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+            report[f"{backend}/{'causal' if causal else 'noncausal'}"] = dict(
+                out=rel(out, ref), **{f"grad_{n}": rel(a, b) for n, a, b in zip("qkv", grads, ref_grads)})
     return report
 
 

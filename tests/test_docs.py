@@ -8,7 +8,8 @@
   a heading (`file.md#heading`) to an existing heading of that file.
 * Every `benchmarks/README.md, "Title"` (and `docs/x.md, "Title"`) cited in the code names a heading that exists,
   so code comments can point at the evidence.
-* README.md stays a front page (at most 150 lines).
+* README.md stays a front page (at most 150 lines), and its speed table is benchmarks/speed_table.py's output
+  for the committed JSON.
 """
 
 from __future__ import annotations
@@ -71,6 +72,17 @@ def needs_gpu(source: str) -> bool:
 def test_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= 150, f"README.md has {lines} lines: move details to docs/ and keep the front page short"
+
+
+def test_readme_speed_table_is_generated_from_the_committed_json():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("speed_table", ROOT / "benchmarks" / "speed_table.py")
+    speed_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed_table)
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert speed_table.replace_in(text, speed_table.render()) == text, \
+        "README.md's speed table differs: run python benchmarks/speed_table.py --write"
 
 
 def test_the_docs_have_snippets():
