@@ -1,4 +1,5 @@
-"""One forward+backward of the Triton backend under Nsight Compute, after a warm-up that compiles and autotunes.
+"""One forward+backward of a GPU backend (triton by default) under Nsight Compute, after a warm-up that compiles and
+autotunes.
 
     ncu --profile-from-start off -k regex:"_fwd_kernel|_dkdv_kernel|_dq_kernel" -c 6 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
@@ -7,7 +8,9 @@
 
 Only the call between cudaProfilerStart and cudaProfilerStop is profiled: with -c 6 that is the four branches'
 forward kernels and the first branch's dK/dV and dQ kernels (bf16, B=1, H=16, the LongNet branches).
-`bash benchmarks/run_on_gpu.sh ncu` runs exactly this and keeps the report under $OUT.
+`bash benchmarks/run_on_gpu.sh ncu` runs exactly this and keeps the report under $OUT. With `--backend cudnn`
+profile cuDNN's kernels and the merge and gradient-addition kernels instead
+(NCU_KERNELS="sdpa|_merge_kernel|_accumulate_kernel|dot_do_o|convert_dq" NCU_COUNT=60 for the stage).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--backend", default="triton", choices=["triton", "cudnn"])
     args = ap.parse_args()
     q, k, v, go = random_inputs(1, args.seq_len, 16, args.dim, dtype=torch.bfloat16, device="cuda")
 
     def step() -> None:
-        out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=args.causal, backend="triton")
+        out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=args.causal, backend=args.backend)
         torch.autograd.grad(out, (q, k, v), go)
 
     for _ in range(2):  # compile and autotune outside the profiled range

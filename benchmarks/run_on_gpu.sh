@@ -3,7 +3,8 @@
 # JSON go under $OUT (default ./gpu_out).
 # Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tile_order|ncu|all]...
 #   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
-#   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS})
+#   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS};
+#        NCU_KERNELS, NCU_COUNT: the kernel regex and count, e.g. for NCU_ARGS="--backend cudnn")
 #   smem: tools/triton_shared_memory.py ${SMEM_ARGS} (the Triton configs' shared memory against the estimate)
 #   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
 #   main: `python -m dilated_attn` and a GPU run of examples/train_longnet.py (loss curve as JSON)
@@ -50,11 +51,12 @@ for stage in $stages; do
     quick)
       python3 benchmarks/bench_gpu.py --quick ${BENCH_ARGS:-} --out "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" ;;
     ncu)
-      ncu --profile-from-start off -k regex:"_fwd_kernel|_dkdv_kernel|_dq_kernel" -c 6 --section SpeedOfLight \
+      ncu --profile-from-start off -k regex:"${NCU_KERNELS:-_fwd_kernel|_dkdv_kernel|_dq_kernel}" -c ${NCU_COUNT:-6} \
+        --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
         --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
         python3 benchmarks/profile_triton.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
-      grep -E "^  _|hmma_cycles|Registers Per|Theoretical Occ|Duration|Issue Slots Busy" "$OUT/ncu.txt" ;;
+      grep -E "^  .*Context [0-9]|hmma_cycles|Registers Per|Theoretical Occ|Duration|Issue Slots Busy" "$OUT/ncu.txt" ;;
     ring)
       gpus=$(nvidia-smi -L | wc -l)
       python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider tests 2>&1 | tee "$OUT/ring_tests.log" | tail -20
