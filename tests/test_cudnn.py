@@ -131,6 +131,38 @@ def test_first_branch_result_is_used_in_place(math_primitives, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+def test_views_cudnn_cannot_read_are_copied(math_primitives, monkeypatch):
+    """Rows at a 2-byte offset, strides that are not multiples of 16 bytes, a broadcast gradient: cuDNN gets
+    aligned, unit-stride, non-broadcast views, and the results are those of the plain inputs."""
+    seen = []
+    attend, attend_backward = math_attend, math_attend_backward
+
+    def readable(*xs):
+        for x in xs:
+            size = x.element_size()
+            seen.append(x.data_ptr() % 16 == 0 and x.stride(-1) == 1
+                        and all(s * size % 16 == 0 and s > 0 for s in x.stride()[:-1]))
+
+    monkeypatch.setattr(ops, "_attend", lambda q, k, v, *a: (readable(q, k, v), attend(q, k, v, *a))[1])
+    monkeypatch.setattr(ops, "_attend_backward", lambda go, q, k, v, o, l, *a: (
+        readable(go, q, k, v, o), attend_backward(go, q, k, v, o, l, *a))[1])
+    g = torch.Generator().manual_seed(4)
+    shape = (2, 64, 4, 8)
+    plain = [torch.randn(shape, generator=g, dtype=torch.float32) for _ in range(3)]
+    shifted = torch.empty(3 * 2 * 64 * 4 * 8 + 1)[1:].view(3, *shape)  # 4 bytes past a 16-byte boundary
+    shifted.copy_(torch.stack(plain))
+    padded = torch.empty(2, 64, 4, 9)[..., :8]  # row stride 9 elements: not a multiple of 16 bytes
+    padded.copy_(plain[2])
+    args = ([16, 32], [1, 2], False, True, 8 ** -0.5)
+    out, lse = ops.cudnn_forward(shifted[0], shifted[1], padded, *args)
+    want_out, want_lse = ops.cudnn_forward(*plain, *args)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    grad_out = torch.ones(1, 1, 1, 8).expand(shape)  # broadcast: stride 0
+    got = ops.cudnn_backward(grad_out, None, shifted[0], shifted[1], padded, out, lse, *args)
+    want = ops.cudnn_backward(grad_out.contiguous(), None, *plain, out, lse, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and seen and all(seen)
+
+
 def test_lse_gradient_goes_to_the_triton_backward(math_primitives):
     case = LONGNET
     q, k, v = make_qkv(case, dtype=torch.float32, seed=2)
@@ -223,6 +255,26 @@ def test_auto_prefers_cudnn_on_hopper_for_large_problems(monkeypatch, capability
     q = torch.empty(1, seq_len, 16, 64, dtype=torch.bfloat16, device="meta")
     p = dataclasses.replace(validate(q, q, q, [2048, 4096], [1, 2]), device=torch.device("cuda", 0))
     assert dispatch.auto_preference(p)[0] == chosen
+
+
+@pytest.mark.gpu
+def test_gpu_unaligned_inputs():
+    """q at a 2-byte offset and k with padded rows (views cuDNN cannot read): the results of aligned copies."""
+    if dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    g = torch.Generator(device="cuda").manual_seed(3)
+    shape = (1, 1000, 4, 64)
+    q = torch.randn(1000 * 4 * 64 + 1, device="cuda", dtype=torch.bfloat16, generator=g)[1:].view(shape)
+    k = torch.randn(1, 1000, 4, 72, device="cuda", dtype=torch.bfloat16, generator=g)[..., :64]
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]  # clone(): dense, aligned
+    odd = [x.detach().requires_grad_() for x in (q, k, v)]
+    kw = dict(causal=True, backend="cudnn")
+    out, want = (dilated_attn.dilated_attention(*x, [128, 512], [1, 4], **kw) for x in (odd, inputs))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    grad_out = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    for a, b in zip(torch.autograd.grad(out, odd, grad_out), torch.autograd.grad(want, inputs, grad_out)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # cuDNN's dQ accumulation order may differ
 
 
 @pytest.mark.gpu

@@ -239,8 +239,14 @@ def _accumulate(dst: tuple, src: tuple, store: bool) -> None:
         STORE=store, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK=block)
 
 
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _cudnn_layout(x: torch.Tensor) -> torch.Tensor:
+    """`x`, or a contiguous copy where cuDNN could not read its views: cuDNN needs unit-stride rows, 16-byte
+    aligned addresses and strides (head_dim % 8 == 0 makes a fresh copy's so), and no broadcast (stride 0)
+    dimensions."""
+    size = x.element_size()
+    readable = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
+        stride * size % 16 == 0 and (stride > 0 or n == 1) for stride, n in zip(x.stride()[:-1], x.shape[:-1]))
+    return x if readable else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
 
 
 def _single_full_call(calls: tuple, *tensors: torch.Tensor) -> bool:
@@ -268,7 +274,7 @@ def cudnn_forward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
+    q, k, v = _cudnn_layout(q), _cudnn_layout(k), _cudnn_layout(v)
     B, N, H, D = q.shape
     plans, _ = _plan(tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
     if plans and _single_full_call(plans[0], q, k, v):  # the first branch's result is the starting (out, lse)
@@ -311,8 +317,7 @@ def cudnn_backward(
     if grad_lse is not None:  # cuDNN's backward has no LSE gradient input: the Triton kernels take it
         return triton_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads,
                                causal, scale)
-    q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
-    grad_out, out = grad_out.to(q.dtype).contiguous(), out.contiguous()
+    q, k, v, grad_out, out = (_cudnn_layout(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     B, N, H, D = q.shape
     lse_rows = lse.to(lse_dtype(q.dtype)).transpose(1, 2).contiguous()
     # A first branch with dilation 1 over all heads reaches every gradient row once: its calls store, not add
