@@ -258,6 +258,42 @@ def test_auto_prefers_cudnn_on_hopper_for_large_problems(monkeypatch, capability
 
 
 @pytest.mark.gpu
+def test_gpu_repeatable_but_dq(monkeypatch):
+    """The same inputs give the same bits for out, dK and dV, with calls cut into pieces too; dQ may differ in
+    its last bits (cuDNN adds it up with float32 atomics; docs/numerics.md, "Determinism")."""
+    if dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", 1 << 18)
+    c = GPU_CASES[0]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(c["B"], c["N"], c["H"], c["D"], device="cuda", dtype=torch.bfloat16, generator=g,
+                           requires_grad=True) for _ in range(3))
+    runs = []
+    for _ in range(3):
+        out = dilated_attn.dilated_attention(q, k, v, c["segs"], c["dils"], backend="cudnn")
+        runs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+    for out, dq, dk, dv in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(dk, runs[0][2]) and torch.equal(dv, runs[0][3])
+        torch.testing.assert_close(dq, runs[0][1], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_nan_stays_in_the_rows_that_read_it():
+    """A NaN key makes NaN exactly the outputs of the rows whose branches read it, as in the reference."""
+    if dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2048, 4, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    k[0, 700, :, 5] = math.nan
+    segs, dils = [512, 1024], [1, 2]
+    want = dilated_attention_reference(q, k, v, segs, dils)[0].isnan().any(-1)
+    out = dilated_attn.dilated_attention(*(x.to("cuda", torch.bfloat16) for x in (q, k, v)), segs, dils,
+                                         backend="cudnn")
+    got = out.isnan().any(-1).cpu()
+    assert want.any() and not want.all() and torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_unaligned_inputs():
     """q at a 2-byte offset and k with padded rows (views cuDNN cannot read): the results of aligned copies."""
     if dilated_attn.backends.CUDNN.unavailable() is not None:
@@ -275,6 +311,29 @@ def test_gpu_unaligned_inputs():
     grad_out = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
     for a, b in zip(torch.autograd.grad(out, odd, grad_out), torch.autograd.grad(want, inputs, grad_out)):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # cuDNN's dQ accumulation order may differ
+
+
+def test_deterministic_algorithms_rule_cudnn_out(monkeypatch):
+    """With torch.use_deterministic_algorithms(True), auto passes cudnn over (its dQ is not bitwise repeatable)
+    and an explicit backend="cudnn" says why."""
+    from dilated_attn import dispatch
+    from dilated_attn.spec import validate
+
+    monkeypatch.setattr(dispatch.cudnn_backend.CUDNN, "unavailable", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q = torch.empty(1, 65536, 16, 64, dtype=torch.bfloat16, device="meta")
+    p = dataclasses.replace(validate(q, q, q, [2048, 4096], [1, 2]), device=torch.device("cuda", 0))
+    assert dispatch.CUDNN_MIN_ELEMENTS <= q.numel() and dispatch.auto_preference(p)[0] == "cudnn"
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "deterministic" in dispatch.cudnn_backend.CUDNN.why_not(p)
+        assert dispatch.auto_preference(p)[0] == "triton"
+        # the rule is read when a compiled caller is traced, without a graph break
+        compiled = torch.compile(lambda x: x + len(dispatch.auto_preference(p)[0]), fullgraph=True)
+        assert torch.equal(compiled(torch.zeros(2)), torch.full((2,), 6.0))
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 @pytest.mark.gpu

@@ -50,6 +50,11 @@ def load_error() -> Optional[str]:
     return _load_error
 
 
+@trace_constant
+def _deterministic_algorithms() -> bool:
+    return torch.are_deterministic_algorithms_enabled()
+
+
 class CudnnBackend(Backend):
     name = "cudnn"
     device_types = ("cuda",)
@@ -70,6 +75,9 @@ class CudnnBackend(Backend):
             return f"head_dim {p.head_dim} is not a multiple of 8 (cuDNN's 16-byte rows)"
         if p.num_kv_heads != p.num_heads:
             return f"grouped-query attention (Hkv={p.num_kv_heads} < Hq={p.num_heads}) is not mapped onto cuDNN"
+        if _deterministic_algorithms():
+            return ("torch.use_deterministic_algorithms is on, and cuDNN's backward adds up dQ with atomics "
+                    "(not bitwise repeatable)")
         return None
 
     def ops(self):
