@@ -63,7 +63,8 @@ def render(paths: tuple[str, ...] = (RESULTS, RESULTS_D64)) -> str:
         for (N, causal, head_dim), cells in table.items():
             branches = next(iter(cells.values()))["segment_lengths"]
             row = [_label(N, causal, head_dim, branches)]
-            auto = "cudnn" if N * record["config"]["heads"] * head_dim >= CUDNN_MIN_ELEMENTS else "triton"
+            elements = record["config"]["batch"] * N * record["config"]["heads"] * head_dim
+            auto = "cudnn" if elements >= CUDNN_MIN_ELEMENTS else "triton"
             ratios = []
             for mode in MODES:
                 row += [_cell(cells.get((p, mode))) for p in (*OURS, RECIPE)]

@@ -46,14 +46,8 @@ class Call:
 
 
 def _offset_groups(br: Branch) -> list[tuple[int, int, int]]:
-    """(offset, first head, heads) for each run of heads that share an offset."""
-    groups, h = [], br.head_lo
-    while h < br.head_hi:
-        offset = br.offset(h)
-        end = min(br.head_hi, br.head_lo + (offset - br.offset_base + 1) * br.offset_div)
-        groups.append((offset, h, end - h))
-        h = end
-    return groups
+    """(offset, first head, heads) for each run of heads that share an offset (runs of `offset_div` heads)."""
+    return [(br.offset(h), h, min(br.offset_div, br.head_hi - h)) for h in range(br.head_lo, br.head_hi, br.offset_div)]
 
 
 def branch_calls(br: Branch, seq_len: int) -> list[Call]:
@@ -164,16 +158,20 @@ def _single_key_scores(q, k, scale: float) -> torch.Tensor:
 
 
 @triton.jit
+def _program_block(n_heads, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's (batch, head) of the grid's first axis, and its block of rows and of columns."""
+    bh = tl.program_id(0)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64), rows, tl.arange(0, BLOCK_D)
+
+
+@triton.jit
 def _merge_kernel(out, lse, part_out, part_lse,
                   so_b, so_h, so_s, sl_b, sl_h, sl_s, sp_b, sp_h, sp_s, sq_b, sq_h, sq_s,
                   n_heads, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
     """(out, lse) <- merge([out, part_out], [lse, part_lse]) over `[b, h, s(, d)]` views: the two-term form of
     dilated_attn.merge (weights normalised by their sum; rows without keys give (0, -inf))."""
-    bh = tl.program_id(0)
-    b = (bh // n_heads).to(tl.int64)
-    h = (bh % n_heads).to(tl.int64)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, BLOCK_D)
+    b, h, rows, cols = _program_block(n_heads, BLOCK_D, BLOCK)
     in_rows = rows < n_rows
     mask = in_rows[:, None] & (cols[None, :] < HEAD_DIM)
     lse_acc = tl.load(lse + b * sl_b + h * sl_h + rows * sl_s, mask=in_rows, other=-float("inf"))
@@ -216,11 +214,8 @@ def _accumulate_kernel(dst_q, dst_k, dst_v, src_q, src_k, src_v, sd_b, sd_h, sd_
                        STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
     """dst += src (dst = src with STORE) for the three gradients of one call, over `[b, h, s, d]` views: one
     pass instead of three strided elementwise kernels."""
-    bh = tl.program_id(0)
-    b = (bh // n_heads).to(tl.int64)
-    h = (bh % n_heads).to(tl.int64)
-    rows = (tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK))[:, None]
-    cols = tl.arange(0, BLOCK_D)[None, :]
+    b, h, rows, cols = _program_block(n_heads, BLOCK_D, BLOCK)
+    rows, cols = rows[:, None], cols[None, :]
     mask = (rows < n_rows) & (cols < HEAD_DIM)
     dst = b * sd_b + h * sd_h + rows * sd_s + cols
     _add_or_store(dst_q, src_q, dst, b * sq_b + h * sq_h + rows * sq_s + cols, mask, STORE)
