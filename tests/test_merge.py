@@ -95,6 +95,31 @@ def test_kernel_epilogue_is_the_merge(backend, device, dtype, branches, case):
         torch.testing.assert_close(lse, one_lse + math.log(2), **tol)
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not INTERPRETER, reason="the Triton interpreter on CPU tensors (TRITON_INTERPRET=1 without a GPU)")),
+    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cudnn_merge_kernel_is_the_merge(device):
+    """The cudnn backend merges each cuDNN call's result with a Triton kernel of its own: on `[b, h, s, d]` views,
+    in place, it equals merge_into on equal LSEs, -inf (one side and both), |LSE| ~ 1e8 and NaN."""
+    ops = pytest.importorskip("dilated_attn.backends.cudnn.ops", reason="the cudnn ops need triton")
+    g = torch.Generator().manual_seed(7)
+    acc_out, part_out = (torch.randn(2, 3, 40, 16, generator=g) for _ in range(2))
+    acc_lse, part_lse = (torch.randn(2, 3, 40, generator=g) for _ in range(2))
+    part_lse[0, 0, :5] = acc_lse[0, 0, :5]  # equal
+    acc_lse[0, 1, :5] = -math.inf  # one side without keys
+    acc_lse[0, 2, :5] = part_lse[0, 2, :5] = -math.inf  # neither
+    acc_lse[1, 0, :5], part_lse[1, 0, :5] = 1e8, 1e8 + 1  # huge
+    part_lse[1, 1, 3] = math.nan
+    part_out[1, 2, 7, 4] = math.nan
+    want_out, want_lse = acc_out.clone(), acc_lse.clone()
+    merge_into(want_out, want_lse, part_out, part_lse)
+    out, lse = acc_out.to(device), acc_lse.to(device)
+    ops._merge(out, lse, part_out.to(device), part_lse.to(device))
+    torch.testing.assert_close(out.cpu(), want_out, rtol=2e-6, atol=2e-6, equal_nan=True)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
 def test_merge_of_equal_huge_lses_weighs_them_equally():
     o1, o2 = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
     lse = torch.full((3, 5), 1e8)

@@ -9,8 +9,9 @@ Partial results `(o_i, L_i)` over disjoint multisets of keys merge into the resu
 NaN `L_i` makes the row's out and lse NaN.
 
 The reference merges its branches and the ring its blocks with these functions. The kernels (CPU, CUDA, Triton)
-merge each branch into their running `(out, lse)` in their epilogues with the same two-term formula;
-tests/test_merge.py pins every epilogue to `merge` on crafted inputs.
+merge each branch into their running `(out, lse)` in their epilogues with the same two-term formula, and the cudnn
+backend each cuDNN call's result with a Triton kernel of it (backends/cudnn/ops.py, `_merge_kernel`);
+tests/test_merge.py pins every one of them to `merge` on crafted inputs.
 """
 
 from __future__ import annotations
