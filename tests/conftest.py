@@ -8,9 +8,6 @@ import torch
 # before any kernel module is imported (triton.jit reads it when it decorates).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# The test suite compiles the Triton kernels for many shapes; tuning each would take most of its time.
-# Tests use each kernel's first config; benchmarks/ runs with tuning and checks the tuned kernels' results.
-os.environ.setdefault("DILATED_ATTN_TRITON_AUTOTUNE", "0")
 
 
 def pytest_sessionstart(session):

@@ -42,32 +42,59 @@ def test_interpreter_long_segments_cross_block_borders(causal):
     check_against_reference(case, torch.float32, "cpu", 0, "triton")
 
 
-def _full_config_lists(monkeypatch):
-    """Each kernel's autotuning configs as on a GPU (the interpreter keeps one small config)."""
-    from dilated_attn.backends.triton import bwd, fwd
+def record_launch_configs(monkeypatch) -> dict:
+    """{kernel: {(BLOCK_M, BLOCK_N) of each launch}} of the Triton launches made from now on."""
+    from dilated_attn.backends.triton import configs
 
-    with monkeypatch.context() as m:
-        m.setenv("TRITON_INTERPRET", "0")
-        return {fwd._fwd_kernel: fwd._fwd_configs(), bwd._dkdv_kernel: bwd._dkdv_configs(),
-                bwd._dq_kernel: bwd._dq_configs()}
+    seen = {}
+    real = configs.wrap_triton
+
+    def spy(kernel):
+        launcher = real(kernel)
+
+        class Recording:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    seen.setdefault(kernel, set()).add((kwargs.get("BLOCK_M"), kwargs.get("BLOCK_N")))
+                    return launcher[grid](*args, **kwargs)
+                return run
+
+        return Recording()
+
+    monkeypatch.setattr(configs, "wrap_triton", spy)
+    return seen
+
+
+def force_configs(monkeypatch, index: int, every: bool = True) -> dict:
+    """Force each tunable kernel's index-th candidate (modulo their number; `every`: the tf32x3-only ones too,
+    else only those); returns {kernel function: (BLOCK_M, BLOCK_N)}."""
+    from dilated_attn.backends.triton import configs, ops
+
+    chosen = {}
+    for t in ops.TUNABLES:
+        candidates = t.candidates + t.tf32x3_candidates if every else t.tf32x3_candidates
+        config = candidates[index % len(candidates)]
+        monkeypatch.setitem(configs.FORCED, t.name, config)
+        chosen[t.fn] = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
+    return chosen
 
 
 @interpreter
 @pytest.mark.parametrize("index", range(11))
 def test_interpreter_every_config_block_shape(index, monkeypatch):
-    """The block shapes of every GPU autotuning config (the tf32x3-only ones included), each kernel running its
+    """The block shapes of every candidate config (the tf32x3-only ones included), each kernel running its
     index-th: the masks of partial, diagonal and mask-free blocks hold for each shape. Under the interpreter
     (which ignores num_warps, num_stages and the products' precision) this runs where there is no GPU."""
     from cases import Case
+    from dilated_attn.backends.triton import ops
 
-    lists = _full_config_lists(monkeypatch)
-    assert max(len(configs) for configs in lists.values()) == 11
-    for kernel, configs in lists.items():
-        monkeypatch.setattr(kernel, "configs", [configs[index % len(configs)]])
+    assert max(len(t.candidates + t.tf32x3_candidates) for t in ops.TUNABLES) == 11
+    chosen = force_configs(monkeypatch, index)
+    seen = record_launch_configs(monkeypatch)
     case = Case(1, 150, 4, 2, 24, (150, 75, 40), (1, 2, 3), "all", index % 2 == 1, "transposed")
     check_against_reference(case, torch.float32, "cpu", index, "triton")
-    for kernel, configs in lists.items():
-        assert kernel.best_config is configs[index % len(configs)]
+    for fn, shape in chosen.items():
+        assert seen[fn] == {shape}
 
 
 def test_auto_tile_order_rule():
@@ -119,26 +146,24 @@ def test_gpu_head_dims(head_dim, causal):
 @pytest.mark.parametrize("index", range(3))
 @pytest.mark.parametrize("head_dim, causal, layout", [(128, False, "transposed"), (72, True, "contiguous")])
 def test_gpu_tf32x3_configs(index, head_dim, causal, layout, monkeypatch):
-    """The configs tuned only for tf32x3 products (float32 on Ampere and newer, head dim <= 128), each forced
-    in turn: elsewhere the suite runs the first config that fits (DILATED_ATTN_TRITON_AUTOTUNE=0), never these."""
+    """The candidates only for tf32x3 products (float32 on Ampere and newer, head dim <= 128), each forced in
+    turn: whether or not the shipped table picks them on this GPU, each must be exact."""
     from cases import Case
-    from dilated_attn.backends.triton import bwd, common, float32_precision, fwd
+    from dilated_attn.backends.triton import float32_precision, ops
 
     if float32_precision(torch.device("cuda"), head_dim) != "tf32x3":
         pytest.skip("tf32x3 products need Ampere or newer, TF32 not allowed and tiles that fit")
     limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
-        only = [c for c in kernel.configs if id(c) in common._TF32X3_ONLY]
-        chosen = only[index % len(only)]
-        rows = kernel.early_config_prune.rows_per_stage
-        if common.shared_memory_need(rows, chosen, 128, 4, 2) > limit:
-            pytest.skip(f"{chosen} does not fit in this GPU's {limit} bytes of shared memory per block")
-        monkeypatch.setattr(kernel, "early_config_prune", lambda configs, named_args, chosen=chosen, **kw: [chosen])
-        monkeypatch.setattr(kernel, "cache", {})  # tuned entries of earlier tests would bypass the prune
+    for t in ops.TUNABLES:
+        config = t.tf32x3_candidates[index % len(t.tf32x3_candidates)]
+        if t.shared_memory(config, 128, 4, "tf32x3") > limit:
+            pytest.skip(f"{config} does not fit in this GPU's {limit} bytes of shared memory per block")
+    chosen = force_configs(monkeypatch, index, every=False)
+    seen = record_launch_configs(monkeypatch)
     case = Case(2, 777, 6, 2, head_dim, (256, 512, 1024), (1, 2, 4), "all", causal, layout)
     check_against_reference(case, torch.float32, "cuda", index, "triton")
-    for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
-        assert id(kernel.best_config) in common._TF32X3_ONLY, kernel.best_config
+    for fn, shape in chosen.items():
+        assert seen[fn] == {shape}
 
 
 @pytest.mark.gpu

@@ -1,13 +1,13 @@
-"""Shared memory of every Triton autotuning config, as compiled, against the estimate that prunes them:
+"""Shared memory of every candidate config of the Triton kernels, as compiled, against the estimate that picks them:
 
     python tools/triton_shared_memory.py                      # float32 and bfloat16, head dims 64/128/256
     python tools/triton_shared_memory.py --dtypes float32 --head-dims 128 --precision tf32x3
-    python tools/triton_shared_memory.py --dtypes float32 --head-dims 256 --kept-only   # the configs tuned
+    python tools/triton_shared_memory.py --dtypes float32 --head-dims 256 --kept-only   # those that may run
 
-For each kernel (forward, dK/dV, dQ), dtype and head dim it compiles every config (without launching) and
-prints the bytes Triton asks for, the device's limit, and whether `prune_by_shared_memory` keeps the config.
-A kept config that does not fit is an estimate that is too low: with DILATED_ATTN_TRITON_AUTOTUNE=0, or when
-it is the only config left, the launch fails. Exit status 1 when there is one.
+For each kernel (forward, dK/dV, dQ), dtype and head dim it compiles every candidate (without launching) and
+prints the bytes Triton asks for, the device's limit, and whether the estimate (`Tunable.fitting`) keeps the
+config. A kept config that does not fit is an estimate that is too low: the heuristic or the sweep could pick it
+and the launch would fail. Exit status 1 when there is one.
 """
 
 from __future__ import annotations
@@ -17,28 +17,8 @@ import sys
 
 import torch
 
-import dilated_attn
 from dilated_attn.backends import triton as triton_backend
-from dilated_attn.backends.triton import bwd, fwd, ops  # ops first: it reads the kernels' own prunes at import
-
-KERNELS = {"forward": fwd._fwd_kernel, "dkdv": bwd._dkdv_kernel, "dq": bwd._dq_kernel}
-
-
-def capture_launches(dtype, head_dim):
-    """The (args, kwargs) of each kernel's first launch in a forward + backward, each run with its smallest
-    config (the last of its list) so that the capture itself cannot run out of shared memory."""
-    launches = {}
-    for name, kernel in KERNELS.items():
-        def run(*args, _name=name, _kernel=kernel, _run=kernel.run, **kwargs):
-            launches.setdefault(_name, (args, dict(kwargs)))
-            return _run(*args, **kwargs)
-
-        kernel.run = run
-        kernel.early_config_prune = lambda configs, named_args, **kw: configs[-1:]
-    q, k, v = (torch.randn(1, 512, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    out = dilated_attn.dilated_attention(q, k, v, [256, 512], [1, 2], backend="triton")
-    out.sum().backward()
-    return launches
+from dilated_attn.spec import validate
 
 
 def main(argv=None):
@@ -49,41 +29,38 @@ def main(argv=None):
                     help="float32 products to compile (default: what float32_precision chooses)")
     ap.add_argument("--kept-only", action="store_true", help="compile only the configs the estimate keeps")
     args = ap.parse_args(argv)
-    prunes = {name: kernel.early_config_prune for name, kernel in KERNELS.items()}
-    runs = {name: kernel.run for name, kernel in KERNELS.items()}
+    if triton_backend.load_error() is not None:
+        sys.exit(f"the triton backend cannot load: {triton_backend.load_error()}")
+    from dilated_attn.backends.triton import configs, ops
+
     limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     print(f"{torch.cuda.get_device_name()}: {limit} bytes of shared memory per block", flush=True)
     too_low = 0
     for dtype_name in args.dtypes:
         for head_dim in args.head_dims:
             dtype = getattr(torch, dtype_name)
-            precision = "tf32"  # ignored by 16-bit inputs
-            if dtype == torch.float32:
-                precision = args.precision or triton_backend.float32_precision(torch.device("cuda"), head_dim)
-            # captured with products whose smallest configs fit and compile quickly (TF32 from Ampere on, IEEE
-            # before), then compiled with `precision`
-            capture = "tf32" if torch.cuda.get_device_capability() >= (8, 0) else "ieee"
-            choose, ops.float32_precision = ops.float32_precision, lambda *a: capture  # what the launchers call
-            try:
-                launches = capture_launches(dtype, head_dim)
-            finally:
-                ops.float32_precision = choose
-            for name, kernel in KERNELS.items():
-                kernel.run, kernel.early_config_prune = runs[name], prunes[name]
-                call_args, kwargs = launches[name]
-                grid = kwargs.pop("grid")
-                kwargs.pop("warmup", None)
-                kwargs["PRECISION"] = precision
-                kept = prunes[name](kernel.configs, dict(zip(kernel.arg_names, call_args)), **kwargs)
-                for config in kept if args.kept_only else kernel.configs:
-                    compiled = kernel.fn.warmup(*call_args, grid=grid, **kwargs, **config.all_kwargs())
+            q, k, v = (torch.randn(1, 512, 2, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+            p = validate(q, k, v, [256, 512], [1, 2])
+            launches = ops.collect_launches(q, k, v, p, backward=True)
+            for t in ops.TUNABLES:
+                kernel, grid, call_args, kwargs = next(launch for launch in launches if launch[0] is t.fn)
+                for name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
+                    kwargs.pop(name)
+                if dtype == torch.float32:
+                    kwargs["PRECISION"] = args.precision or kwargs["PRECISION"]
+                precision = kwargs["PRECISION"] if dtype == torch.float32 else None
+                block_d = kwargs["BLOCK_D"]
+                kept = t.fitting(block_d, q.element_size(), precision, limit)
+                for config in kept if args.kept_only else t.candidates_for(precision):
+                    compiled = t.fn.warmup(*call_args, grid=grid, **kwargs, **configs.config_dict(config))
                     shared = compiled.metadata.shared
+                    estimate = t.shared_memory(config, block_d, q.element_size(), precision)
                     verdict = ("kept" if config in kept else "pruned") + (", fits" if shared <= limit else ", too big")
                     if config in kept and shared > limit:
                         too_low += 1
                         verdict += "  <-- estimate too low"
-                    print(f"{dtype_name:>8} {kwargs['PRECISION']:>6} D={head_dim:<3} {name:<7} {str(config):<60} "
-                          f"{shared:>7} B  {verdict}", flush=True)
+                    print(f"{dtype_name:>8} {precision or '':>6} D={head_dim:<3} {t.name:<5} {str(config):<60} "
+                          f"{shared:>7} B (estimate {estimate:>7} B)  {verdict}", flush=True)
     print(f"{too_low} kept config(s) that do not fit")
     return 1 if too_low else 0
 

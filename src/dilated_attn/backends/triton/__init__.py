@@ -5,9 +5,11 @@ first needed (`load_error()`), so that `import dilated_attn` stays cheap and a m
 backend only. The rest of the package:
 
     ops.py      launchers and the `torch.library.triton_op` registrations (`dilated_attn::triton_forward`,
-                `triton_backward`), the tile visiting order
+                `triton_backward`), the tile visiting order, compiling a first call's kernels at once (`prepare`)
     fwd.py      the forward kernel          bwd.py     the backward kernels (delta, dK/dV, dQ)
-    common.py   segment decoding and autotuning configs shared by the kernels
+    common.py   segment decoding shared by the kernels
+    configs.py  which block shapes each launch runs: the shipped table (tuned_configs.json, written by
+                benchmarks/tune.py), the heuristic, the opt-in sweep (DILATED_ATTN_AUTOTUNE=1)
 """
 
 from __future__ import annotations
@@ -108,6 +110,14 @@ class TritonBackend(Backend):
         if why is not None:
             raise RuntimeError(f"dilated_attn: the triton backend cannot run: {why}")
         return torch.ops.dilated_attn.triton_forward, torch.ops.dilated_attn.triton_backward
+
+    def forward(self, q, k, v, p):
+        # an eager first call compiles its kernels, and its backward's where a gradient will be asked for, in
+        # parallel before it launches any (ops.prepare); torch.compile compiles them itself
+        if not torch.compiler.is_compiling():
+            self.ops()
+            _ops.prepare(q, k, v, p, backward=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
+        return super().forward(q, k, v, p)
 
 
 TRITON = TritonBackend()

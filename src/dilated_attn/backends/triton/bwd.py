@@ -22,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import SIZE_ARGS, autotune_configs, members_of, prune_by_shared_memory, segment_of
+from .common import SIZE_ARGS, members_of, segment_of
+from .configs import Tunable
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -102,34 +103,6 @@ def _dkdv_blocks(dkT, dvT, k, v, q_base, do_base, lse_row, delta_row, stride_qn,
     return dkT, dvT
 
 
-def _dkdv_configs():
-    return autotune_configs(
-        [
-            dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3),
-            dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
-            dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-            dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),  # float32 tf32x3 at head dim 128
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-            dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
-        ],
-        interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
-        tf32x3_variants=[
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
-            dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
-            dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2),
-        ],
-    )
-
-
-@triton.autotune(
-    configs=_dkdv_configs(),
-    key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
-    restore_value=["dK", "dV"],
-    # resident K and V rows; per stage Q and dO rows, and their lse and delta values; P and dS, the B operands
-    # of the dV and dK products, staged through one [BLOCK_M, BLOCK_N] tile
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(
-        lambda c: (2 * c["BLOCK_N"], 2 * c["BLOCK_M"], 2 * c["BLOCK_M"], c["BLOCK_M"] * c["BLOCK_N"]))},
-)
 @triton.jit(do_not_specialize=SIZE_ARGS + ["H_KV", "head_hi", "accumulate"])
 def _dkdv_kernel(
     Q, K, V, dO, Lse, Delta, dK, dV,
@@ -148,7 +121,7 @@ def _dkdv_kernel(
     EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
-    MAX_MEMBERS_BUCKET,  # autotune key only
+    MAX_MEMBERS_BUCKET,  # the sweep's key only
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -232,31 +205,6 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, fir
     return dq
 
 
-def _dq_configs():
-    return autotune_configs(
-        [
-            dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
-            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),  # float32 tf32x3 at head dim 128
-            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-            dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=2),
-        ],
-        interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
-        tf32x3_variants=[
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
-            dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
-            dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2),
-        ],
-    )
-
-
-@triton.autotune(
-    configs=_dq_configs(),
-    key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
-    restore_value=["dQ"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (2 * c["BLOCK_M"], 2 * c["BLOCK_N"], 0))},
-)
 @triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads", "accumulate"])
 def _dq_kernel(
     Q, K, V, dO, Lse, Delta, dQ,
@@ -275,7 +223,7 @@ def _dq_kernel(
     EVEN_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
-    MAX_MEMBERS_BUCKET,  # autotune key only
+    MAX_MEMBERS_BUCKET,  # the sweep's key only
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -319,3 +267,45 @@ def _dq_kernel(
         if accumulate != 0:
             dq += tl.load(g_ptrs, mask=q_mask, other=0.0).to(tl.float32)
         tl.store(g_ptrs, dq.to(dQ.dtype.element_ty), mask=q_mask)
+
+
+DKDV = Tunable(
+    "dkdv", _dkdv_kernel,
+    candidates=[
+        dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+        dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),  # float32 tf32x3 at head dim 128
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    ],
+    tf32x3_candidates=[
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
+        dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+        dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2),
+    ],
+    # resident K and V rows; per stage Q and dO rows, and their lse and delta values; P and dS, the B operands
+    # of the dV and dK products, staged through one [BLOCK_M, BLOCK_N] tile
+    rows_per_stage=lambda c: (2 * c["BLOCK_N"], 2 * c["BLOCK_M"], 2 * c["BLOCK_M"], c["BLOCK_M"] * c["BLOCK_N"]),
+    restore=("dK", "dV"),
+)
+
+DQ = Tunable(
+    "dq", _dq_kernel,
+    candidates=[
+        dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),  # float32 tf32x3 at head dim 128
+        dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+        dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=2),
+    ],
+    tf32x3_candidates=[
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
+        dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+        dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2),
+    ],
+    # resident Q and dO rows; per stage a block of K and one of V
+    rows_per_stage=lambda c: (2 * c["BLOCK_M"], 2 * c["BLOCK_N"], 0),
+    restore=("dQ",),
+)

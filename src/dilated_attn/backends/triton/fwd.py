@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import SIZE_ARGS, autotune_configs, prune_by_shared_memory, segment_of
+from .common import SIZE_ARGS, segment_of
+from .configs import Tunable
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -64,34 +65,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, d
     return acc, l_i, m_i
 
 
-def _fwd_configs():
-    return autotune_configs(
-        [
-            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
-            dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
-            dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # float32 tf32x3 at head dim 128
-            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-        ],
-        interpreter=dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
-        tf32x3_variants=[
-            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
-            dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1),
-            dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
-        ],
-    )
-
-
-@triton.autotune(
-    configs=_fwd_configs(),
-    key=["BLOCK_D", "CAUSAL", "MAX_MEMBERS_BUCKET"],
-    restore_value=["Out", "Lse"],
-    prune_configs_by={"early_config_prune": prune_by_shared_memory(lambda c: (c["BLOCK_M"], 2 * c["BLOCK_N"], 0))},
-)
-@triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads"])
+@triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads", "first_branch", "ordered"])
 def _fwd_kernel(
     Q, K, V, Out, Lse,
     TileOrder,  # int32 [tiles]: the (batch, head, segment) tile each position of the visiting order runs
@@ -108,10 +82,10 @@ def _fwd_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,  # HEAD_DIM == BLOCK_D: no head-dim masks
     CAUSAL: tl.constexpr,
-    FIRST: tl.constexpr,  # first branch: nothing to merge with
+    first_branch,  # nothing to merge with: write (o, lse) as they are (run time, not a second kernel variant)
     PRECISION: tl.constexpr,
-    MAX_MEMBERS_BUCKET,  # autotune key only (a plain argument: a new bucket re-tunes, it does not recompile)
-    ORDERED: tl.constexpr,  # visit tiles in TileOrder's order (else batch, head, segment: row-major)
+    MAX_MEMBERS_BUCKET,  # the sweep's key only (a plain argument: a new bucket re-tunes, it does not recompile)
+    ordered,  # visit tiles in TileOrder's order (else batch, head, segment: row-major)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -120,7 +94,7 @@ def _fwd_kernel(
     n_blocks = tl.cdiv(max_members, BLOCK_M)
     pid_m = tl.program_id(0) % n_blocks
     tile = tl.program_id(0) // n_blocks
-    if ORDERED:
+    if ordered != 0:
         tile = tl.load(TileOrder + tile)
     b, h, kvh, first, n = segment_of(tile, N, seg_len, dilation, n_seg, head_lo, n_heads,
                                      offset_div, offset_base, GROUP)
@@ -163,7 +137,7 @@ def _fwd_kernel(
         lse_ptrs = Lse + (b * H + h).to(tl.int64) * N + pos_m
         o_ptrs = Out + b * stride_ob + h * stride_oh + pos_m[:, None] * stride_on + offs_d[None, :]
         o_mask = m_mask[:, None] & d_mask[None, :]
-        if not FIRST:  # the first branch has nothing to merge with: it writes (o, lse) as they are
+        if first_branch == 0:
             # dilated_attn/merge.py's formula for two terms (tests/test_merge.py pins it); a row no earlier branch
             # covered holds (0, -inf) and gets weight e_old = 0
             old_lse = tl.load(lse_ptrs, mask=m_mask, other=float("-inf"))
@@ -176,3 +150,26 @@ def _fwd_kernel(
             lse = top + tl.log(total)
         tl.store(lse_ptrs, lse, mask=m_mask)
         tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=o_mask)
+
+
+FORWARD = Tunable(
+    "fwd", _fwd_kernel,
+    candidates=[
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # float32 tf32x3 at head dim 128
+        dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    ],
+    tf32x3_candidates=[
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
+        dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1),
+        dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+    ],
+    # the query rows stay; per stage a block of K and one of V
+    rows_per_stage=lambda c: (c["BLOCK_M"], 2 * c["BLOCK_N"], 0),
+    restore=("Out", "Lse"),
+)

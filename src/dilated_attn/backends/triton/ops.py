@@ -13,15 +13,15 @@ import os
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from ...hilbert import hilbert_index
 from ...spec import branch_table
 from ..autograd import register_attention_autograd
-from . import block_d, float32_precision, interpreting
-from .bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
-from .common import shared_memory_need
-from .fwd import _fwd_kernel
+from . import block_d, configs, float32_precision, interpreting
+from .bwd import DKDV, DQ, _delta_kernel
+from .configs import launch, launch_plain, make_key
+from .fwd import FORWARD
 
 LOG2E = 1.4426950408889634
 
@@ -61,15 +61,13 @@ def tile_order(order: str, batch: int, n_heads: int, n_seg: int, device: torch.d
     return table.to(device=device, dtype=torch.int32)
 
 
+TUNABLES = (FORWARD, DKDV, DQ)
+
+
 def tf32x3_fits(shared_memory_limit: int, tile_d: int) -> bool:
     """Every kernel has a config whose tiles, with tf32x3's second copy of the resident ones, fit the limit."""
-    return all(min(shared_memory_need(rows, c, tile_d, 4, 2) for c in kernel.configs) <= shared_memory_limit
-               for kernel, rows in _SHARED_ROWS)
-
-
-# Each autotuned kernel with its shared-memory rows (taken at import, before anything can wrap the prunes).
-_SHARED_ROWS = tuple((kernel, kernel.early_config_prune.rows_per_stage)
-                     for kernel in (_fwd_kernel, _dkdv_kernel, _dq_kernel))
+    return all(min(t.shared_memory(c, tile_d, 4, "tf32x3") for c in t.candidates_for("tf32x3")) <= shared_memory_limit
+               for t in TUNABLES)
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -94,9 +92,9 @@ def covers_everything(br, n_heads: int) -> bool:
 
 
 def _branch_geometry(br, N):
-    """Segments of the branch, the most members one segment has, and that count's autotuning bucket."""
+    """Segments of the branch, the most members one segment has, and that count's bucket (configs.py)."""
     max_members = -(-br.seg_len // br.dilation)
-    return math.ceil(N / br.seg_len), max_members, min(triton.next_power_of_2(max_members), 8192)
+    return math.ceil(N / br.seg_len), max_members, configs.members_bucket(max_members)
 
 
 @triton_op("dilated_attn::triton_forward", mutates_args=())
@@ -120,6 +118,7 @@ def triton_forward(
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, N), -math.inf, dtype=torch.float32, device=q.device)
     order = auto_tile_order(N, H, k.shape[2]) if TILE_ORDER == "auto" else TILE_ORDER
+    precision = _precision(q)
     if torch.compiler.is_compiling():
         order = "plain"  # the order tables are cached host-side objects, which a traced graph cannot hold
     for i, br in enumerate(table):
@@ -131,16 +130,18 @@ def triton_forward(
             return (programs * triton.cdiv(max_members, m["BLOCK_M"]),)
 
         ordered = order != "plain" and programs > 1
-        wrap_triton(_fwd_kernel)[grid](
-            q, k, v, out, lse, tile_order(order, B, n_heads, n_seg, q.device) if ordered else lse,
+        launch(
+            FORWARD, grid, make_key(q, precision, meta["BLOCK_D"], causal, max_members),
+            # not ordered: the table is never read; lse viewed as int32 gives the argument the table's type
+            q, k, v, out, lse, tile_order(order, B, n_heads, n_seg, q.device) if ordered else lse.view(torch.int32),
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
             scale * LOG2E, scale < 0,
-            CAUSAL=causal, FIRST=i == 0, PRECISION=_precision(q), MAX_MEMBERS_BUCKET=bucket,
-            ORDERED=ordered, **meta,
+            first_branch=int(i == 0), ordered=int(ordered),  # ints (a bool argument would be an i1)
+            CAUSAL=causal, PRECISION=precision, MAX_MEMBERS_BUCKET=bucket, **meta,
         )
     return out, lse
 
@@ -170,8 +171,8 @@ def triton_backward(
     has_dlse = grad_lse is not None
     dlse = grad_lse.to(torch.float32).contiguous() if has_dlse else delta
     block = 16 if interpreting() else 64
-    wrap_triton(_delta_kernel)[(B * H, triton.cdiv(N, block))](
-        out, grad_out, dlse, delta,
+    launch_plain(
+        _delta_kernel, (B * H, triton.cdiv(N, block)), out, grad_out, dlse, delta,
         out.stride(0), out.stride(1), out.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         N, H, HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], HAS_DLSE=has_dlse, BLOCK=block,
@@ -190,7 +191,8 @@ def triton_backward(
         v.stride(0), v.stride(1), v.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
     )
-    flags = dict(CAUSAL=causal, PRECISION=_precision(q), **meta)
+    precision = _precision(q)
+    flags = dict(CAUSAL=causal, PRECISION=precision, **meta)
     for i, br in enumerate(table):
         n_seg, max_members, bucket = _branch_geometry(br, N)
         n_heads = br.head_hi - br.head_lo
@@ -199,8 +201,9 @@ def triton_backward(
         def kv_grid(m, programs=B * Hkv * n_seg, max_members=max_members):
             return (programs * triton.cdiv(max_members, m["BLOCK_N"]),)
 
-        wrap_triton(_dkdv_kernel)[kv_grid](
-            q, k, v, grad_out, lse, delta, dk, dv, *strides,
+        key = make_key(q, precision, meta["BLOCK_D"], causal, max_members)
+        launch(
+            DKDV, kv_grid, key, q, k, v, grad_out, lse, delta, dk, dv, *strides,
             dk.stride(0), dk.stride(1), dk.stride(2),
             N, H, Hkv, br.seg_len, br.dilation, n_seg, br.head_lo, br.head_hi, br.offset_div, br.offset_base,
             max_members, accumulate, scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
@@ -209,8 +212,8 @@ def triton_backward(
         def q_grid(m, programs=B * n_heads * n_seg, max_members=max_members):
             return (programs * triton.cdiv(max_members, m["BLOCK_M"]),)
 
-        wrap_triton(_dq_kernel)[q_grid](
-            q, k, v, grad_out, lse, delta, dq, *strides,
+        launch(
+            DQ, q_grid, key, q, k, v, grad_out, lse, delta, dq, *strides,
             dq.stride(0), dq.stride(1), dq.stride(2),
             N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
             accumulate, scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
@@ -219,3 +222,36 @@ def triton_backward(
 
 
 register_attention_autograd("dilated_attn::triton_forward", "triton_backward")
+
+
+_prepared: set = set()
+
+
+def collect_launches(q, k, v, p, backward: bool) -> list:
+    """The Triton launches (kernel, grid, args, kwargs) a call on these inputs makes, its backward's too with
+    `backward`: the launchers run with their launches recorded instead of made (configs.collecting)."""
+    args = (list(p.segment_lengths), list(p.dilation_rates), p.split_heads, p.causal, p.scale)
+    with torch.no_grad(), configs.collecting() as launches:
+        out, lse = triton_forward(q, k, v, *args)  # out and lse are left unwritten: nothing is launched
+        if backward:
+            triton_backward(out, None, q, k, v, out, lse, *args)
+    return launches
+
+
+def prepare(q, k, v, p, backward: bool) -> None:
+    """Compile the kernels a call on these inputs launches (and its backward's, with `backward`) all at once, in
+    parallel, the first time this process meets such a call; eager calls only (torch.compile compiles its own).
+
+    What is compiled is exactly what the call launches (collect_launches); a later call whose kernels differ only
+    in what Triton specialises on (an unaligned stride, say) compiles those on launch, one after another."""
+    if interpreting() or torch.compiler.is_compiling() or q.numel() == 0:
+        return
+    buckets = tuple(sorted({_branch_geometry(br, p.seq_len)[2] for br in p.branches}))
+    precision = _precision(q)
+    family = (q.device, q.dtype, p.head_dim, p.causal, precision, p.scale < 0, buckets, backward, configs.AUTOTUNE)
+    if family in _prepared:
+        return
+    _prepared.add(family)
+    what = str(q.dtype).removeprefix("torch.") + (f" ({precision} products)" if q.dtype == torch.float32 else "")
+    configs.precompile(collect_launches(q, k, v, p, backward),
+                       f"{what}, head dim {p.head_dim}{', causal' if p.causal else ''}")
