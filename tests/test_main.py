@@ -197,6 +197,39 @@ def test_bad_flags_are_argparse_errors(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--head-dim", "512"], "argument --head-dim: must be at most 256"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice"),
+    (["--jobs", "0"], "argument --jobs: must be a positive integer, got 0"),
+    (["--causal", "maybe"], "argument --causal: invalid choice"),
+])
+def test_warmup_bad_flags_are_argparse_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["warmup", *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+def test_warmup_without_cuda_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["warmup"])
+    assert exc.value.code == 2
+    assert "warmup compiles the Triton kernels for a CUDA GPU, and CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_each_family(capsys, monkeypatch, tmp_path):
+    """A warm-up into an empty Triton cache compiles every family; a second one finds them all cached."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # the spawned workers' cache
+    flags = ["warmup", "--dtype", "float16", "--head-dim", "40", "--causal", "true", "--jobs", "2"]
+    assert cli.main(flags) == 0
+    first = capsys.readouterr().out
+    assert "1/1 float16 D=40 causal" in first and " 0 kernels compiled" not in first
+    assert cli.main(flags) == 0
+    assert " 0 kernels compiled" in capsys.readouterr().out
+
+
 def test_median_ms_times_after_warmup_with_hooks():
     calls = []
     ms = harness.median_ms(lambda: calls.append("run") or sum(range(10_000)), "cpu", warmup=2, repeats=5,

@@ -4,11 +4,12 @@
     python -m dilated_attn env      # python, torch, CUDA, GPUs, triton, build_info(), backend verdicts
     python -m dilated_attn check    # every backend that can run here against the float64 reference
     python -m dilated_attn bench --seq-len 16384 65536 --mode both --json out.json --plot out.png
+    python -m dilated_attn warmup --dtype bfloat16 --head-dim 128 --causal both   # compile kernels ahead of time
 
-Exit status: 0 when all is well; 1 when the self-check fails; 2 for bad arguments (argparse's errors, and
-attention configurations the package rejects, with its ValueError message); 3 when a backend named with
---backends cannot run on this device or configuration (with the package's reason). Backends not named that
-cannot run are skipped. docs/cli.md is the reference; the measuring is dilated_attn.benchmark's.
+Exit status: 0 when all is well; 1 when the self-check (or the warm-up of a family) fails; 2 for bad arguments
+(argparse's errors, and attention configurations the package rejects, with its ValueError message); 3 when a
+backend named with --backends cannot run on this device or configuration (with the package's reason). Backends
+not named that cannot run are skipped. docs/cli.md is the reference; the measuring is dilated_attn.benchmark's.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def environment(device: torch.device | None = None) -> dict:
         triton_backend_error=triton_backend.load_error() if triton else None,
         build_info=build_info(),
         variables={k: os.environ[k] for k in ("DILATED_ATTN_BACKEND", "TRITON_INTERPRET",
-                                              "DILATED_ATTN_TRITON_AUTOTUNE", "CUDA_VISIBLE_DEVICES")
+                                              "DILATED_ATTN_AUTOTUNE", "CUDA_VISIBLE_DEVICES")
                    if k in os.environ},
         verdicts=dict(device=str(device), dtype=dtype_name(dtype), head_dim=64, backends=backend_verdicts(p)),
     )
@@ -179,9 +180,9 @@ def self_check(device: torch.device, dtypes=CHECK_DTYPES, backends=None) -> list
     say(f"self-check against the float64 reference: B={s['batch']} N={s['seq_len']} Hq={s['heads']} "
         f"Hkv={s['kv_heads']} D={s['head_dim']}, branches {branches}; forward and backward on {device}")
     if device.type == "cuda":
-        # Triton caches compiled kernels on disk; on a cold cache each new kernel takes seconds to compile
-        # (float32 ones up to a minute), so a first run is slow without anything being wrong.
-        say("  (the first run on a machine compiles the Triton kernels: allow a few minutes)")
+        # Triton caches compiled kernels on disk; on a cold cache each new family's kernels take seconds to
+        # compile (float32 ones longer), so a first run is slow without anything being wrong.
+        say("  (the first run on a machine compiles the Triton kernels: about half a minute)")
     say(f"  {'backend':<10} {'dtype':<9} {'case':<18} {'max error':>9} {'(where)':<7} {'tolerance':>9}  result")
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.set_defaults(command=None, fail=parser.error)
-    sub = parser.add_subparsers(title="commands", metavar="{env,check,bench}")
+    sub = parser.add_subparsers(title="commands", metavar="{env,check,bench,warmup}")
     env = sub.add_parser("env", help="report the environment and what each backend can run")
     env.add_argument("--device", type=device_arg, default=None,
                      help="device for the verdicts (default: cuda if available, else cpu)")
@@ -308,7 +309,33 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="FILE.png", help="plot the metric against N per backend (needs matplotlib)")
     b.add_argument("--plot-metric", choices=["tflops", "ms"], default="tflops", help="default: tflops")
     b.set_defaults(command="bench", fail=b.error)
+    w = sub.add_parser("warmup", help="compile the Triton kernels a training run needs, before it starts",
+                       description="Compiles the Triton kernels of each (dtype, head dim, causal) family into "
+                                   "Triton's on-disk cache (TRITON_CACHE_DIR), several families at once in separate "
+                                   "processes, so that a training run's first step does not wait for them. With "
+                                   "DILATED_ATTN_AUTOTUNE=1 it also runs (and caches) the full sweep, one family "
+                                   "at a time.")
+    w.add_argument("--device", type=device_arg, default=None, help="default: the current CUDA device")
+    w.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16", "float32"], default=["bfloat16"],
+                   dest="dtypes", help="default: bfloat16")
+    w.add_argument("--head-dim", nargs="+", type=head_dim_arg, default=[128], dest="head_dims",
+                   help=f"default: 128 (at most {triton_backend.TritonBackend.max_head_dim})")
+    w.add_argument("--causal", choices=["both", "true", "false"], default="both",
+                   help="which masking to compile for (default: both)")
+    w.add_argument("--allow-tf32", action="store_true",
+                   help="float32 with TF32 products, as under torch.backends.cuda.matmul.allow_tf32 = True")
+    w.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1),
+                   help="families compiled at once, each in its own process (default: min(4, CPUs))")
+    w.set_defaults(command="warmup", fail=w.error)
     return parser
+
+
+def head_dim_arg(text: str) -> int:
+    value = positive_int(text)
+    if value > triton_backend.TritonBackend.max_head_dim:
+        raise argparse.ArgumentTypeError(f"must be at most {triton_backend.TritonBackend.max_head_dim} (the triton "
+                                         f"backend's largest head dim), got {value}")
+    return value
 
 
 def defaults_config(device_type: str) -> BenchConfig:
@@ -371,6 +398,22 @@ def check_command(device: torch.device, dtypes, backends) -> int:
     return EXIT_CHECK_FAILED if any(r["result"] == "FAIL" for r in rows) else 0
 
 
+def warmup_command(args) -> int:
+    """The `warmup` command: every family compiled; exit status 1 if one failed."""
+    from .warmup import warmup
+
+    if not torch.cuda.is_available():
+        args.fail(f"warmup compiles the Triton kernels for a CUDA GPU, and CUDA is not available (torch "
+                  f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'})")
+    if triton_backend.load_error() is not None:
+        args.fail(f"the triton backend cannot load: {triton_backend.load_error()}")
+    device = use_device(args.device or default_device())
+    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
+    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    results = warmup(device, args.dtypes, args.head_dims, causal, args.jobs, say)
+    return EXIT_CHECK_FAILED if any(error for *_, error in results) else 0
+
+
 def main(argv=None) -> int:
     try:
         return _main(argv)
@@ -391,6 +434,8 @@ def _main(argv=None) -> int:
         return check_command(args.device or default_device(), args.dtypes, args.backends)
     if args.command == "bench":
         return bench_command(args)
+    if args.command == "warmup":
+        return warmup_command(args)
     # No command: all three, the benchmark at the device's default size.
     device = default_device()
     env = environment(device)
