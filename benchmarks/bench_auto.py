@@ -2,7 +2,7 @@
 
     python benchmarks/bench_auto.py                   # the full grid, forward+backward
     python benchmarks/bench_auto.py --mode fwd --quick
-    python benchmarks/bench_auto.py --dtypes float32 --compile-workers 14   # float32 rows, kernels built first
+    python benchmarks/bench_auto.py --dtypes float32 --head-dims 128
 
 For every configuration it times each backend that can run it (triton, cuda, reference; the same inputs,
 in the same process), records which one `dilated_attn.explain` says auto picks, and reports auto's time
@@ -12,25 +12,22 @@ CUDA events, L2 flushed before each run); peak_memory_mib is what one call alloc
 its peak (outputs, saved tensors, gradients). JSON goes to benchmarks/results/auto_<device>.json (or --out),
 rewritten after every row (a run cut short keeps its rows).
 
---compile-workers K fills Triton's on-disk cache first, in K processes that each compile one autotuning
-config per kernel (IEEE float32 kernels take up to a minute each to compile, and autotuning compiles its
-configs one after another); the timing process then tunes over the same configs and loads the binaries.
+The Triton kernels run the shipped configs (tuned_configs.json); DILATED_ATTN_AUTOTUNE=1 sweeps them instead.
+Each row records the configs the process has launched so far (configs.chosen).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import multiprocessing
 import os
-import time
 
 import torch
 import triton
 
 import dilated_attn
 from dilated_attn.backends import triton as triton_backend
-from dilated_attn.backends.triton import bwd, fwd
+from dilated_attn.backends.triton import configs, ops
 from dilated_attn.benchmark import (LOCAL2, LONGNET, Record, attention_call, median_ms, peak_memory_bytes,
                                     random_inputs, say, tflops)
 from dilated_attn.spec import validate
@@ -44,48 +41,6 @@ MODE_NAMES = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}  # --mode -> dilated_attn.bench
 
 def _inputs(dtype_name, head_dim, N, heads):
     return random_inputs(1, N, heads, head_dim, dtype=getattr(torch, dtype_name), device="cuda")
-
-
-def _compile_config(task):
-    """Worker: run one forward+backward per branch set with each Triton kernel restricted to the index-th
-    of its configs that fit (modulo their number), so that the binaries land in Triton's cache."""
-    (dtype_name, head_dim, N, heads, branch_names, allow_tf32), index = task
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32  # a spawned process starts with torch's default
-    # The launchers read each kernel's own prune (its shared-memory rows) when they load: load them first.
-    if triton_backend.load_error() is not None:
-        raise RuntimeError(f"the triton backend cannot load: {triton_backend.load_error()}")
-
-    for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel):
-        fits = kernel.early_config_prune
-
-        def one(configs, named_args, fits=fits, **kwargs):
-            chosen = fits(configs, named_args, **kwargs)
-            return [chosen[index % len(chosen)]]
-
-        kernel.early_config_prune = one
-    q, k, v, grad = _inputs(dtype_name, head_dim, N, heads)
-    try:
-        for name in branch_names:
-            out = dilated_attn.dilated_attention(q, k, v, *BRANCHES[name], backend="triton")
-            torch.autograd.grad(out, (q, k, v), grad)
-        torch.cuda.synchronize()
-    except triton.runtime.errors.OutOfResources as exc:  # autotuning skips such a config; so does the sweep
-        return f"{dtype_name} D={head_dim} config {index}: {exc}"
-    return None
-
-
-def precompile(grid, heads, workers, allow_tf32):
-    """Compile the Triton kernels the grid's rows use, spread over `workers` processes."""
-    n_configs = max(len(kernel.configs) for kernel in (fwd._fwd_kernel, bwd._dkdv_kernel, bwd._dq_kernel))
-    # the compiled kernels depend on dtype and head dim (and on causal, fixed here), not on N or the branches
-    groups = [(dtype, head_dim, min(grid["N"]), heads, tuple(grid["branches"]), allow_tf32)
-              for dtype, head_dim in itertools.product(grid["dtype"], grid["head_dim"])]
-    tasks = list(itertools.product(groups, range(n_configs)))
-    start = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        for done, skipped in enumerate(pool.imap_unordered(_compile_config, tasks), 1):
-            print(f"  compiled {done}/{len(tasks)} ({time.perf_counter() - start:.0f} s)"
-                  + (f"; skipped {skipped}" if skipped else ""), flush=True)
 
 
 def time_backend(backend, inputs, segs, dils, mode, warmup, repeats):
@@ -106,11 +61,9 @@ def main(argv=None):
     ap.add_argument("--head-dims", nargs="+", type=int, help="override the grid's head dims")
     ap.add_argument("--seq-lens", nargs="+", type=int, help="override the grid's sequence lengths")
     ap.add_argument("--branches", nargs="+", choices=list(BRANCHES), help="override the grid's branch sets")
-    ap.add_argument("--compile-workers", type=int, default=0,
-                    help="compile the Triton kernels in this many processes before timing (0: no)")
     ap.add_argument("--allow-tf32", action="store_true",
                     help="set torch.backends.cuda.matmul.allow_tf32 (float32: TF32 in triton and the reference)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (the first compiles and autotunes)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (the first compiles)")
     ap.add_argument("--repeats", type=int, default=10, help="timed runs; their median is reported")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/auto_<device>.json)")
     args = ap.parse_args(argv)
@@ -122,9 +75,6 @@ def main(argv=None):
                        ("branches", args.branches)):
         if value:
             grid[key] = value
-    if args.compile_workers > 0:
-        say(f"compiling the Triton kernels in {args.compile_workers} processes")
-        precompile(grid, args.heads, args.compile_workers, args.allow_tf32)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"auto_{dev.replace(' ', '_')}.json")
     mode = MODE_NAMES[args.mode]
@@ -149,9 +99,7 @@ def main(argv=None):
                    triton_products=triton_backend.float32_precision(problem.device, head_dim)
                    if dtype_name == "float32" else dtype_name,
                    auto_over_best=None if auto_ms is None else auto_ms / times[best],
-                   triton_configs={name: str(kernel.best_config) for name, kernel in
-                                   (("forward", fwd._fwd_kernel), ("dkdv", bwd._dkdv_kernel), ("dq", bwd._dq_kernel))
-                                   if "triton" in times and getattr(kernel, "best_config", None) is not None},
+                   triton_configs=configs.chosen(ops.TUNABLES) if "triton" in times else None,
                    tflops={n: tflops(problem, t, backward=mode == "fwd+bwd") for n, t in times.items()})
         record.add(row)
         timing = "  ".join(f"{n} {t:8.3f} ms" for n, t in times.items())

@@ -2,13 +2,15 @@
 
     python benchmarks/bench_gpu.py                 # bf16, B=1, H=16, D=128: the four configurations below
     python benchmarks/bench_gpu.py --quick         # the N = 65536 non-causal configuration only
+    python benchmarks/bench_gpu.py --providers triton,triton_sweep --rounds 5   # shipped configs vs the sweep
 
 Configurations: N = 65536 with the LongNet branches (2048,1), (4096,2), (8192,4), (16384,8), non-causal and
 causal; N = 16384 with the same branches; N = 262144 with the long branches (2048,1), (8192,4), (32768,16),
 (131072,64) (dilated_attn.benchmark.LONGNET, LONGNET_LONG).
 
 Providers (each measured in the same process, on the same inputs):
-  triton, cudnn, cuda         dilated_attn's backends (where they can run)
+  triton, cudnn, cuda         dilated_attn's backends (where they can run); triton with the shipped configs
+  triton_sweep                triton with DILATED_ATTN_AUTOTUNE's full sweep instead of the shipped configs
   sdpa_recipe                 gather + flash SDPA + LSE merge (torchscale's recipe, benchmarks/baselines.py)
   sdpa_recipe_cudnn           the same with cuDNN attention
   sdpa_recipe_compiled        the flash recipe under torch.compile
@@ -16,9 +18,10 @@ Providers (each measured in the same process, on the same inputs):
   dense_cudnn                 dense cuDNN SDPA over the whole sequence, for scale (N <= 65536)
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
-(dilated_attn.benchmark.median_ms: CUDA events, L2 flushed before each run); TFLOP/s use
+(dilated_attn.benchmark.median_ms: CUDA events, L2 flushed before each run); with --rounds R the providers of a
+configuration are timed in turn R times and a row gives the median of its R medians; TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; "extra memory"
-is the peak allocated above the inputs during one call. Before timing, the tuned Triton kernels and the
+is the peak allocated above the inputs during one call. Before timing, the Triton kernels (shipped configs) and the
 cudnn backend are checked against dilated_attn.reference at N = 16384. The JSON
 (benchmarks/results/gpu_<device>_<dtype>.json, or --out) is rewritten after every row.
 """
@@ -26,8 +29,10 @@ cudnn backend are checked against dilated_attn.reference at N = 16384. The JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -59,6 +64,7 @@ def providers(N, segs, dils, causal):
 
     table = {
         "triton": ours("triton"),
+        "triton_sweep": ours("triton"),  # run with configs.AUTOTUNE set (main)
         "cudnn": ours("cudnn"),
         "cuda": ours("cuda"),
         "sdpa_recipe": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal),
@@ -76,8 +82,24 @@ def providers(N, segs, dils, causal):
     return table
 
 
+@contextlib.contextmanager
+def full_sweep(on: bool):
+    """Inside, with `on`, the Triton kernels sweep their candidates (DILATED_ATTN_AUTOTUNE=1's behaviour: the first
+    call of each key benchmarks every config that fits) instead of running the shipped configs."""
+    if not on:
+        yield
+        return
+    from dilated_attn.backends.triton import configs
+
+    configs.AUTOTUNE = True
+    try:
+        yield
+    finally:
+        configs.AUTOTUNE = False
+
+
 def check_tuned_kernels(dtype, head_dim, heads):
-    """The autotuned Triton kernels and the cudnn backend at N = 16384 against the reference (float32 compute):
+    """The Triton kernels (shipped configs) and the cudnn backend at N = 16384 against the reference (float32 compute):
     relative errors, under "<backend>/<causal or noncausal>"."""
     q, k, v, go = random_inputs(1, 16384, heads, head_dim, dtype=dtype, device="cuda", seed=1)
     problem = validate(q, k, v, *LONGNET)
@@ -133,8 +155,11 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--providers", default=None, help="comma-separated subset")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed runs first (the first compiles and autotunes)")
-    ap.add_argument("--repeats", type=int, default=20, help="timed runs; their median is reported")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed runs first (the first compiles; triton_sweep's "
+                    "first also sweeps)")
+    ap.add_argument("--repeats", type=int, default=20, help="timed runs per round; their median is the round's")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds, each timing every provider in turn; a row reports the median of its rounds")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/gpu_<device>_<dtype>.json)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -150,52 +175,63 @@ def main(argv=None):
                                    f"gpu_{dev.replace(' ', '_')}_{args.dtype}.json")
     record = Record("gpu_backends_vs_baselines", "cuda",
                     dict(batch=1, heads=args.heads, head_dim=args.dim, dtype=args.dtype, warmup=args.warmup,
-                         repeats=args.repeats),
+                         repeats=args.repeats, rounds=args.rounds),
                     json_path=out, fp32_fma_peak_tflops=peak, tuned_kernel_check=check)
     presets = PRESETS[:1] if args.quick else PRESETS
     for N, (segs, dils), causal in presets:
         inputs = random_inputs(1, N, args.heads, args.dim, dtype=dtype, device="cuda")
         problem = validate(*inputs[:3], segs, dils, causal=causal)
+        runnable = {}
         for name, attention in providers(N, segs, dils, causal).items():
             if args.providers and name not in args.providers.split(","):
                 continue
-            if name in backends.REGISTRY:
-                reason = backends.get(name).why_not(problem)
-                if reason:
-                    say(f"N={N:>6} causal={causal!s:5} {name:>20}: skipped ({reason})")
-                    continue
-            for mode in ("fwd", "fwd+bwd"):
-                backward = mode == "fwd+bwd"
-                call = attention_call(attention, inputs, mode)
-                try:
-                    ms = median_ms(call, "cuda", args.warmup, args.repeats)
-                    extra = peak_memory_bytes(call, "cuda")
-                except Exception as exc:  # noqa: BLE001 - a baseline that cannot run this configuration
-                    say(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
-                        f"{str(exc)[:120]})")
-                    torch.cuda.empty_cache()
-                    continue
+            reason = backends.get(name).why_not(problem) if name in backends.REGISTRY else None
+            if reason:
+                say(f"N={N:>6} causal={causal!s:5} {name:>20}: skipped ({reason})")
+                continue
+            runnable[name] = attention
+        for mode in ("fwd", "fwd+bwd"):
+            backward = mode == "fwd+bwd"
+            rounds, extra = {name: [] for name in runnable}, {}
+            for _ in range(args.rounds):  # the providers in turn, round after round: drift hits them alike
+                for name, attention in runnable.items():
+                    if name not in rounds:
+                        continue
+                    call = attention_call(attention, inputs, mode)
+                    try:
+                        with full_sweep(name == "triton_sweep"):
+                            rounds[name].append(median_ms(call, "cuda", args.warmup, args.repeats))
+                            if name not in extra:
+                                extra[name] = peak_memory_bytes(call, "cuda")
+                    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run this configuration
+                        say(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
+                            f"{str(exc)[:120]})")
+                        del rounds[name]
+                        torch.cuda.empty_cache()
+            for name, samples in rounds.items():
+                ms = statistics.median(samples)
                 if name == "dense_cudnn":  # all N x N scores, not the branches'
                     rate = 4.0 * N * N * args.heads * args.dim * (0.5 if causal else 1) * (3.5 if backward else 1)
                     rate /= ms * 1e9
                 else:
                     rate = tflops(problem, ms, backward)
                 row = dict(N=N, segment_lengths=segs, dilation_rates=dils, causal=causal, provider=name, mode=mode,
-                           median_ms=ms, tflops=rate, extra_memory_gib=extra / 2**30,
+                           median_ms=ms, tflops=rate, extra_memory_gib=extra[name] / 2**30,
                            fraction_of_fp32_peak=rate / peak)
+                if args.rounds > 1:
+                    row["round_medians_ms"] = samples
                 record.add(row)
-                say(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: {ms:9.3f} ms {rate:7.1f} TFLOP/s"
+                spread = f" (rounds {min(samples):.3f}-{max(samples):.3f})" if len(samples) > 1 else ""
+                say(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: {ms:9.3f} ms{spread} {rate:7.1f} TFLOP/s"
                     f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
                     f"  extra {row['extra_memory_gib']:.2f} GiB")
         del inputs
         torch.cuda.empty_cache()
 
-    from dilated_attn.backends.triton import bwd as triton_bwd, fwd as triton_fwd
+    from dilated_attn.backends.triton import configs, ops
 
-    tuned = {name: {str(key): str(cfg) for key, cfg in getattr(kernel, "cache", {}).items()}
-             for name, kernel in (("forward", triton_fwd._fwd_kernel), ("dkdv", triton_bwd._dkdv_kernel),
-                                  ("dq", triton_bwd._dq_kernel))}
-    say("Triton configs chosen (autotune key -> config):", json.dumps(tuned, indent=1))
+    tuned = configs.chosen(ops.TUNABLES)
+    say("Triton configs run (key -> config):", json.dumps(tuned, indent=1))
     record.set(triton_configs=tuned)
     record.close()
 

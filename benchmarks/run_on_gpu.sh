@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
 # JSON go under $OUT (default ./gpu_out).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tile_order|ncu|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tune|first_call|tile_order|ncu|all]...
 #   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
 #   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS};
 #        NCU_KERNELS, NCU_COUNT: the kernel regex and count, e.g. for NCU_ARGS="--backend cudnn")
 #   smem: tools/triton_shared_memory.py ${SMEM_ARGS} (the Triton configs' shared memory against the estimate)
 #   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
+#   tune: benchmarks/tune.py ${TUNE_ARGS} (the full sweep, merged into the source tree's tuned_configs.json when run
+#         with SKIP_BUILD=1 on a fresh machine, else into the installed package's; copied to $OUT either way)
+#   first_call: benchmarks/first_call.py ${FIRST_ARGS} (first calls with an empty and a warm Triton cache)
 #   main: `python -m dilated_attn` and a GPU run of examples/train_longnet.py (loss curve as JSON)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
@@ -35,7 +38,7 @@ for stage in $stages; do
     tests|all)
       # spread over processes with pytest-xdist where it is installed (the tests are bound by Triton compiles)
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
-      python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfE --maxfail=10 -p no:cacheprovider \
+      python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfEs --maxfail=10 -p no:cacheprovider \
         --durations=10 $workers tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;&
     sanitize)
       for tool in memcheck racecheck initcheck; do
@@ -46,6 +49,12 @@ for stage in $stages; do
       python3 tools/triton_shared_memory.py ${SMEM_ARGS:-} 2>&1 | tee "$OUT/smem.log" ;;
     auto)
       python3 benchmarks/bench_auto.py ${AUTO_ARGS:-} --out "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
+    tune)
+      python3 benchmarks/tune.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
+      cp "$(python3 -c 'from dilated_attn.backends.triton import configs; print(configs.TABLE_PATH)')" "$OUT/" ;;
+    first_call)
+      python3 benchmarks/first_call.py ${FIRST_ARGS:-} --out "$OUT/first_call.json" --log "$OUT/first_call_main.log" \
+        2>&1 | tee "$OUT/first_call.log" ;;
     tile_order)
       python3 benchmarks/bench_tile_order.py --out "$OUT/tile_order.json" 2>&1 | tee "$OUT/tile_order.log" ;;
     quick)
