@@ -38,8 +38,8 @@ EXIT_CANNOT_RUN = 3  # (2: argparse's status for bad arguments)
 
 # The self-check problem: GQA, an N no segment length divides, a segment longer than N (256 > 203), a head
 # dim that is not a power of two (the padded paths of the kernels), and with head_groups="split" positions
-# no branch covers. Every branch has at most 64 members per segment: one Triton autotuning bucket, so a
-# GPU's first check compiles few kernels.
+# no branch covers. Every branch has at most 64 members per segment: one members bucket of the Triton config
+# table, so a GPU's first check compiles few kernels.
 CHECK_SHAPE = dict(batch=2, seq_len=203, heads=4, kv_heads=2, head_dim=40)
 CHECK_BRANCHES = ([64, 128, 256], [1, 2, 4])
 CHECK_CASES = (dict(causal=False, head_groups="all"), dict(causal=True, head_groups="split"))

@@ -69,7 +69,8 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int,
 
     On a GPU each run is timed by two CUDA events on the current stream, with the L2 cache flushed before it
     and no host synchronisation between runs; on the CPU by time.perf_counter (CPU ops are synchronous).
-    The first call of a Triton kernel compiles and autotunes it: give warmup >= 1 on a GPU.
+    The first call of a Triton kernel compiles it (and sweeps its configs under DILATED_ATTN_AUTOTUNE=1): give
+    warmup >= 1 on a GPU.
 
     before_run(): called before every run, warm-up included, outside the timed region (e.g. a barrier and
     a synchronisation, so that all ranks of a process group start together).

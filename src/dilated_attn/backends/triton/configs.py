@@ -11,7 +11,7 @@ Each launch of a tunable kernel (forward, dK/dV, dQ) takes its config from:
 
 DILATED_ATTN_AUTOTUNE=1 (read at import; `configs.AUTOTUNE` at any time) sweeps every candidate that fits instead,
 once per (kernel, key), with the timings cached in Triton's cache directory: a machine pays each sweep once (about
-5-15 s per new (dtype, head dim, causal, members bucket) on an H100; float32 longer). Without it, under Triton's
+3-10 s per new (dtype, head dim, causal, members bucket) on an H100; float32 up to 40 s). Without it, under Triton's
 interpreter every kernel runs one small config.
 
 `precompile` compiles the kernels a call will launch in parallel threads (Triton's compiler releases the GIL), so
@@ -93,7 +93,7 @@ class Tunable:
 
     rows_per_stage(config kwargs) -> (rows held for the whole loop, rows loaded per pipeline stage, fp32 values
     loaded per stage beside them[, elements of a computed operand staged through shared memory]), each row BLOCK_D
-    elements: the shared-memory estimate (shared_memory_need). With tf32x3 products Triton keeps the resident rows
+    elements: the shared-memory estimate (shared_memory). With tf32x3 products Triton keeps the resident rows
     twice (their TF32 high and low parts); `tf32x3_candidates` (small tiles, or one stage, that fit that) are only
     considered for tf32x3. tools/triton_shared_memory.py checks the estimate against what Triton compiles.
     """
