@@ -151,6 +151,9 @@ class Decision:
                 f"{dtype_name(p.dtype)} on {p.device}; branches {branches}; causal={p.causal}, "
                 f"head_groups={p.head_groups!r}"
             )
+            if p.varlen:
+                lines.append(f"  packed: {p.cu_seqlens.numel() - 1} sequences in N={p.seq_len} rows, the longest "
+                             f"at most {p.max_seqlen}")
         width = max(len(name) for name in self.verdicts)
         lines.append(f"  {'backend':<{width}}  verdict")
         for name, why in self.verdicts.items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import dispatch
-from .spec import validate
+from .spec import validate, validate_varlen
 
 
 def dilated_attention(
@@ -50,4 +50,52 @@ def dilated_attention(
         backend=backend,
     )
     out, lse = dispatch.select(p, backend).forward(q, k, v, p)
+    return (out, lse) if return_lse else out
+
+
+def dilated_attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    segment_lengths,
+    dilation_rates,
+    *,
+    max_seqlen=None,
+    causal=False,
+    scale=None,
+    head_groups="all",
+    return_lse=False,
+    backend="auto",
+):
+    """Dilated attention over packed sequences of different lengths, the layout of flash-attn's varlen functions
+    (docs/SPEC.md, "Packed variable-length sequences (varlen)").
+
+    Args:
+        q: `[T, Hq, D]`; k, v: `[T, Hkv, D]`: S sequences packed along the first axis.
+        cu_seqlens: `[S + 1]` int32 or int64 offsets on q's device: 0, then non-decreasing, then T; sequence j is
+            rows `[cu_seqlens[j], cu_seqlens[j + 1])`. Empty sequences are allowed.
+        max_seqlen: at least the longest sequence. Without it the offsets are read back to find it (a host
+            synchronisation); under torch.compile it is required.
+        The other arguments are those of `dilated_attention`; segments are clipped to each sequence's length.
+
+    Returns:
+        `out` `[T, Hq, D]`, or `(out, lse)` with `lse` `[Hq, T]`: each sequence's rows equal `dilated_attention`
+        on that sequence alone, and so do the gradients. No key is shared between sequences.
+    """
+    p = validate_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        segment_lengths,
+        dilation_rates,
+        max_seqlen=max_seqlen,
+        causal=causal,
+        scale=scale,
+        head_groups=head_groups,
+        return_lse=return_lse,
+        backend=backend,
+    )
+    out, lse = dispatch.select(p, backend).forward_varlen(q, k, v, p)
     return (out, lse) if return_lse else out

@@ -6,10 +6,11 @@ section: ValueError (TypeError for wrong types) naming the argument and the rule
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -100,10 +101,21 @@ class Problem:
     scale: float
     dtype: torch.dtype
     device: torch.device
+    # Packed sequences (dilated_attention_varlen): batch 1 of seq_len = T rows, cut into sequences at these
+    # offsets (int32 or int64, on `device`); max_seqlen bounds their lengths. None for dilated_attention.
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_seqlen: Optional[int] = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens is not None
 
     @property
     def branches(self) -> list[Branch]:
-        return branch_table(self.segment_lengths, self.dilation_rates, self.seq_len, self.num_heads, self.head_groups)
+        """The branch table; for packed sequences segments are clipped to max_seqlen (the kernels clip them to
+        each sequence's length)."""
+        length = self.max_seqlen if self.varlen else self.seq_len
+        return branch_table(self.segment_lengths, self.dilation_rates, length, self.num_heads, self.head_groups)
 
     @property
     def split_heads(self) -> bool:
@@ -200,6 +212,81 @@ def validate(
     )
 
 
+def validate_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    segment_lengths,
+    dilation_rates,
+    *,
+    max_seqlen=None,
+    causal=False,
+    scale=None,
+    head_groups="all",
+    return_lse=False,
+    backend="auto",
+) -> Problem:
+    """validate() for packed sequences: q `[T, Hq, D]`, k and v `[T, Hkv, D]`, `cu_seqlens` `[S + 1]` offsets.
+
+    The offsets' values (0 first, T last, non-decreasing, the longest sequence <= max_seqlen) are read back to
+    the host and checked, except under torch.compile, where reading them would break the graph: there
+    `max_seqlen` is required and trusted, and the kernels keep every access inside the pack whatever the offsets.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [total_tokens, heads, head_dim] for packed sequences, got shape "
+                             f"{tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must have q's total number of tokens ({q.shape[0]}), got {k.shape[0]}")
+    p = validate(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), segment_lengths, dilation_rates, causal=causal,
+                 scale=scale, head_groups=head_groups, return_lse=return_lse, backend=backend)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64 offsets, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with S + 1 >= 1 offsets, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device ({q.device}), got {cu_seqlens.device}")
+    T = q.shape[0]
+    if max_seqlen is not None:
+        if not _is_int(max_seqlen):
+            raise TypeError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+    if torch.compiler.is_compiling():
+        if max_seqlen is None:
+            raise ValueError("max_seqlen is required under torch.compile: finding the longest sequence would read "
+                             "cu_seqlens back to the host and break the graph")
+    else:
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0:
+            raise ValueError(f"cu_seqlens[0] must be 0, got {offsets[0]}")
+        if offsets[-1] != T:
+            raise ValueError(f"cu_seqlens[-1] must be the total number of tokens, q.shape[0] = {T}, got {offsets[-1]}")
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        for j, n in enumerate(lengths):
+            if n < 0:
+                raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{j}] = {offsets[j]} > "
+                                 f"cu_seqlens[{j + 1}] = {offsets[j + 1]}")
+        longest = max(lengths, default=0)
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif max_seqlen < longest:
+            raise ValueError(f"max_seqlen ({max_seqlen}) must be at least the longest sequence ({longest})")
+    return dataclasses.replace(p, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
+
+
+def sequence_problem(packed: Problem, length: int) -> Problem:
+    """The problem of one sequence (batch 1, `length` rows) of a pack."""
+    return dataclasses.replace(packed, seq_len=length, cu_seqlens=None, max_seqlen=None)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """"bfloat16" for torch.bfloat16."""
     return str(dtype).removeprefix("torch.")
@@ -212,7 +299,11 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def flops(problem: Problem, backward: bool = False) -> float:
     """Matmul FLOPs: 4*B*N*D*sum_i(H_i*s_i/r_i^2), H_i the heads taking part in branch i (all H with
-    head_groups="all"), halved for causal, x3.5 with backward (forward 2 matmuls, backward 5)."""
+    head_groups="all"), halved for causal, x3.5 with backward (forward 2 matmuls, backward 5). Packed sequences
+    count each sequence with its own length (its segments clipped to it)."""
+    if problem.varlen:
+        offsets = problem.cu_seqlens.tolist()
+        return sum(flops(sequence_problem(problem, end - start), backward) for start, end in zip(offsets, offsets[1:]))
     b = problem
     work = sum((br.head_hi - br.head_lo) * br.seg_len / br.dilation**2 for br in b.branches)
     f = 4.0 * b.batch * b.seq_len * b.head_dim * work

@@ -6,26 +6,33 @@ import torch
 
 __all__ = ["register_attention_autograd"]
 
+_SAVED = "saved tensor"  # marks the place of a config tensor in ctx.config (the tensor goes to save_for_backward)
+
 
 def register_attention_autograd(forward_op: str, backward_op: str) -> None:
-    """Register autograd for `forward_op` (a `dilated_attn::` op with the forward schema) that calls `backward_op`
-    (the name of a `dilated_attn::` op with the backward schema) with the merged out and lse it saved."""
+    """Register autograd for `forward_op` (a `dilated_attn::` op taking `(q, k, v, *config)`) that calls
+    `backward_op` (the name of a `dilated_attn::` op taking `(grad_out, grad_lse, q, k, v, out, lse, *config)`)
+    with the merged out and lse it saved. `config` is the forward schema's rest (segment_lengths, dilation_rates,
+    split_heads, causal, scale), led for packed sequences by cu_seqlens and max_seqlen."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale = inputs
+        q, k, v, *config = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = (segment_lengths, dilation_rates, split_heads, causal, scale)
+        tensors = [x for x in config if isinstance(x, torch.Tensor)]  # cu_seqlens: saved, not kept on ctx
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.config = [_SAVED if isinstance(x, torch.Tensor) else x for x in config]
         # An output without a gradient arrives as None, not as zeros: a backward told that the LSE has no
         # gradient skips its term (the cudnn backend needs that to use cuDNN's backward at all).
         ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
         if grad_out is None:  # only the LSE has a gradient
             grad_out = torch.zeros_like(out)
+        refill = iter(tensors)
+        config = [next(refill) if x is _SAVED else x for x in ctx.config]
         op = getattr(torch.ops.dilated_attn, backward_op)
-        grad_q, grad_k, grad_v = op(grad_out, grad_lse, q, k, v, out, lse, *ctx.config)
-        return grad_q, grad_k, grad_v, None, None, None, None, None
+        grad_q, grad_k, grad_v = op(grad_out, grad_lse, q, k, v, out, lse, *config)
+        return (grad_q, grad_k, grad_v) + (None,) * len(config)
 
     torch.library.register_autograd(forward_op, backward, setup_context=setup_context)

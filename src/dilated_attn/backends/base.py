@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..spec import Problem, dtype_name
+from ..spec import Problem, dtype_name, lse_dtype, sequence_problem
 
 __all__ = ["Backend"]
 
@@ -31,6 +31,9 @@ class Backend:
     max_head_dim: Optional[int] = None  # None: any
     min_capability: Optional[tuple[int, int]] = None  # the oldest CUDA compute capability, for CUDA tensors
     capability_rule: str = ""  # what min_capability stands for, said when a GPU is older
+    # Packed sequences (dilated_attention_varlen): "kernels" (the whole pack in the kernels' launches),
+    # "per_sequence" (forward_varlen's loop over the sequences), or None (why_not says it cannot).
+    varlen: Optional[str] = None
 
     def supported_device_types(self) -> tuple[str, ...]:
         return self.device_types
@@ -57,6 +60,8 @@ class Backend:
             if have < self.min_capability:
                 need = ".".join(map(str, self.min_capability))
                 return f"compute capability {have[0]}.{have[1]} < {need} ({self.capability_rule})"
+        if p.varlen and self.varlen is None:
+            return "packed sequences (varlen) are not implemented in this backend"
         return None
 
     def ops(self) -> tuple[Callable, Callable]:
@@ -67,6 +72,22 @@ class Backend:
         """The forward op on a validated problem: returns the differentiable `(out, lse)`."""
         forward, _ = self.ops()
         return forward(q, k, v, list(p.segment_lengths), list(p.dilation_rates), p.split_heads, p.causal, p.scale)
+
+    def forward_varlen(self, q, k, v, p: Problem):
+        """The forward of packed sequences (q `[T, Hq, D]`): `(out [T, Hq, D], lse [Hq, T])`, differentiable.
+        Here one forward per sequence, concatenated (what "per_sequence" backends run)."""
+        offsets = p.cu_seqlens.tolist()
+        outs, lses = [], []
+        for start, end in zip(offsets, offsets[1:]):
+            if end > start:
+                out, lse = self.forward(q[None, start:end], k[None, start:end], v[None, start:end],
+                                        sequence_problem(p, end - start))
+                outs.append(out[0])
+                lses.append(lse[0])
+        if not outs:  # no token at all: empty results, still in the autograd graph of q, k and v
+            out = q * 0 + (k.sum() + v.sum()) * 0
+            return out, (out.sum(-1) * 0).T.to(lse_dtype(q.dtype))
+        return torch.cat(outs), torch.cat(lses, dim=1)
 
     def __repr__(self) -> str:
         return f"<dilated_attn backend {self.name!r}>"

@@ -101,6 +101,7 @@ class CpuBackend(CompiledBackend):
     name = "cpu"
     device_types = ("cpu",)
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    varlen = "per_sequence"  # a CPU call per sequence costs microseconds beside its work
 
 
 class CudaBackend(CompiledBackend):

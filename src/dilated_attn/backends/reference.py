@@ -59,6 +59,7 @@ def memory_bytes(p: Problem) -> int:
 class ReferenceBackend(Backend):
     name = "reference"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    varlen = "per_sequence"
 
     def why_not(self, p: Problem) -> Optional[str]:
         return None  # any device, any floating dtype

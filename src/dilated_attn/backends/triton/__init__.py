@@ -96,6 +96,7 @@ class TritonBackend(Backend):
     max_head_dim = 256
     min_capability = (7, 0)
     capability_rule = "Triton needs Volta or newer"
+    varlen = "kernels"
 
     def supported_device_types(self) -> tuple[str, ...]:
         # CPU tensors only under Triton's interpreter, which is for tests
@@ -118,6 +119,13 @@ class TritonBackend(Backend):
             self.ops()
             _ops.prepare(q, k, v, p, backward=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
         return super().forward(q, k, v, p)
+
+    def forward_varlen(self, q, k, v, p):
+        # the whole pack in each launch: a program per (sequence, head, segment, block), no padding copies
+        self.ops()
+        return torch.ops.dilated_attn.triton_varlen_forward(q, k, v, p.cu_seqlens, p.max_seqlen,
+                                                           list(p.segment_lengths), list(p.dilation_rates),
+                                                           p.split_heads, p.causal, p.scale)
 
 
 TRITON = TritonBackend()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import SIZE_ARGS, members_of, segment_of
+from .common import SIZE_ARGS, members_of, segment_of, sequence_of
 from .configs import Tunable
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -106,6 +106,7 @@ def _dkdv_blocks(dkT, dvT, k, v, q_base, do_base, lse_row, delta_row, stride_qn,
 @triton.jit(do_not_specialize=SIZE_ARGS + ["H_KV", "head_hi", "accumulate"])
 def _dkdv_kernel(
     Q, K, V, dO, Lse, Delta, dK, dV,
+    CuSeqlens,  # with VARLEN, the packed sequences' offsets (common.sequence_of)
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -122,6 +123,7 @@ def _dkdv_kernel(
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
     MAX_MEMBERS_BUCKET,  # the sweep's key only
+    VARLEN: tl.constexpr,  # packed sequences: the batch index runs over the sequences of CuSeqlens
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -130,7 +132,7 @@ def _dkdv_kernel(
     pid = tl.program_id(0) // n_blocks
     seg = pid % n_seg
     kvh = (pid // n_seg) % H_KV
-    b = (pid // (n_seg * H_KV)).to(tl.int64)
+    b, start, length, seg_len = sequence_of((pid // (n_seg * H_KV)).to(tl.int64), CuSeqlens, N, seg_len, VARLEN)
     start_n = pid_n * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = (offs_d < BLOCK_D) if EVEN_D else (offs_d < HEAD_DIM)
@@ -138,7 +140,8 @@ def _dkdv_kernel(
     h_begin = tl.maximum(kvh * GROUP, head_lo)
     h_end = tl.minimum((kvh + 1) * GROUP, head_hi)
     for h in range(h_begin, h_end):
-        first, n = members_of(h, seg, N, seg_len, dilation, head_lo, offset_div, offset_base)
+        first, n = members_of(h, seg, length, seg_len, dilation, head_lo, offset_div, offset_base)
+        first += start
         if start_n < n:
             n_mask = offs_n < n
             kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -208,6 +211,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, fir
 @triton.jit(do_not_specialize=SIZE_ARGS + ["n_heads", "accumulate"])
 def _dq_kernel(
     Q, K, V, dO, Lse, Delta, dQ,
+    CuSeqlens,  # with VARLEN, the packed sequences' offsets (common.sequence_of)
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -224,14 +228,15 @@ def _dq_kernel(
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
     MAX_MEMBERS_BUCKET,  # the sweep's key only
+    VARLEN: tl.constexpr,  # packed sequences: the batch index runs over the sequences of CuSeqlens
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # 1-D grid, the blocks of one segment adjacent so that they share its K/V in L2.
     n_blocks = tl.cdiv(max_members, BLOCK_M)
     pid_m = tl.program_id(0) % n_blocks
-    b, h, kvh, first, n = segment_of(tl.program_id(0) // n_blocks, N, seg_len, dilation, n_seg, head_lo, n_heads,
-                                     offset_div, offset_base, GROUP)
+    b, h, kvh, first, n = segment_of(tl.program_id(0) // n_blocks, CuSeqlens, N, seg_len, dilation, n_seg, head_lo,
+                                     n_heads, offset_div, offset_base, GROUP, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m < n:
         offs_m = start_m + tl.arange(0, BLOCK_M)

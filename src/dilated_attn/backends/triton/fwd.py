@@ -69,6 +69,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, first, d
 def _fwd_kernel(
     Q, K, V, Out, Lse,
     TileOrder,  # int32 [tiles]: the (batch, head, segment) tile each position of the visiting order runs
+    CuSeqlens,  # with VARLEN, the packed sequences' offsets (common.sequence_of)
 
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -86,6 +87,7 @@ def _fwd_kernel(
     PRECISION: tl.constexpr,
     MAX_MEMBERS_BUCKET,  # the sweep's key only (a plain argument: a new bucket re-tunes, it does not recompile)
     ordered,  # visit tiles in TileOrder's order (else batch, head, segment: row-major)
+    VARLEN: tl.constexpr,  # packed sequences: the batch index runs over the sequences of CuSeqlens
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -96,8 +98,8 @@ def _fwd_kernel(
     tile = tl.program_id(0) // n_blocks
     if ordered != 0:
         tile = tl.load(TileOrder + tile)
-    b, h, kvh, first, n = segment_of(tile, N, seg_len, dilation, n_seg, head_lo, n_heads,
-                                     offset_div, offset_base, GROUP)
+    b, h, kvh, first, n = segment_of(tile, CuSeqlens, N, seg_len, dilation, n_seg, head_lo, n_heads,
+                                     offset_div, offset_base, GROUP, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m < n:
         offs_m = start_m + tl.arange(0, BLOCK_M)

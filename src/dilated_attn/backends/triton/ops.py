@@ -78,12 +78,24 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _common(q, k, segment_lengths, dilation_rates, split_heads):
+def _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens, max_seqlen):
+    """The branch table, the kernels' shared flags, and the batches or packed sequences the grid runs over."""
     B, N, H, D = q.shape
-    table = branch_table(segment_lengths, dilation_rates, N, H, "split" if split_heads else "all")
+    varlen = cu_seqlens is not None
+    # packed sequences: segments clipped to the longest sequence here, to each one's length in the kernels
+    table = branch_table(segment_lengths, dilation_rates, max_seqlen if varlen else N, H,
+                         "split" if split_heads else "all")
     tile_d = block_d(D)
-    meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=tile_d, EVEN_D=tile_d == D)
-    return table, meta
+    meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=tile_d, EVEN_D=tile_d == D, VARLEN=varlen)
+    sequences = cu_seqlens.numel() - 1 if varlen else B
+    return table, meta, sequences, max_seqlen if varlen else N
+
+
+def _unread_int32(device) -> torch.Tensor:
+    """An int32 argument the kernel never reads (the tile order when not ordered, the offsets without VARLEN).
+    A fresh tensor, not a view of another argument: under torch.compile, arguments aliasing a tensor the kernel
+    writes gave wrong results (the functionalised kernel's writes do not all reach the output)."""
+    return torch.empty(1, dtype=torch.int32, device=device)
 
 
 def covers_everything(br, n_heads: int) -> bool:
@@ -108,9 +120,36 @@ def triton_forward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale)
+
+
+@triton_op("dilated_attn::triton_varlen_forward", mutates_args=())
+def triton_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    split_heads: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences: q `[T, Hq, D]` -> out `[T, Hq, D]`, lse `[Hq, T]`; one launch per branch for the pack."""
+    if q.shape[0] == 0 or max_seqlen == 0:  # no token, or only empty sequences: nothing to launch
+        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+                torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device))
+    out, lse = _forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), segment_lengths, dilation_rates, split_heads,
+                        causal, scale, cu_seqlens.to(torch.int32), max_seqlen)
+    return out[0], lse[0]
+
+
+def _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, cu_seqlens=None, max_seqlen=0):
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     B, N, H, D = q.shape
-    table, meta = _common(q, k, segment_lengths, dilation_rates, split_heads)
+    table, meta, sequences, length = _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens,
+                                             max_seqlen)
     if covers_everything(table[0], H):  # the first branch writes every row: no fill needed
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
@@ -118,13 +157,16 @@ def triton_forward(
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, N), -math.inf, dtype=torch.float32, device=q.device)
     order = auto_tile_order(N, H, k.shape[2]) if TILE_ORDER == "auto" else TILE_ORDER
+    unread = _unread_int32(q.device)
     precision = _precision(q)
-    if torch.compiler.is_compiling():
-        order = "plain"  # the order tables are cached host-side objects, which a traced graph cannot hold
+    if torch.compiler.is_compiling() or cu_seqlens is not None:
+        # the order tables are cached host-side objects, which a traced graph cannot hold; packed sequences
+        # are visited in their order
+        order = "plain"
     for i, br in enumerate(table):
-        n_seg, max_members, bucket = _branch_geometry(br, N)
+        n_seg, max_members, bucket = _branch_geometry(br, length)
         n_heads = br.head_hi - br.head_lo
-        programs = B * n_heads * n_seg
+        programs = sequences * n_heads * n_seg
 
         def grid(m, programs=programs, max_members=max_members):
             return (programs * triton.cdiv(max_members, m["BLOCK_M"]),)
@@ -132,8 +174,8 @@ def triton_forward(
         ordered = order != "plain" and programs > 1
         launch(
             FORWARD, grid, make_key(q, precision, meta["BLOCK_D"], causal, max_members),
-            # not ordered: the table is never read; lse viewed as int32 gives the argument the table's type
-            q, k, v, out, lse, tile_order(order, B, n_heads, n_seg, q.device) if ordered else lse.view(torch.int32),
+            q, k, v, out, lse, tile_order(order, B, n_heads, n_seg, q.device) if ordered else unread,
+            unread if cu_seqlens is None else cu_seqlens,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -161,11 +203,43 @@ def triton_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal,
+                     scale)
+
+
+@triton_op("dilated_attn::triton_varlen_backward", mutates_args=())
+def triton_varlen_backward(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    split_heads: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.shape[0] == 0 or max_seqlen == 0:
+        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    dq, dk, dv = _backward(grad_out.unsqueeze(0), None if grad_lse is None else grad_lse.unsqueeze(0), q.unsqueeze(0),
+                           k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), segment_lengths,
+                           dilation_rates, split_heads, causal, scale, cu_seqlens.to(torch.int32), max_seqlen)
+    return dq[0], dk[0], dv[0]
+
+
+def _backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale,
+              cu_seqlens=None, max_seqlen=0):
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     grad_out, out = _rows_contiguous(grad_out.to(q.dtype)), _rows_contiguous(out)
     B, N, H, D = q.shape
     Hkv = k.shape[2]
-    table, meta = _common(q, k, segment_lengths, dilation_rates, split_heads)
+    table, meta, sequences, length = _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens,
+                                             max_seqlen)
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     has_dlse = grad_lse is not None
@@ -193,27 +267,28 @@ def triton_backward(
     )
     precision = _precision(q)
     flags = dict(CAUSAL=causal, PRECISION=precision, **meta)
+    offsets = _unread_int32(q.device) if cu_seqlens is None else cu_seqlens
     for i, br in enumerate(table):
-        n_seg, max_members, bucket = _branch_geometry(br, N)
+        n_seg, max_members, bucket = _branch_geometry(br, length)
         n_heads = br.head_hi - br.head_lo
         accumulate = int(i > 0 or not first_stores)  # an int (a bool argument would be an i1)
 
-        def kv_grid(m, programs=B * Hkv * n_seg, max_members=max_members):
+        def kv_grid(m, programs=sequences * Hkv * n_seg, max_members=max_members):
             return (programs * triton.cdiv(max_members, m["BLOCK_N"]),)
 
         key = make_key(q, precision, meta["BLOCK_D"], causal, max_members)
         launch(
-            DKDV, kv_grid, key, q, k, v, grad_out, lse, delta, dk, dv, *strides,
+            DKDV, kv_grid, key, q, k, v, grad_out, lse, delta, dk, dv, offsets, *strides,
             dk.stride(0), dk.stride(1), dk.stride(2),
             N, H, Hkv, br.seg_len, br.dilation, n_seg, br.head_lo, br.head_hi, br.offset_div, br.offset_base,
             max_members, accumulate, scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
         )
 
-        def q_grid(m, programs=B * n_heads * n_seg, max_members=max_members):
+        def q_grid(m, programs=sequences * n_heads * n_seg, max_members=max_members):
             return (programs * triton.cdiv(max_members, m["BLOCK_M"]),)
 
         launch(
-            DQ, q_grid, key, q, k, v, grad_out, lse, delta, dq, *strides,
+            DQ, q_grid, key, q, k, v, grad_out, lse, delta, dq, offsets, *strides,
             dq.stride(0), dq.stride(1), dq.stride(2),
             N, H, br.seg_len, br.dilation, n_seg, br.head_lo, n_heads, br.offset_div, br.offset_base, max_members,
             accumulate, scale, scale * LOG2E, MAX_MEMBERS_BUCKET=bucket, **flags,
@@ -222,6 +297,7 @@ def triton_backward(
 
 
 register_attention_autograd("dilated_attn::triton_forward", "triton_backward")
+register_attention_autograd("dilated_attn::triton_varlen_forward", "triton_varlen_backward")
 
 
 _prepared: set = set()

@@ -1,0 +1,216 @@
+"""dilated_attention_varlen: packed sequences equal one dilated_attention call per sequence (out, LSE, gradients),
+on every backend that runs them, and bad packs are refused (docs/SPEC.md,
+"Packed variable-length sequences (varlen)")."""
+
+import itertools
+
+import pytest
+import torch
+
+import dilated_attn
+from dilated_attn import backends
+from dilated_attn.reference import dilated_attention_reference
+
+HAS_CUDA = torch.cuda.is_available()
+TRITON_HERE = backends.TRITON.unavailable() is None and (HAS_CUDA or backends.triton.interpreting())
+
+# (lengths, Hq, Hkv, D, segment_lengths, dilation_rates, causal, head_groups): empty sequences, sequences shorter
+# than a segment (clipped to their own length) and than a dilation, GQA, both head groupings, a head dim that is
+# not a power of two, uncovered rows (split heads)
+CASES = [
+    ([5, 0, 17, 3, 40], 4, 2, 16, (8, 16), (1, 2), False, "all"),
+    ([5, 0, 17, 3, 40], 4, 2, 16, (8, 16), (1, 2), True, "split"),
+    ([33, 1, 0, 29], 6, 3, 24, (64, 8, 4), (4, 2, 1), True, "all"),
+    ([0, 0, 12, 0], 2, 1, 16, (4, 32), (2, 4), False, "split"),
+    ([70], 4, 4, 32, (16, 32), (1, 2), True, "all"),
+]
+
+
+def pack(lengths, heads, kv_heads, head_dim, dtype, device, seed=0, transposed=False):
+    """Random q, k, v of a pack (q non-contiguous with `transposed`) and its int32 offsets."""
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(h):
+        shape = (T, head_dim, h) if transposed else (T, h, head_dim)
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+        x = x.transpose(1, 2) if transposed else x
+        return x.to(device, dtype).requires_grad_()
+
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    return randn(heads), randn(kv_heads), randn(kv_heads), cu
+
+
+def grads(out, lse, inputs, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
+    gl = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.device, lse.dtype)
+    return torch.autograd.grad((out * go).sum() + (lse.masked_fill(~torch.isfinite(lse), 0) * gl).sum(), inputs)
+
+
+def per_sequence(q, k, v, cu, segs, dils, causal, head_groups, **kwargs):
+    """The spec's definition: dilated_attention on each sequence alone (B = 1), concatenated."""
+    outs, lses = [], []
+    bounds = cu.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            out, lse = dilated_attn.dilated_attention(q[None, start:end], k[None, start:end], v[None, start:end],
+                                                      segs, dils, causal=causal, head_groups=head_groups,
+                                                      return_lse=True, **kwargs)
+            outs.append(out[0])
+            lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def per_sequence_reference(q, k, v, cu, segs, dils, causal, head_groups, dtype=None):
+    """per_sequence with dilated_attention_reference in float64 (or computing in `dtype`)."""
+    split = {"compute_dtype": dtype} if dtype is not None else {}
+    outs, lses = [], []
+    bounds = cu.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            out, lse = dilated_attention_reference(q[None, start:end], k[None, start:end], v[None, start:end], segs,
+                                                   dils, causal=causal, head_groups=head_groups, **split)
+            outs.append(out[0])
+            lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def check_varlen(backend, dtype, device, case, transposed=False):
+    """varlen against the float64 per-sequence reference, with the error of the same reference computed in
+    `dtype` (2x, plus a few ulps) as the tolerance: the rule of tests/parity.py."""
+    from parity import FACTOR, FLOOR, GRAD_FLOOR
+
+    lengths, H, Hkv, D, segs, dils, causal, groups = case
+    q, k, v, cu = pack(lengths, H, Hkv, D, dtype, device, transposed=transposed)
+    if device == "cuda":
+        from parity import poison_allocator
+
+        poison_allocator()
+    out, lse = dilated_attn.dilated_attention_varlen(q, k, v, cu, segs, dils, causal=causal, head_groups=groups,
+                                                     return_lse=True, backend=backend)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert lse.shape == (H, q.shape[0]) and lse.dtype == torch.float32
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = per_sequence_reference(*x64, cu, segs, dils, causal, groups)
+    low = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    low_out, low_lse = per_sequence_reference(*low, cu, segs, dils, causal, groups, dtype=dtype)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), "covered positions differ"
+    assert (out.transpose(0, 1)[~finite] == 0).all(), "uncovered positions must be exactly 0"
+    assert err(out, ref_out) <= FACTOR * err(low_out, ref_out) + FLOOR[dtype]
+    assert err(lse[finite], ref_lse[finite]) <= FACTOR * err(low_lse[finite], ref_lse[finite]) + FLOOR[dtype]
+    for name, a, b, c in zip("qkv", grads(out, lse, (q, k, v)), grads(ref_out, ref_lse, x64),
+                             grads(low_out, low_lse, low)):
+        assert torch.isfinite(a).all(), f"grad {name} not finite"
+        size = max(b.abs().max().item() if b.numel() else 0.0, 1.0)
+        assert err(a, b) <= FACTOR * err(c, b) + GRAD_FLOOR[dtype] * size, f"grad {name}"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("case", CASES)
+def test_cpu_backends_equal_per_sequence_calls(backend, case):
+    """float64: varlen and the per-sequence calls of the same backend agree to rounding."""
+    lengths, H, Hkv, D, segs, dils, causal, groups = case
+    q, k, v, cu = pack(lengths, H, Hkv, D, torch.float64, "cpu", transposed=True)
+    out, lse = dilated_attn.dilated_attention_varlen(q, k, v, cu.long(), segs, dils, causal=causal,
+                                                     head_groups=groups, return_lse=True, backend=backend)
+    ref_out, ref_lse = per_sequence(q, k, v, cu, segs, dils, causal, groups, backend=backend)
+    assert out.shape == q.shape and lse.shape == (H, q.shape[0])
+    assert err(out, ref_out) <= 1e-12
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and err(lse[finite], ref_lse[finite]) <= 1e-12
+    for a, b in zip(grads(out, lse, (q, k, v)), grads(ref_out, ref_lse, (q, k, v))):
+        assert err(a, b) <= 1e-12
+
+
+@pytest.mark.skipif(HAS_CUDA or not TRITON_HERE, reason="Triton's interpreter, where there is no GPU")
+@pytest.mark.parametrize("case", CASES)
+def test_interpreter_triton_varlen(case):
+    """The Triton kernels' packed launches (one per branch for the whole pack), float32 under the interpreter."""
+    check_varlen("triton", torch.float32, "cpu", case, transposed=case[6])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_triton_varlen(case, dtype):
+    check_varlen("triton", dtype, "cuda", case, transposed=case[6])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_varlen_long_pack_and_compile():
+    """A pack with sequences longer than their segments, in bf16: eager equals torch.compile(fullgraph=True)
+    (max_seqlen given: nothing is read back), and backends without packed kernels say why."""
+    lengths = [3000, 17, 0, 5000, 1200]
+    q, k, v, cu = pack(lengths, 8, 2, 64, torch.bfloat16, "cuda")
+    segs, dils = [512, 1024, 2048], [1, 2, 4]
+
+    def run(q, k, v, cu):
+        return dilated_attn.dilated_attention_varlen(q, k, v, cu, segs, dils, max_seqlen=5000, causal=True,
+                                                     return_lse=True, backend="triton")
+
+    out, lse = run(q, k, v, cu)
+    ref_out, ref_lse = per_sequence(q, k, v, cu, segs, dils, True, "all", backend="triton")
+    assert err(out, ref_out) <= 2e-2 and err(lse, ref_lse) <= 1e-3
+    compiled = torch.compile(run, fullgraph=True)
+    c_out, c_lse = compiled(q, k, v, cu)
+    # under torch.compile the scale reaches the kernels as a float64 scalar: a few values round differently
+    torch.testing.assert_close(c_out, out, rtol=1e-2, atol=2e-3)
+    torch.testing.assert_close(c_lse, lse, rtol=1e-4, atol=1e-4)
+    for a, b in zip(grads(c_out, c_lse, (q, k, v)), grads(out, lse, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="packed sequences \\(varlen\\) are not implemented"):
+        dilated_attn.dilated_attention_varlen(q, k, v, cu, segs, dils, backend="cuda")
+
+
+def test_empty_pack():
+    q, k, v, cu = pack([0, 0], 2, 1, 8, torch.float32, "cpu")
+    for backend in ("cpu", "reference"):
+        out, lse = dilated_attn.dilated_attention_varlen(q, k, v, cu, [4], [1], return_lse=True, backend=backend)
+        assert out.shape == (0, 2, 8) and lse.shape == (2, 0)
+        assert all(g.shape == x.shape for g, x in zip(grads(out, lse, (q, k, v)), (q, k, v)))
+
+
+def _bad(**change):
+    q, k, v, cu = pack([3, 4], 2, 1, 8, torch.float32, "cpu")
+    args = dict(q=q, k=k, v=v, cu_seqlens=cu, segment_lengths=[4], dilation_rates=[1])
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(cu_seqlens=torch.tensor([0.0, 3.0, 7.0])), TypeError, "cu_seqlens must have dtype int32 or int64"),
+    (dict(cu_seqlens=[0, 3, 7]), TypeError, "cu_seqlens must be a torch.Tensor"),
+    (dict(cu_seqlens=torch.tensor([[0, 3, 7]])), ValueError, "cu_seqlens must be 1-D"),
+    (dict(cu_seqlens=torch.tensor([], dtype=torch.int64)), ValueError, "cu_seqlens must be 1-D with S \\+ 1 >= 1"),
+    (dict(cu_seqlens=torch.tensor([1, 3, 7])), ValueError, "cu_seqlens\\[0\\] must be 0"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 6])), ValueError, "cu_seqlens\\[-1\\] must be the total number of tokens"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 3, 7])), ValueError, "cu_seqlens must be non-decreasing"),
+    (dict(max_seqlen=3), ValueError, "max_seqlen \\(3\\) must be at least the longest sequence \\(4\\)"),
+    (dict(max_seqlen=4.0), TypeError, "max_seqlen must be an int"),
+    (dict(q=torch.randn(1, 7, 2, 8)), ValueError, "q must be 3-D \\[total_tokens, heads, head_dim\\]"),
+    (dict(k=torch.randn(6, 1, 8)), ValueError, "k and v must have the same shape, got k \\(6, 1, 8\\)"),
+    (dict(k=torch.randn(6, 1, 8), v=torch.randn(6, 1, 8)), ValueError, "k and v must have q's total number of tokens"),
+    (dict(k=torch.randn(7, 3, 8), v=torch.randn(7, 3, 8)), ValueError, "must be a multiple of k/v heads"),
+    (dict(segment_lengths=[4, 8]), ValueError, "segment_lengths and dilation_rates must have the same length"),
+])
+def test_bad_packs_raise_naming_the_argument(change, error, message):
+    with pytest.raises(error, match=message):
+        dilated_attn.dilated_attention_varlen(**_bad(**change))
+
+
+def test_varlen_flops_count_each_sequence_alone():
+    from dilated_attn.spec import flops, validate, validate_varlen
+
+    q, k, v, cu = pack([5, 0, 40], 2, 2, 8, torch.float32, "cpu")
+    packed = validate_varlen(q, k, v, cu, [16], [2])
+    alone = [validate(q[None, :n], k[None, :n], v[None, :n], [16], [2]) for n in (5, 40)]
+    assert flops(packed) == sum(flops(p) for p in alone) > 0
+    assert packed.max_seqlen == 40 and [b.seg_len for b in packed.branches] == [16]
