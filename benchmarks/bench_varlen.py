@@ -1,0 +1,97 @@
+"""Packed sequences on the GPU: a pack of 16 documents against one uniform sequence of the same tokens and against
+padding the pack to a batch.
+
+    python benchmarks/bench_varlen.py                 # bf16, H=16, D=128, LongNet branches
+    python benchmarks/bench_varlen.py --causal --out varlen.json
+
+Rows (each measured in this process, on the same GPU, forward and forward+backward):
+  pack      dilated_attention_varlen over 16 sequences of 1K-16K tokens, 128K in all (LENGTHS)
+  uniform   dilated_attention over one sequence of those 128K tokens ([1, 131072, H, D])
+  padded    dilated_attention over the pack padded to a batch of 16 x 16K ([16, 16384, H, D]): what a user
+            without varlen runs (padding keys then enter the short sequences' softmax: a cost only, not a result)
+TFLOP/s count each sequence with its own length (segments clipped to it: dilated_attn.spec.flops), so the pack's
+and the uniform sequence's rates compare the kernels' speed, and padded's rate counts only the pack's work.
+Times are medians of --repeats runs after --warmup (dilated_attn.benchmark.median_ms, L2 flushed), the providers
+timed in turn for --rounds rounds and the median of the round medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+
+import torch
+import triton
+
+import dilated_attn
+from dilated_attn.benchmark import LONGNET, Record, attention_call, median_ms, peak_memory_bytes, say
+from dilated_attn.spec import flops, validate, validate_varlen
+
+LENGTHS = [1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168, 10240, 6144]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/varlen_<device>.json)")
+    args = ap.parse_args(argv)
+    dtype, H, D = getattr(torch, args.dtype), args.heads, args.dim
+    dev = torch.cuda.get_device_name()
+    say(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}")
+    segs, dils = LONGNET
+    T, longest = sum(LENGTHS), max(LENGTHS)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, device="cuda", dtype=dtype).requires_grad_()
+
+    cu = torch.tensor([0, *itertools.accumulate(LENGTHS)], dtype=torch.int32, device="cuda")
+    packed = (randn(T, H, D), randn(T, H, D), randn(T, H, D), torch.randn(T, H, D, device="cuda", dtype=dtype))
+    uniform = tuple(x.detach().unsqueeze(0).requires_grad_(x.requires_grad) for x in packed)
+    padded = (randn(len(LENGTHS), longest, H, D), randn(len(LENGTHS), longest, H, D),
+              randn(len(LENGTHS), longest, H, D), torch.randn(len(LENGTHS), longest, H, D, device="cuda", dtype=dtype))
+    work = flops(validate_varlen(*packed[:3], cu, segs, dils, causal=args.causal))
+    providers = {
+        "pack": (lambda q, k, v: dilated_attn.dilated_attention_varlen(
+            q, k, v, cu, segs, dils, max_seqlen=longest, causal=args.causal, backend="triton"), packed, work),
+        "uniform": (lambda q, k, v: dilated_attn.dilated_attention(
+            q, k, v, segs, dils, causal=args.causal, backend="triton"), uniform,
+            flops(validate(*uniform[:3], segs, dils, causal=args.causal))),
+        "padded": (lambda q, k, v: dilated_attn.dilated_attention(
+            q, k, v, segs, dils, causal=args.causal, backend="triton"), padded, work),
+    }
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"varlen_{dev.replace(' ', '_')}.json")
+    record = Record("varlen_pack", "cuda", dict(lengths=LENGTHS, heads=H, head_dim=D, dtype=args.dtype,
+                                                causal=args.causal, segment_lengths=segs, dilation_rates=dils,
+                                                warmup=args.warmup, repeats=args.repeats, rounds=args.rounds),
+                    json_path=out)
+    for mode in ("fwd", "fwd+bwd"):
+        samples = {name: [] for name in providers}
+        for _ in range(args.rounds):
+            for name, (attention, inputs, _) in providers.items():
+                samples[name].append(median_ms(attention_call(attention, inputs, mode), "cuda", args.warmup,
+                                               args.repeats))
+        for name, (attention, inputs, count) in providers.items():
+            ms = statistics.median(samples[name])
+            rate = count * (3.5 if mode == "fwd+bwd" else 1.0) / ms / 1e9
+            extra = peak_memory_bytes(attention_call(attention, inputs, mode), "cuda")
+            record.add(dict(provider=name, mode=mode, median_ms=ms, tflops=rate, round_medians_ms=samples[name],
+                            extra_memory_gib=extra / 2**30))
+            say(f"{name:>8} {mode:>7}: {ms:8.3f} ms  {rate:6.1f} TFLOP/s  extra {extra / 2**30:.2f} GiB")
+        rows = {r["provider"]: r for r in record.rows if r["mode"] == mode}
+        say(f"{mode}: pack / uniform rate {rows['pack']['tflops'] / rows['uniform']['tflops']:.3f}; "
+            f"padded / pack time {rows['padded']['median_ms'] / rows['pack']['median_ms']:.2f}")
+    record.close()
+
+
+if __name__ == "__main__":
+    main()
