@@ -2,7 +2,7 @@
 
 from .backends.compiled import build_info
 from .dispatch import explain
-from .functional import dilated_attention, dilated_attention_varlen
+from .functional import dilated_attention, dilated_attention_varlen, dilated_attention_with_kvcache
 from .nn import DilatedAttention, MultiheadDilatedAttention
 from .ring import ring_attention, shard, unshard
 
@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 __all__ = [
     "dilated_attention",
     "dilated_attention_varlen",
+    "dilated_attention_with_kvcache",
     "explain",
     "ring_attention",
     "shard",

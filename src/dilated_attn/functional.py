@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from . import dispatch
-from .spec import validate, validate_varlen
+import torch
+
+from .spec import validate, validate_kvcache, validate_varlen
 
 
 def dilated_attention(
@@ -98,4 +100,60 @@ def dilated_attention_varlen(
         backend=backend,
     )
     out, lse = dispatch.select(p, backend).forward_varlen(q, k, v, p)
+    return (out, lse) if return_lse else out
+
+
+def dilated_attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    segment_lengths,
+    dilation_rates,
+    *,
+    k=None,
+    v=None,
+    scale=None,
+    head_groups="all",
+    return_lse=False,
+    backend="auto",
+):
+    """Dilated attention for decoding with a KV cache, like flash-attn's `flash_attn_with_kvcache` (docs/SPEC.md,
+    "Decoding with a KV cache"). Inference only.
+
+    Args:
+        q: `[B, Sq, Hq, D]`, the `Sq >= 1` new tokens (1 for a decode step; more for chunked prefill or
+            speculative decoding).
+        k_cache, v_cache: `[B, Nmax, Hkv, D]`.
+        cache_seqlens: how many tokens each batch element has cached: an int, or an integer tensor `[B]` (its
+            values are read back to the host).
+        k, v: `[B, Sq, Hkv, D]` or None. When given they are first written into the cache, in place, at rows
+            `cache_seqlens[b] + i`.
+        The other arguments are those of `dilated_attention`.
+
+    Returns:
+        `out` `[B, Sq, Hq, D]`, or `(out, lse)` with `lse` `[B, Hq, Sq]`: new query i of batch element b is row
+        `P = cache_seqlens[b] + i` of `dilated_attention(..., causal=True)` over the cache's first P + 1 rows.
+    """
+    cp = validate_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        segment_lengths,
+        dilation_rates,
+        k=k,
+        v=v,
+        scale=scale,
+        head_groups=head_groups,
+        return_lse=return_lse,
+        backend=backend,
+    )
+    chosen = dispatch.select(cp.problem, backend)
+    with torch.no_grad():
+        if k is not None:
+            for b, cached in enumerate(cp.cache_seqlens):
+                k_cache[b, cached:cached + cp.new_tokens] = k[b]
+                v_cache[b, cached:cached + cp.new_tokens] = v[b]
+        out, lse = chosen.forward_kvcache(q, k_cache, v_cache, cp)
     return (out, lse) if return_lse else out

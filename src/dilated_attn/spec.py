@@ -282,6 +282,82 @@ def validate_varlen(
     return dataclasses.replace(p, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
 
 
+@dataclass(frozen=True)
+class CacheProblem:
+    """Validated arguments of one dilated_attention_with_kvcache call: the problem of the longest prefix a new
+    token attends over (batch 1, causal; what dispatch decides on) and each batch element's cached length."""
+
+    problem: Problem
+    cache_seqlens: tuple[int, ...]
+    new_tokens: int
+
+
+def validate_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    segment_lengths,
+    dilation_rates,
+    *,
+    k=None,
+    v=None,
+    scale=None,
+    head_groups="all",
+    return_lse=False,
+    backend="auto",
+) -> CacheProblem:
+    """The KV-cache call's checks (docs/SPEC.md, "Decoding with a KV cache"). `cache_seqlens` is read to the host
+    (a tensor's values are copied back), so that a cache too short for the new tokens is a ValueError."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if x is None and name in ("k", "v"):
+            continue
+        _check_tensor(name, x)
+        if x.requires_grad:
+            raise ValueError(f"{name} requires grad: dilated_attention_with_kvcache is inference only (call it "
+                             f"under torch.no_grad(), or detach {name})")
+    if (k is None) != (v is None):
+        raise ValueError("k and v go together: give both (written into the cache first) or neither")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if x is not None and (x.device != q.device or x.dtype != q.dtype):
+            raise ValueError(f"{name} must have q's device and dtype ({q.device}, {q.dtype}), got {x.device}, "
+                             f"{x.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    B, Sq, Hq, D = q.shape
+    _, Nmax, Hkv, Dc = k_cache.shape
+    if k_cache.shape[0] != B or Dc != D:
+        raise ValueError(f"k_cache must be [B={B}, Nmax, Hkv, D={D}] for q of shape {tuple(q.shape)}, got "
+                         f"{tuple(k_cache.shape)}")
+    if Sq < 1:
+        raise ValueError(f"q must hold at least one new token (q.shape[1] >= 1), got {Sq}")
+    for name, x in (("k", k), ("v", v)):
+        if x is not None and tuple(x.shape) != (B, Sq, Hkv, D):
+            raise ValueError(f"{name} must be [B, Sq, Hkv, D] = {(B, Sq, Hkv, D)}, got {tuple(x.shape)}")
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cache_seqlens must be an int or an int32/int64 tensor, got dtype {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (B,):
+            raise ValueError(f"cache_seqlens must have shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
+        lengths = [int(n) for n in cache_seqlens.tolist()]
+    elif _is_int(cache_seqlens):
+        lengths = [int(cache_seqlens)] * B
+    else:
+        raise TypeError(f"cache_seqlens must be an int or an integer tensor [B], got {type(cache_seqlens).__name__}")
+    for b, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch element {b}")
+        if n + Sq > Nmax:
+            raise ValueError(f"the cache is too short: cache_seqlens + Sq = {n} + {Sq} > Nmax = {Nmax} (batch "
+                             f"element {b}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
+    longest = max(lengths) + Sq
+    p = validate(q[:1, :1].expand(1, longest, Hq, D), k_cache[:1, :longest], v_cache[:1, :longest], segment_lengths,
+                 dilation_rates, causal=True, scale=scale, head_groups=head_groups, return_lse=return_lse,
+                 backend=backend)
+    return CacheProblem(p, tuple(lengths), Sq)
+
+
 def sequence_problem(packed: Problem, length: int) -> Problem:
     """The problem of one sequence (batch 1, `length` rows) of a pack."""
     return dataclasses.replace(packed, seq_len=length, cu_seqlens=None, max_seqlen=None)

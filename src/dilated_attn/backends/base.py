@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..spec import Problem, dtype_name, lse_dtype, sequence_problem
+from ..spec import CacheProblem, Problem, dtype_name, lse_dtype, sequence_problem
 
 __all__ = ["Backend"]
 
@@ -88,6 +88,22 @@ class Backend:
             out = q * 0 + (k.sum() + v.sum()) * 0
             return out, (out.sum(-1) * 0).T.to(lse_dtype(q.dtype))
         return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def forward_kvcache(self, q, k_cache, v_cache, cp: CacheProblem):
+        """Decoding (dilated_attention_with_kvcache, the cache already written): `(out [B, Sq, Hq, D],
+        lse [B, Hq, Sq])`. Here each batch element's new queries are the last rows of a causal forward over its
+        cache prefix (the rows before them computed and dropped: O(prefix) work per call)."""
+        B, Sq, H, D = q.shape
+        outs, lses = [], []
+        for b, cached in enumerate(cp.cache_seqlens):
+            length = cached + Sq
+            rows = q.new_zeros((1, length, H, D))
+            rows[0, cached:] = q[b]
+            out, lse = self.forward(rows, k_cache[b:b + 1, :length], v_cache[b:b + 1, :length],
+                                    sequence_problem(cp.problem, length))
+            outs.append(out[:, cached:])
+            lses.append(lse[:, :, cached:])
+        return torch.cat(outs), torch.cat(lses)
 
     def __repr__(self) -> str:
         return f"<dilated_attn backend {self.name!r}>"

@@ -1,0 +1,116 @@
+"""dilated_attention_with_kvcache: decoding step by step equals the rows of full causal attention, the cache is
+written only where told, and bad calls are refused (docs/SPEC.md, "Decoding with a KV cache")."""
+
+import pytest
+import torch
+
+import dilated_attn
+from dilated_attn import backends
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED_TRITON = not HAS_CUDA and backends.TRITON.unavailable() is None and backends.triton.interpreting()
+
+SEGS, DILS = [8, 16, 32], [1, 2, 4]
+
+
+def sequence(B, N, Hq, Hkv, D, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, N, h, D, generator=g, dtype=torch.float64).to(device, dtype) for h in (Hq, Hkv, Hkv)]
+
+
+def decode_matches_full(backend, dtype, device, Sq, write, per_batch, head_groups, atol):
+    """Decode N tokens Sq at a time (into an empty cache with `write`, else over a prefilled one), each step
+    against the rows of one causal call over the whole sequence; the cache rows past the written ones, NaN
+    from the start, must stay NaN and not reach any result."""
+    B, N, Hq, Hkv, D, Nmax = 2, 45, 4, 2, 16, 64
+    q, k, v = sequence(B, N, Hq, Hkv, D, dtype, device)
+    full, full_lse = dilated_attn.dilated_attention(q, k, v, SEGS, DILS, causal=True, head_groups=head_groups,
+                                                    return_lse=True, backend=backend)
+    k_cache = torch.full((B, Nmax, Hkv, D), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    if not write:
+        k_cache[:, :N], v_cache[:, :N] = k, v
+    # per_batch: batch element 0 runs 4 tokens ahead of element 1 (cache_seqlens a tensor), those 4 prefilled
+    lag = 4 if per_batch else 0
+    k_cache[0, :lag], v_cache[0, :lag] = k[0, :lag], v[0, :lag]
+    for start in range(0, N - lag, Sq):
+        n = min(Sq, N - lag - start)
+        positions = [start, start + lag][::-1] if per_batch else [start, start]
+        cached = torch.tensor(positions, device=device) if per_batch else start
+        rows = [slice(p, p + n) for p in positions]
+        new_q = torch.stack([q[b, rows[b]] for b in range(B)])
+        kv = {}
+        if write:
+            kv = dict(k=torch.stack([k[b, rows[b]] for b in range(B)]),
+                      v=torch.stack([v[b, rows[b]] for b in range(B)]))
+        out, lse = dilated_attn.dilated_attention_with_kvcache(new_q, k_cache, v_cache, cached, SEGS, DILS,
+                                                               head_groups=head_groups, return_lse=True,
+                                                               backend=backend, **kv)
+        assert out.shape == new_q.shape and lse.shape == (B, Hq, n)
+        for b in range(B):
+            torch.testing.assert_close(out[b], full[b, rows[b]], atol=atol, rtol=0)
+            want = full_lse[b, :, rows[b]]
+            assert torch.equal(torch.isfinite(lse[b]), torch.isfinite(want))
+            torch.testing.assert_close(lse[b][torch.isfinite(want)], want[torch.isfinite(want)], atol=atol, rtol=0)
+    for b in range(B):
+        end = N if (not write or b == 0) else N - lag
+        assert torch.isnan(k_cache[b, end:]).all() and torch.isnan(v_cache[b, end:]).all(), "rows past the written"
+        torch.testing.assert_close(k_cache[b, :end], k[b, :end], atol=0, rtol=0)
+
+
+CPU_CASES = [(Sq, write, per_batch, groups) for Sq, write, per_batch, groups in
+             [(1, True, False, "all"), (3, True, True, "all"), (5, False, False, "split"), (1, False, True, "split")]]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("Sq, write, per_batch, head_groups", CPU_CASES)
+def test_decode_equals_full_causal_rows(backend, Sq, write, per_batch, head_groups):
+    decode_matches_full(backend, torch.float64, "cpu", Sq, write, per_batch, head_groups, atol=1e-12)
+
+
+@pytest.mark.skipif(not INTERPRETED_TRITON, reason="Triton's interpreter, where there is no GPU")
+@pytest.mark.parametrize("Sq, write, per_batch, head_groups", CPU_CASES[:2])
+def test_interpreter_triton_decode(Sq, write, per_batch, head_groups):
+    decode_matches_full("triton", torch.float32, "cpu", Sq, write, per_batch, head_groups, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("Sq, write, per_batch, head_groups", CPU_CASES)
+def test_gpu_triton_decode(dtype, atol, Sq, write, per_batch, head_groups):
+    decode_matches_full("triton", dtype, "cuda", Sq, write, per_batch, head_groups, atol=atol)
+
+
+def _call(**change):
+    B, Sq, H, Hkv, D, Nmax = 2, 1, 4, 2, 8, 10
+    args = dict(q=torch.randn(B, Sq, H, D), k_cache=torch.zeros(B, Nmax, Hkv, D), v_cache=torch.zeros(B, Nmax, Hkv, D),
+                cache_seqlens=3, segment_lengths=[4], dilation_rates=[1])
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(cache_seqlens=10), ValueError, "the cache is too short: cache_seqlens \\+ Sq = 10 \\+ 1 > Nmax = 10"),
+    (dict(cache_seqlens=torch.tensor([2, 10])), ValueError, "the cache is too short.*batch element 1"),
+    (dict(cache_seqlens=-1), ValueError, "cache_seqlens must be >= 0"),
+    (dict(cache_seqlens=torch.tensor([2.0, 3.0])), TypeError, "cache_seqlens must be an int or an int32/int64"),
+    (dict(cache_seqlens=torch.tensor([2, 3, 4])), ValueError, "cache_seqlens must have shape \\[B\\] = \\(2,\\)"),
+    (dict(cache_seqlens=2.5), TypeError, "cache_seqlens must be an int or an integer tensor"),
+    (dict(q=torch.randn(2, 1, 4, 8, requires_grad=True)), ValueError, "q requires grad: .* inference only"),
+    (dict(k=torch.randn(2, 1, 2, 8, requires_grad=True), v=torch.randn(2, 1, 2, 8)), ValueError,
+     "k requires grad"),
+    (dict(k=torch.randn(2, 1, 2, 8)), ValueError, "k and v go together"),
+    (dict(k=torch.randn(2, 2, 2, 8), v=torch.randn(2, 2, 2, 8)), ValueError, "k must be \\[B, Sq, Hkv, D\\]"),
+    (dict(v_cache=torch.zeros(2, 11, 2, 8)), ValueError, "k_cache and v_cache must have the same shape"),
+    (dict(k_cache=torch.zeros(3, 10, 2, 8), v_cache=torch.zeros(3, 10, 2, 8)), ValueError, "k_cache must be \\[B=2"),
+    (dict(k_cache=torch.zeros(2, 10, 3, 8), v_cache=torch.zeros(2, 10, 3, 8)), ValueError, "multiple of k/v heads"),
+    (dict(v_cache=torch.zeros(2, 10, 2, 8, dtype=torch.float64)), ValueError, "v_cache must have q's device and dtype"),
+    (dict(q=torch.randn(2, 0, 4, 8)), ValueError, "at least one new token"),
+])
+def test_bad_calls_raise_naming_the_argument(change, error, message):
+    args = _call(**change)
+    before = args["k_cache"].clone()
+    with pytest.raises(error, match=message):
+        dilated_attn.dilated_attention_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], before), "a refused call wrote the cache"
