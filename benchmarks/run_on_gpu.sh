@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
 # JSON go under $OUT (default ./gpu_out).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tune|first_call|varlen|tile_order|ncu|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tune|first_call|varlen|decode|tile_order|ncu|all]...
 #   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
 #   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS};
 #        NCU_KERNELS, NCU_COUNT: the kernel regex and count, e.g. for NCU_ARGS="--backend cudnn")
@@ -9,6 +9,7 @@
 #   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
 #   tune: benchmarks/tune.py ${TUNE_ARGS} (the full sweep, merged into the source tree's tuned_configs.json when run
 #         with SKIP_BUILD=1 on a fresh machine, else into the installed package's; copied to $OUT either way)
+#   decode: benchmarks/bench_decode.py ${DECODE_ARGS} (KV-cache decoding against the copy bandwidth)
 #   varlen: benchmarks/bench_varlen.py ${VARLEN_ARGS} (a pack of 16 sequences against uniform and padded batches)
 #   first_call: benchmarks/first_call.py ${FIRST_ARGS} (first calls with an empty and a warm Triton cache)
 #   main: `python -m dilated_attn` and a GPU run of examples/train_longnet.py (loss curve as JSON)
@@ -56,6 +57,8 @@ for stage in $stages; do
     first_call)
       python3 benchmarks/first_call.py ${FIRST_ARGS:-} --out "$OUT/first_call.json" --log "$OUT/first_call_main.log" \
         2>&1 | tee "$OUT/first_call.log" ;;
+    decode)
+      python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
     varlen)
       python3 benchmarks/bench_varlen.py ${VARLEN_ARGS:-} --out "$OUT/varlen.json" 2>&1 | tee "$OUT/varlen.log" ;;
     tile_order)

@@ -69,7 +69,7 @@ def test_decode_equals_full_causal_rows(backend, Sq, write, per_batch, head_grou
 
 
 @pytest.mark.skipif(not INTERPRETED_TRITON, reason="Triton's interpreter, where there is no GPU")
-@pytest.mark.parametrize("Sq, write, per_batch, head_groups", CPU_CASES[:2])
+@pytest.mark.parametrize("Sq, write, per_batch, head_groups", CPU_CASES)
 def test_interpreter_triton_decode(Sq, write, per_batch, head_groups):
     decode_matches_full("triton", torch.float32, "cpu", Sq, write, per_batch, head_groups, atol=1e-5)
 

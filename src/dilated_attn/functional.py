@@ -152,8 +152,14 @@ def dilated_attention_with_kvcache(
     chosen = dispatch.select(cp.problem, backend)
     with torch.no_grad():
         if k is not None:
-            for b, cached in enumerate(cp.cache_seqlens):
-                k_cache[b, cached:cached + cp.new_tokens] = k[b]
-                v_cache[b, cached:cached + cp.new_tokens] = v[b]
+            n = cp.new_tokens
+            if len(set(cp.cache_seqlens)) == 1:  # one slice of every batch element
+                first = cp.cache_seqlens[0]
+                k_cache[:, first:first + n] = k
+                v_cache[:, first:first + n] = v
+            else:
+                for b, cached in enumerate(cp.cache_seqlens):
+                    k_cache[b, cached:cached + n] = k[b]
+                    v_cache[b, cached:cached + n] = v[b]
         out, lse = chosen.forward_kvcache(q, k_cache, v_cache, cp)
     return (out, lse) if return_lse else out

@@ -288,8 +288,9 @@ class CacheProblem:
     token attends over (batch 1, causal; what dispatch decides on) and each batch element's cached length."""
 
     problem: Problem
-    cache_seqlens: tuple[int, ...]
+    cache_seqlens: tuple[int, ...]  # read to the host
     new_tokens: int
+    given_seqlens: object  # cache_seqlens as the caller gave it: an int, or a tensor [B] kernels may read
 
 
 def validate_kvcache(
@@ -355,7 +356,7 @@ def validate_kvcache(
     p = validate(q[:1, :1].expand(1, longest, Hq, D), k_cache[:1, :longest], v_cache[:1, :longest], segment_lengths,
                  dilation_rates, causal=True, scale=scale, head_groups=head_groups, return_lse=return_lse,
                  backend=backend)
-    return CacheProblem(p, tuple(lengths), Sq)
+    return CacheProblem(p, tuple(lengths), Sq, cache_seqlens)
 
 
 def sequence_problem(packed: Problem, length: int) -> Problem:

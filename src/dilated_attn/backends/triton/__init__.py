@@ -120,6 +120,11 @@ class TritonBackend(Backend):
             _ops.prepare(q, k, v, p, backward=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
         return super().forward(q, k, v, p)
 
+    def forward_kvcache(self, q, k_cache, v_cache, cp):
+        # one launch for every branch and new token (decode.py), instead of a forward over each prefix
+        self.ops()
+        return _ops.decode(q, k_cache, v_cache, cp.given_seqlens, cp)
+
     def forward_varlen(self, q, k, v, p):
         # the whole pack in each launch: a program per (sequence, head, segment, block), no padding copies
         self.ops()

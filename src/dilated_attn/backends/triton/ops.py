@@ -13,13 +13,14 @@ import os
 
 import torch
 import triton
-from torch.library import triton_op
+from torch.library import triton_op, wrap_triton
 
 from ...hilbert import hilbert_index
 from ...spec import branch_table
 from ..autograd import register_attention_autograd
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel
+from .decode import _decode_combine_kernel, _decode_kernel
 from .configs import launch, launch_plain, make_key
 from .fwd import FORWARD
 
@@ -331,3 +332,66 @@ def prepare(q, k, v, p, backward: bool) -> None:
     what = str(q.dtype).removeprefix("torch.") + (f" ({precision} products)" if q.dtype == torch.float32 else "")
     configs.precompile(collect_launches(q, k, v, p, backward),
                        f"{what}, head dim {p.head_dim}{', causal' if p.causal else ''}")
+
+
+# The decode kernel's block of keys and warps (benchmarks/bench_decode.py --sweep measures the choices)
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4)
+DECODE_PROGRAMS = 4096  # programs the decode kernel aims for: each query's keys are split into shares to reach it
+
+
+@functools.lru_cache(maxsize=64)
+def _branch_rows(segment_lengths: tuple, dilation_rates: tuple, n_heads: int, head_groups: str,
+                 device: torch.device) -> torch.Tensor:
+    """The decode kernel's int32 branch table. Segments are not clipped: a causal row's segment starts at
+    (P // w) * w whatever the sequence's length (decode.py)."""
+    table = branch_table(segment_lengths, dilation_rates, max(segment_lengths), n_heads, head_groups)
+    rows = [[br.seg_len, br.dilation, br.head_lo, br.head_hi, br.offset_div, br.offset_base] for br in table]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+@triton_op("dilated_attn::triton_decode", mutates_args=())
+def triton_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
+    cache_len: int,
+    branches: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New queries q `[B, Sq, Hq, D]` at positions cache_seqlens[b] + i (cache_len + i without cache_seqlens)
+    over the cache: (out, lse `[B, Hq, Sq]`), every branch in one launch (decode.py)."""
+    B, Sq, H, D = q.shape
+    q = _rows_contiguous(q)
+    out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    queries, tile_d = B * H * Sq, block_d(D)
+    # enough shares of each query's keys for DECODE_PROGRAMS programs in all (a power of two, for the combine)
+    splits = 2 if interpreting() else min(64, triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS, queries)))
+    stats = torch.empty((queries, splits, 2), dtype=torch.float32, device=q.device)
+    partial = torch.empty((queries, splits, tile_d), dtype=torch.float32, device=q.device)
+    wrap_triton(_decode_kernel)[(queries, splits)](
+        q, k_cache, v_cache, stats, partial, branches if cache_seqlens is None else cache_seqlens, branches,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        Sq, H, branches.shape[0], cache_len, k_cache.shape[1] - 1, scale * LOG2E, H // k_cache.shape[2], D,
+        PER_BATCH=cache_seqlens is not None, BLOCK_D=tile_d,
+        **(dict(BLOCK_N=16, num_warps=1) if interpreting() else DECODE_CONFIG),
+    )
+    wrap_triton(_decode_combine_kernel)[(queries,)](
+        stats, partial, out, lse, out.stride(0), out.stride(1), out.stride(2), Sq, H, D, SPLITS=splits,
+        BLOCK_D=tile_d, num_warps=4,
+    )
+    return out, lse
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, cp):
+    """dilated_attention_with_kvcache's computation on the Triton backend (the cache already written);
+    `cache_seqlens` as the caller gave it (an int, or a tensor [B] the kernel reads)."""
+    p = cp.problem
+    branches = _branch_rows(p.segment_lengths, p.dilation_rates, p.num_heads, p.head_groups, q.device)
+    k_cache, v_cache = _rows_contiguous(k_cache), _rows_contiguous(v_cache)
+    if isinstance(cache_seqlens, torch.Tensor):
+        return triton_decode(q, k_cache, v_cache, cache_seqlens.to(q.device), 0, branches, p.scale)
+    return triton_decode(q, k_cache, v_cache, None, cache_seqlens, branches, p.scale)

@@ -1,0 +1,153 @@
+"""Decoding with a KV cache on the GPU: one new token per sequence against the bytes it must read.
+
+    python benchmarks/bench_decode.py                  # B=16, Hq=16, Hkv=4, D=128, 64K tokens in all, bf16
+    python benchmarks/bench_decode.py --cached 16384 --sq 4
+
+Rows:
+  decode     dilated_attn.dilated_attention_with_kvcache (backend triton: one launch for every branch), the
+             whole call as a user makes it (validation and the cache write of the new k, v included)
+  kernel     the decode op alone (dilated_attn::triton_decode), captured in a CUDA graph and replayed: the GPU's
+             time without the host's
+  recompute  dilated_attention over the whole prefix, causal, for the new token's row (what a model without a
+             cache path does; run once per batch element's prefix as one batch)
+The yardstick: the bytes of cached K and V the new tokens attend to (the union of their member rows over the
+branches and the query heads of each kv head, read once) over the device's copy bandwidth, measured here as
+bytes read + written per second by a 1 GiB device-to-device copy. Times are medians of --repeats runs after
+--warmup (dilated_attn.benchmark.median_ms, L2 flushed before each run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import triton
+
+import dilated_attn
+from dilated_attn.benchmark import LONGNET, Record, median_ms, say
+from dilated_attn.spec import branch_table
+
+
+def attended_rows(position: int, segs, dils, heads: int, kv_heads: int, head_groups: str) -> list[int]:
+    """Per kv head, how many distinct cache rows the query heads of that kv head read for a token at `position`."""
+    table = branch_table(segs, dils, max(segs), heads, head_groups)
+    group = heads // kv_heads
+    counts = []
+    for kvh in range(kv_heads):
+        rows = set()
+        for h in range(kvh * group, (kvh + 1) * group):
+            for br in table:
+                if not br.head_lo <= h < br.head_hi:
+                    continue
+                start = position // br.seg_len * br.seg_len
+                offset = br.offset(h)
+                if (position - start) % br.dilation == offset:
+                    rows.update(range(start + offset, position + 1, br.dilation))
+        counts.append(len(rows))
+    return counts
+
+
+def copy_bandwidth(warmup: int, repeats: int) -> float:
+    """Bytes read + written per second by a device-to-device copy of 1 GiB."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), "cuda", warmup, repeats)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--cached", type=int, default=65535,
+                    help="tokens already in the cache (default 65535: the new token, the 65536th, ends a segment of "
+                         "every branch and attends to the most keys)")
+    ap.add_argument("--sq", type=int, default=1, help="new tokens per call")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--sweep", action="store_true",
+                    help="first time the kernel (CUDA graph) for each block of keys and warp count, and keep the best")
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode_<device>.json)")
+    args = ap.parse_args(argv)
+    B, H, Hkv, D, Sq, cached = args.batch, args.heads, args.kv_heads, args.dim, args.sq, args.cached
+    dtype = getattr(torch, args.dtype)
+    dev = torch.cuda.get_device_name()
+    say(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}")
+    segs, dils = LONGNET
+    bandwidth = copy_bandwidth(args.warmup, args.repeats)
+    say(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Nmax = cached + Sq
+    k_cache = torch.randn(B, Nmax, Hkv, D, generator=g, device="cuda", dtype=dtype)
+    v_cache = torch.randn(B, Nmax, Hkv, D, generator=g, device="cuda", dtype=dtype)
+    q = torch.randn(B, Sq, H, D, generator=g, device="cuda", dtype=dtype)
+    k_new = k_cache[:, cached:].clone()
+    v_new = v_cache[:, cached:].clone()
+    rows = sum(sum(attended_rows(cached + i, segs, dils, H, Hkv, "all")) for i in range(Sq))
+    attended = B * rows * 2 * D * k_cache.element_size()  # K and V rows; a row read once for its kv head's heads
+    ideal_ms = attended / bandwidth * 1e3
+    say(f"attended K/V: {attended / 2**20:.1f} MiB per call -> {ideal_ms * 1e3:.1f} us at the copy bandwidth")
+
+    def decode():
+        dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new,
+                                                    backend="triton")
+
+    from dilated_attn.backends.triton import ops
+    from dilated_attn.spec import validate_kvcache
+
+    cp = validate_kvcache(q, k_cache, v_cache, cached, segs, dils)
+
+    def captured():
+        ops.decode(q, k_cache, v_cache, cached, cp)  # compiled before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ops.decode(q, k_cache, v_cache, cached, cp)
+        return graph
+
+    sweep = {}
+    if args.sweep:
+        for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8), (256, 16)):
+            ops.DECODE_CONFIG = dict(BLOCK_N=block_n, num_warps=warps)
+            graph = captured()
+            name = f"BLOCK_N={block_n}, num_warps={warps}"
+            sweep[name] = median_ms(graph.replay, "cuda", args.warmup, args.repeats)
+            say(f"  kernel, {name}: {sweep[name] * 1e3:8.1f} us")
+        best = min(sweep, key=sweep.get)
+        ops.DECODE_CONFIG = {k: int(v) for k, v in (kv.split("=") for kv in best.split(", "))}
+    graph = captured()
+
+    def kernel():
+        graph.replay()
+
+    q_full = torch.randn(B, Nmax, H, D, generator=g, device="cuda", dtype=dtype)
+
+    def recompute():
+        dilated_attn.dilated_attention(q_full, k_cache, v_cache, segs, dils, causal=True, backend="triton")
+
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"decode_{dev.replace(' ', '_')}.json")
+    record = Record("kvcache_decode", "cuda", dict(batch=B, heads=H, kv_heads=Hkv, head_dim=D, cached=cached, sq=Sq,
+                                                   dtype=args.dtype, segment_lengths=segs, dilation_rates=dils,
+                                                   warmup=args.warmup, repeats=args.repeats),
+                    json_path=out, copy_bandwidth_gbs=bandwidth / 1e9, attended_bytes=attended,
+                    ideal_us=ideal_ms * 1e3, kernel_config=dict(ops.DECODE_CONFIG),
+                    kernel_sweep_us={k: v * 1e3 for k, v in sweep.items()})
+    with torch.no_grad():
+        times = {}
+        for name, fn, repeats in (("decode", decode, args.repeats), ("kernel", kernel, args.repeats),
+                                  ("recompute", recompute, max(3, args.repeats // 20))):
+            times[name] = median_ms(fn, "cuda", args.warmup if name != "recompute" else 2, repeats)
+            record.add(dict(provider=name, median_us=times[name] * 1e3, over_ideal=times[name] / ideal_ms))
+            say(f"{name:>9}: {times[name] * 1e3:10.1f} us  ({times[name] / ideal_ms:.2f}x the copy-bandwidth time)")
+    say(f"decode is {times['recompute'] / times['decode']:.0f}x faster than recomputing the prefix")
+    record.set(speedup_over_recompute=times["recompute"] / times["decode"])
+    record.close()
+
+
+if __name__ == "__main__":
+    main()
