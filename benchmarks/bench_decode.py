@@ -19,6 +19,7 @@ bytes read + written per second by a 1 GiB device-to-device copy. Times are medi
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import torch
@@ -109,16 +110,21 @@ def main(argv=None) -> None:
             ops.decode(q, k_cache, v_cache, cached, cp)
         return graph
 
-    sweep = {}
+    sweep, choices = {}, {}
     if args.sweep:
-        for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8), (256, 16)):
-            ops.DECODE_CONFIG = dict(BLOCK_N=block_n, num_warps=warps)
-            graph = captured()
-            name = f"BLOCK_N={block_n}, num_warps={warps}"
+        for programs, block_n, warps, stages in itertools.product((1024, 4096, 16384), (16, 32, 64), (2, 4), (1, 2)):
+            ops.DECODE_PROGRAMS = programs
+            ops.DECODE_CONFIG = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            name = f"programs={programs}, BLOCK_N={block_n}, num_warps={warps}, num_stages={stages}"
+            try:
+                graph = captured()
+            except triton.runtime.errors.OutOfResources as exc:
+                say(f"  kernel, {name}: skipped ({exc})")
+                continue
             sweep[name] = median_ms(graph.replay, "cuda", args.warmup, args.repeats)
+            choices[name] = (programs, dict(ops.DECODE_CONFIG))
             say(f"  kernel, {name}: {sweep[name] * 1e3:8.1f} us")
-        best = min(sweep, key=sweep.get)
-        ops.DECODE_CONFIG = {k: int(v) for k, v in (kv.split("=") for kv in best.split(", "))}
+        ops.DECODE_PROGRAMS, ops.DECODE_CONFIG = choices[min(sweep, key=sweep.get)]
     graph = captured()
 
     def kernel():
@@ -135,7 +141,7 @@ def main(argv=None) -> None:
                                                    dtype=args.dtype, segment_lengths=segs, dilation_rates=dils,
                                                    warmup=args.warmup, repeats=args.repeats),
                     json_path=out, copy_bandwidth_gbs=bandwidth / 1e9, attended_bytes=attended,
-                    ideal_us=ideal_ms * 1e3, kernel_config=dict(ops.DECODE_CONFIG),
+                    ideal_us=ideal_ms * 1e3, kernel_config=dict(ops.DECODE_CONFIG, programs=ops.DECODE_PROGRAMS),
                     kernel_sweep_us={k: v * 1e3 for k, v in sweep.items()})
     with torch.no_grad():
         times = {}

@@ -334,9 +334,10 @@ def prepare(q, k, v, p, backward: bool) -> None:
                        f"{what}, head dim {p.head_dim}{', causal' if p.causal else ''}")
 
 
-# The decode kernel's block of keys and warps (benchmarks/bench_decode.py --sweep measures the choices)
+# The decode kernel's block of keys and warps, and the programs it aims for (each (batch element, kv head, token)'s
+# keys are split into shares to reach it). benchmarks/bench_decode.py --sweep measures the choices.
 DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4)
-DECODE_PROGRAMS = 4096  # programs the decode kernel aims for: each query's keys are split into shares to reach it
+DECODE_PROGRAMS = 4096
 
 
 @functools.lru_cache(maxsize=64)
@@ -365,18 +366,20 @@ def triton_decode(
     q = _rows_contiguous(q)
     out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    queries, tile_d = B * H * Sq, block_d(D)
-    # enough shares of each query's keys for DECODE_PROGRAMS programs in all (a power of two, for the combine)
-    splits = 2 if interpreting() else min(64, triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS, queries)))
+    queries, tile_d, group = B * H * Sq, block_d(D), H // k_cache.shape[2]
+    programs = B * k_cache.shape[2] * Sq  # one per (batch element, kv head, new token) ...
+    # ... times the shares of their keys, for DECODE_PROGRAMS in all (a power of two, for the combine)
+    splits = 2 if interpreting() else min(64, triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS, programs)))
     stats = torch.empty((queries, splits, 2), dtype=torch.float32, device=q.device)
     partial = torch.empty((queries, splits, tile_d), dtype=torch.float32, device=q.device)
-    wrap_triton(_decode_kernel)[(queries, splits)](
+    wrap_triton(_decode_kernel)[(programs, splits)](
         q, k_cache, v_cache, stats, partial, branches if cache_seqlens is None else cache_seqlens, branches,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        Sq, H, branches.shape[0], cache_len, k_cache.shape[1] - 1, scale * LOG2E, H // k_cache.shape[2], D,
-        PER_BATCH=cache_seqlens is not None, BLOCK_D=tile_d,
+        Sq, H, branches.shape[0], cache_len, k_cache.shape[1] - 1, scale * LOG2E, group, D,
+        PER_BATCH=cache_seqlens is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=tile_d,
         **(dict(BLOCK_N=16, num_warps=1) if interpreting() else DECODE_CONFIG),
     )
     wrap_triton(_decode_combine_kernel)[(queries,)](
