@@ -62,8 +62,8 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x), is_causal=True)[0]
+    def forward(self, x, kv_cache=None):
+        x = x + self.attn(self.norm1(x), is_causal=True, kv_cache=kv_cache)[0]
         return x + self.mlp(self.norm2(x))
 
 
@@ -82,16 +82,37 @@ class LongNetLM(nn.Module):
         if tied:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens):  # [B, N] bytes as int64 -> logits [B, N, 256]; sharded: this rank's positions
+    def forward(self, tokens, kv_caches=None):
+        """[B, N] bytes as int64 -> logits [B, N, 256]. Sharded: this rank's positions. With kv_caches (one
+        dilated_attn.KVCache per block, under torch.no_grad()): the tokens that follow the cached ones."""
         if self.sharded:  # the positions of this rank's zigzag shard of the window
             n = tokens.shape[1] * dist.get_world_size()
             positions = dilated_attn.shard(torch.arange(n, device=tokens.device), layout="zigzag", dim=0)
             x = self.embed(tokens) + self.pos[positions]
         else:
-            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
+            start = kv_caches[0].length if kv_caches else 0
+            x = self.embed(tokens) + self.pos[start:start + tokens.shape[1]]
+        for block, cache in zip(self.blocks, kv_caches or [None] * len(self.blocks)):
+            x = block(x, cache)
         return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, prompt, steps):
+        """Greedy decoding: the prompt [B, P] in one causal pass into fresh KV caches, then one token per step
+        over them. Returns [B, P + steps]."""
+        if self.sharded:
+            raise ValueError("generate runs on one process: build the model without a process group")
+        total = prompt.shape[1] + steps
+        if total > self.pos.shape[0]:
+            raise ValueError(f"prompt + steps = {total} exceeds the model's max_len {self.pos.shape[0]}")
+        caches = [dilated_attn.KVCache(prompt.shape[0], total, b.attn.num_kv_heads, b.attn.head_dim,
+                                       device=prompt.device, dtype=self.pos.dtype) for b in self.blocks]
+        tokens, logits = [prompt], self(prompt, caches)
+        for step in range(steps):
+            tokens.append(logits[:, -1:].argmax(-1))
+            if step + 1 < steps:
+                logits = self(tokens[-1], caches)
+        return torch.cat(tokens, dim=1)
 
 
 def random_windows(data, batch, seq_len, generator):

@@ -6,6 +6,9 @@ import os
 import statistics
 
 import pytest
+import torch
+
+import dilated_attn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 40 steps of a 2-layer, 32-wide model on 64-byte windows: about 0.4 s. Over seeds 0-9 the loss falls from
@@ -81,3 +84,26 @@ def test_sequence_parallel_training_matches_one_process(example, tmp_path):
     assert "sequence parallel over 2 ranks" in run.stdout
     ring = json.loads((tmp_path / "two.json").read_text())["losses"]
     assert ring == pytest.approx(single, rel=1e-4, abs=1e-4)
+
+
+def test_generate_with_kv_cache_matches_recomputing_the_prefix(example):
+    """Greedy generation over KV caches (the prompt in one chunk, then a token per step) gives the tokens that
+    recomputing the whole prefix every step gives."""
+    torch.manual_seed(0)
+    model = example.LongNetLM(32, 2, 4, 64, [8, 16, 32], [1, 2, 4]).double().eval()
+    prompt = torch.randint(0, 256, (2, 11))
+    got = model.generate(prompt, 20)
+    want = prompt
+    with torch.no_grad():
+        for _ in range(20):
+            want = torch.cat([want, model(want)[:, -1:].argmax(-1)], dim=1)
+    assert got.shape == (2, 31) and torch.equal(got, want)
+    # the logits too, not only their argmax: the last step's, over the caches and recomputed
+    caches = [dilated_attn.KVCache(2, 31, 4, 8, dtype=torch.float64) for _ in model.blocks]
+    with torch.no_grad():
+        model(got[:, :30], caches)
+        step = model(got[:, 30:], caches)
+        full = model(got)
+    torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="exceeds the model's max_len 64"):
+        model.generate(prompt, 60)

@@ -509,3 +509,26 @@ def test_compiled_hilbert_module_matches_eager():
         go = torch.randn_like(out)
         torch.testing.assert_close(torch.autograd.grad(out, args, go), torch.autograd.grad(eager, args, go),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_multihead_kv_cache_decoding_matches_the_causal_forward():
+    """Feeding a sequence in chunks through a KVCache gives the outputs of one causal forward over all of it;
+    the cache's misuses are refused."""
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(32, 4, [1, 2], [8, 16], num_kv_heads=2, dtype=torch.float64).eval()
+    x = torch.randn(2, 23, 32, dtype=torch.float64)
+    cache = dilated_attn.KVCache(2, 30, 2, 8, dtype=torch.float64)
+    with torch.no_grad():
+        full, _ = mha(x, is_causal=True)
+        parts = [mha(x[:, a:b], is_causal=True, kv_cache=cache)[0] for a, b in ((0, 9), (9, 10), (10, 23))]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-12, rtol=0)
+    assert cache.length == 23
+    with torch.no_grad(), pytest.raises(ValueError, match="kv_cache needs is_causal=True"):
+        mha(x[:, :1], kv_cache=cache)
+    with pytest.raises(ValueError, match="inference only"):
+        mha(x[:, :1], is_causal=True, kv_cache=cache)
+    with torch.no_grad(), pytest.raises(TypeError, match="kv_cache must be a dilated_attn.KVCache"):
+        mha(x[:, :1], is_causal=True, kv_cache=(cache.k, cache.v))
+    with torch.no_grad(), pytest.raises(ValueError, match="the cache is too short"):
+        mha(x[:, :8], is_causal=True, kv_cache=cache)
+    assert cache.length == 23

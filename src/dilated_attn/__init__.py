@@ -3,7 +3,7 @@
 from .backends.compiled import build_info
 from .dispatch import explain
 from .functional import dilated_attention, dilated_attention_varlen, dilated_attention_with_kvcache
-from .nn import DilatedAttention, MultiheadDilatedAttention
+from .nn import DilatedAttention, KVCache, MultiheadDilatedAttention
 from .ring import ring_attention, shard, unshard
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ __all__ = [
     "unshard",
     "DilatedAttention",
     "MultiheadDilatedAttention",
+    "KVCache",
     "build_info",
     "__version__",
 ]

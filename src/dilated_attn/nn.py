@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import dispatch
-from .functional import dilated_attention
+from .functional import dilated_attention, dilated_attention_with_kvcache
 from .hilbert import _check_shape, hilbert_index
 from .reference import dilated_attention_reference
 from .ring import ring_attention
@@ -33,7 +33,28 @@ from .ring.layout import check_layout
 from .spec import Problem, _int_list, validate
 from .trace import warn_once
 
-__all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention", "KVCache"]
+
+
+class KVCache:
+    """The keys and values one attention layer has seen, for decoding token by token (flash-attn's
+    `flash_attn_with_kvcache` layout): `k` and `v` are `[batch, max_len, num_kv_heads, head_dim]` buffers, and
+    `length` the tokens every batch element holds. `MultiheadDilatedAttention.forward(..., kv_cache=cache)` writes
+    the new tokens' keys and values into it and advances `length`; `reset()` empties it for a new prompt."""
+
+    def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int, device=None, dtype=None):
+        shape = tuple(_check_positive_int(name, x) for name, x in
+                      (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def __repr__(self) -> str:
+        batch, max_len, heads, head_dim = self.k.shape
+        return f"KVCache(batch={batch}, length={self.length}/{max_len}, kv_heads={heads}, head_dim={head_dim})"
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -178,8 +199,11 @@ class DilatedAttention(nn.Module):
         self.backend = backend
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
+        kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
+        if kv_cache is not None:
+            return self._decode(query, key, value, is_causal, kv_cache)
         args = (query, key, value, self.segment_lengths, self.dilation_rates)
         kwargs = dict(causal=is_causal, scale=self.softmax_scale, head_groups=self.head_groups)
         if self.process_group is not None:
@@ -194,6 +218,24 @@ class DilatedAttention(nn.Module):
                 f"backend instead of {usual} (no kernel implements dropout; slower)"
             )
         out, _ = dilated_attention_reference(*args, **kwargs, dropout_p=self.attention_dropout)
+        return out
+
+    def _decode(self, query, key, value, is_causal, cache: KVCache) -> torch.Tensor:
+        """The new tokens query, key, value `[B, Sq, H, D]` after the `cache.length` cached ones: key and value
+        written into the cache, then causal attention over it (dilated_attention_with_kvcache)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"kv_cache must be a dilated_attn.KVCache, got {type(cache).__name__}")
+        if not is_causal:
+            raise ValueError("kv_cache needs is_causal=True: a new token attends to the cached ones before it")
+        if self.process_group is not None:
+            raise ValueError("kv_cache cannot be combined with process_group: decoding runs on one process")
+        if torch.is_grad_enabled():
+            raise ValueError("kv_cache decoding is inference only: run it under torch.no_grad() or "
+                             "torch.inference_mode()")
+        out = dilated_attention_with_kvcache(query, cache.k, cache.v, cache.length, self.segment_lengths,
+                                             self.dilation_rates, k=key, v=value, scale=self.softmax_scale,
+                                             head_groups=self.head_groups, backend=self.backend)
+        cache.length += query.shape[1]
         return out
 
     def extra_repr(self) -> str:
@@ -228,6 +270,11 @@ class MultiheadDilatedAttention(nn.Module):
     Keyword-only args beyond dilated-attention-pytorch's: `num_kv_heads` (GQA/MQA: k_proj and v_proj produce
     `num_kv_heads * head_dim` features; default num_heads), `head_groups` and `backend` (see
     `dilated_attention`).
+
+    Decoding: `forward(query, is_causal=True, kv_cache=cache)` with a `dilated_attn.KVCache` (batch, max_len,
+    num_kv_heads, head_dim) takes the new tokens `[B, Sq, embed_dim]` that follow the cache's `length` tokens,
+    writes their keys and values into it and returns their outputs, as a causal forward over the whole sequence
+    would (dilated_attention_with_kvcache; inference only, under torch.no_grad()).
 
     Sequence parallel: `process_group` and `layout` as in DilatedAttention (forward then takes this rank's
     shards of query/key/value, and the projections act on the shards).
@@ -348,7 +395,11 @@ class MultiheadDilatedAttention(nn.Module):
         key: Optional[torch.Tensor] = None,
         value: Optional[torch.Tensor] = None,
         is_causal: bool = False,
+        *,
+        kv_cache: Optional[KVCache] = None,
     ) -> tuple[torch.Tensor, None]:
+        if kv_cache is not None and self.ordering == "hilbert":
+            raise ValueError("kv_cache decodes a sequence token by token; ordering='hilbert' reorders a whole grid")
         key = query if key is None else key
         value = query if value is None else value
         for name, x in (("query", query), ("key", key), ("value", value)):
@@ -356,7 +407,7 @@ class MultiheadDilatedAttention(nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
             if x.dim() != 3 or x.shape[-1] != self.embed_dim:
                 raise ValueError(f"{name} must be [batch, seq, embed_dim={self.embed_dim}], got {tuple(x.shape)}")
-            if self.spatial_shape is not None and x.shape[1] != math.prod(self.spatial_shape):
+            if self.spatial_shape is not None and kv_cache is None and x.shape[1] != math.prod(self.spatial_shape):
                 raise ValueError(f"{name} has sequence length {x.shape[1]}, but spatial_shape {self.spatial_shape} "
                                  f"holds {math.prod(self.spatial_shape)} positions")
         if self.ordering == "hilbert":
@@ -370,7 +421,7 @@ class MultiheadDilatedAttention(nn.Module):
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        x = self.attention(q, k, v, is_causal=is_causal).flatten(-2)
+        x = self.attention(q, k, v, is_causal=is_causal, kv_cache=kv_cache).flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
         out = self.out_proj(x)
