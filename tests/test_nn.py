@@ -152,8 +152,9 @@ def test_signature_is_fkodoms_then_keyword_only(cls, fkodom):
     params = list(inspect.signature(cls).parameters.values())
     assert [p.name for p in params[: len(fkodom)]] == fkodom
     assert all(p.kind is p.KEYWORD_ONLY for p in params[len(fkodom):])
-    assert [p.name for p in inspect.signature(cls.forward).parameters.values()][1:] == [
-        "query", "key", "value", "is_causal"]
+    forward = list(inspect.signature(cls.forward).parameters.values())[1:]
+    assert [p.name for p in forward[:4]] == ["query", "key", "value", "is_causal"]
+    assert [(p.name, p.kind) for p in forward[4:]] == [("kv_cache", inspect.Parameter.KEYWORD_ONLY)]
 
 
 @pytest.mark.parametrize("op", [None, FAKE_OP])

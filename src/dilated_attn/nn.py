@@ -168,7 +168,8 @@ class DilatedAttention(nn.Module):
 
     `forward(query, key, value, is_causal=False)`: query `[B, N, Hq, D]`, key and value `[B, N, Hkv, D]` with
     `Hq % Hkv == 0`; returns `[B, N, Hq, D]`. (Errors from the call name them q, k and v, as
-    `dilated_attention` does.)
+    `dilated_attention` does.) With `kv_cache=` a `KVCache` (keyword-only), the N inputs are new tokens that follow
+    the cache's: decoding, as MultiheadDilatedAttention describes.
     """
 
     def __init__(
@@ -199,7 +200,7 @@ class DilatedAttention(nn.Module):
         self.backend = backend
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False, *,
         kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
         if kv_cache is not None:
