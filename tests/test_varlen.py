@@ -48,29 +48,13 @@ def grads(out, lse, inputs, seed=5):
     return torch.autograd.grad((out * go).sum() + (lse.masked_fill(~torch.isfinite(lse), 0) * gl).sum(), inputs)
 
 
-def per_sequence(q, k, v, cu, segs, dils, causal, head_groups, **kwargs):
-    """The spec's definition: dilated_attention on each sequence alone (B = 1), concatenated."""
+def per_sequence(attention, q, k, v, cu):
+    """The spec's definition: `attention(q, k, v) -> (out, lse)` on each sequence alone (B = 1), concatenated."""
     outs, lses = [], []
     bounds = cu.tolist()
     for start, end in zip(bounds, bounds[1:]):
         if end > start:
-            out, lse = dilated_attn.dilated_attention(q[None, start:end], k[None, start:end], v[None, start:end],
-                                                      segs, dils, causal=causal, head_groups=head_groups,
-                                                      return_lse=True, **kwargs)
-            outs.append(out[0])
-            lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
-
-
-def per_sequence_reference(q, k, v, cu, segs, dils, causal, head_groups, dtype=None):
-    """per_sequence with dilated_attention_reference in float64 (or computing in `dtype`)."""
-    split = {"compute_dtype": dtype} if dtype is not None else {}
-    outs, lses = [], []
-    bounds = cu.tolist()
-    for start, end in zip(bounds, bounds[1:]):
-        if end > start:
-            out, lse = dilated_attention_reference(q[None, start:end], k[None, start:end], v[None, start:end], segs,
-                                                   dils, causal=causal, head_groups=head_groups, **split)
+            out, lse = attention(q[None, start:end], k[None, start:end], v[None, start:end])
             outs.append(out[0])
             lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
@@ -96,9 +80,10 @@ def check_varlen(backend, dtype, device, case, transposed=False):
     assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
     assert lse.shape == (H, q.shape[0]) and lse.dtype == torch.float32
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_lse = per_sequence_reference(*x64, cu, segs, dils, causal, groups)
+    args = dict(segment_lengths=segs, dilation_rates=dils, causal=causal, head_groups=groups)
+    ref_out, ref_lse = per_sequence(lambda *x: dilated_attention_reference(*x, **args), *x64, cu)
     low = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    low_out, low_lse = per_sequence_reference(*low, cu, segs, dils, causal, groups, dtype=dtype)
+    low_out, low_lse = per_sequence(lambda *x: dilated_attention_reference(*x, **args, compute_dtype=dtype), *low, cu)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse)), "covered positions differ"
     assert (out.transpose(0, 1)[~finite] == 0).all(), "uncovered positions must be exactly 0"
@@ -119,7 +104,8 @@ def test_cpu_backends_equal_per_sequence_calls(backend, case):
     q, k, v, cu = pack(lengths, H, Hkv, D, torch.float64, "cpu", transposed=True)
     out, lse = dilated_attn.dilated_attention_varlen(q, k, v, cu.long(), segs, dils, causal=causal,
                                                      head_groups=groups, return_lse=True, backend=backend)
-    ref_out, ref_lse = per_sequence(q, k, v, cu, segs, dils, causal, groups, backend=backend)
+    ref_out, ref_lse = per_sequence(lambda *x: dilated_attn.dilated_attention(
+        *x, segs, dils, causal=causal, head_groups=groups, return_lse=True, backend=backend), q, k, v, cu)
     assert out.shape == q.shape and lse.shape == (H, q.shape[0])
     assert err(out, ref_out) <= 1e-12
     finite = torch.isfinite(ref_lse)
@@ -157,7 +143,8 @@ def test_gpu_varlen_long_pack_and_compile():
                                                      return_lse=True, backend="triton")
 
     out, lse = run(q, k, v, cu)
-    ref_out, ref_lse = per_sequence(q, k, v, cu, segs, dils, True, "all", backend="triton")
+    ref_out, ref_lse = per_sequence(lambda *x: dilated_attn.dilated_attention(
+        *x, segs, dils, causal=True, return_lse=True, backend="triton"), q, k, v, cu)
     assert err(out, ref_out) <= 2e-2 and err(lse, ref_lse) <= 1e-3
     compiled = torch.compile(run, fullgraph=True)
     c_out, c_lse = compiled(q, k, v, cu)

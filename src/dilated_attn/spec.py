@@ -310,17 +310,17 @@ def validate_kvcache(
 ) -> CacheProblem:
     """The KV-cache call's checks (docs/SPEC.md, "Decoding with a KV cache"). `cache_seqlens` is read to the host
     (a tensor's values are copied back), so that a cache too short for the new tokens is a ValueError."""
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if x is None and name in ("k", "v"):
-            continue
+    given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    given += [(name, x) for name, x in (("k", k), ("v", v)) if x is not None]
+    for name, x in given:
         _check_tensor(name, x)
         if x.requires_grad:
             raise ValueError(f"{name} requires grad: dilated_attention_with_kvcache is inference only (call it "
                              f"under torch.no_grad(), or detach {name})")
     if (k is None) != (v is None):
         raise ValueError("k and v go together: give both (written into the cache first) or neither")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if x is not None and (x.device != q.device or x.dtype != q.dtype):
+    for name, x in given[1:]:
+        if x.device != q.device or x.dtype != q.dtype:
             raise ValueError(f"{name} must have q's device and dtype ({q.device}, {q.dtype}), got {x.device}, "
                              f"{x.dtype}")
     if k_cache.shape != v_cache.shape:

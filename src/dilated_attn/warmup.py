@@ -43,12 +43,8 @@ def members_buckets(device: torch.device, dtype: str, head_dim: int, causal: boo
 
     precision = triton_backend.float32_precision(device, head_dim) if dtype == "float32" else None
     gpu = configs.gpu_family(torch.cuda.get_device_capability(device))
-    for family in dict.fromkeys((gpu, configs.HEURISTIC_FAMILY)):
-        key = configs.Key(family, dtype, precision, triton_backend.block_d(head_dim), causal, 0)
-        buckets = sorted(k.members for k in configs.load_table() if k._replace(members=0) == key)
-        if buckets:
-            return tuple(buckets)
-    return (configs.MAX_MEMBERS_BUCKET,)
+    key = configs.Key(gpu, dtype, precision, triton_backend.block_d(head_dim), causal, 0)
+    return configs.table_buckets(key) or (configs.MAX_MEMBERS_BUCKET,)
 
 
 def families(device: torch.device, dtypes: Sequence[str], head_dims: Sequence[int],

@@ -184,13 +184,29 @@ def lookup(key: Key, table: Optional[dict] = None) -> Optional[dict[str, triton.
     return table[nearest]
 
 
+def families_consulted(gpu: str) -> tuple[str, ...]:
+    """The table's GPU families a launch on `gpu` looks up, in order: its own, then HEURISTIC_FAMILY."""
+    return tuple(dict.fromkeys((gpu, HEURISTIC_FAMILY)))
+
+
+def table_buckets(key: Key) -> tuple[int, ...]:
+    """The members buckets the table has for `key` (its own members ignored), in the first of
+    families_consulted(key.gpu) that has any; () where none has."""
+    for gpu in families_consulted(key.gpu):
+        same = key._replace(gpu=gpu, members=0)
+        buckets = sorted(k.members for k in load_table() if k._replace(members=0) == same)
+        if buckets:
+            return tuple(buckets)
+    return ()
+
+
 _chosen: dict[tuple[str, Key], triton.Config] = {}  # what _select returned, for chosen()
 
 
 @functools.lru_cache(maxsize=4096)
 def _select(tunable: Tunable, key: Key, element_size: int, limit: int) -> triton.Config:
     config = tunable.fitting(key.block_d, element_size, key.precision, limit)[0]
-    for gpu in dict.fromkeys((key.gpu, HEURISTIC_FAMILY)):
+    for gpu in families_consulted(key.gpu):
         entry = lookup(key._replace(gpu=gpu))
         if entry is not None and tunable.shared_memory(entry[tunable.name], key.block_d, element_size,
                                                        key.precision) <= limit:
