@@ -131,6 +131,10 @@ def _worker(rank, world, port, backend, job, cases, outdir):
         # left first can abort at exit)
         dist.barrier()
         dist.destroy_process_group()
+        # The results are on disk. Leave without the interpreter's teardown: at exit, gloo's threads still
+        # occasionally abort the process ("terminate called without an active exception") after a clean
+        # destroy_process_group, a failure of torch's teardown rather than of anything this test checks.
+        os._exit(0)
 
 
 def _spawn(world, backend, job, cases, tmp_path):
