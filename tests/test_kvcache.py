@@ -18,7 +18,8 @@ def sequence(B, N, Hq, Hkv, D, dtype, device, seed=0):
     return [torch.randn(B, N, h, D, generator=g, dtype=torch.float64).to(device, dtype) for h in (Hq, Hkv, Hkv)]
 
 
-def decode_matches_full(backend, dtype, device, Sq, write, per_batch, head_groups, atol):
+def decode_matches_full(backend, dtype, device, Sq, write, per_batch, head_groups, atol,
+                        call=dilated_attn.dilated_attention_with_kvcache):
     """Decode N tokens Sq at a time (into an empty cache with `write`, else over a prefilled one), each step
     against the rows of one causal call over the whole sequence; the cache rows past the written ones, NaN
     from the start, must stay NaN and not reach any result."""
@@ -43,9 +44,8 @@ def decode_matches_full(backend, dtype, device, Sq, write, per_batch, head_group
         if write:
             kv = dict(k=torch.stack([k[b, rows[b]] for b in range(B)]),
                       v=torch.stack([v[b, rows[b]] for b in range(B)]))
-        out, lse = dilated_attn.dilated_attention_with_kvcache(new_q, k_cache, v_cache, cached, SEGS, DILS,
-                                                               head_groups=head_groups, return_lse=True,
-                                                               backend=backend, **kv)
+        out, lse = call(new_q, k_cache, v_cache, cached, SEGS, DILS, head_groups=head_groups, return_lse=True,
+                        backend=backend, **kv)
         assert out.shape == new_q.shape and lse.shape == (B, Hq, n)
         for b in range(B):
             torch.testing.assert_close(out[b], full[b, rows[b]], atol=atol, rtol=0)
@@ -80,6 +80,89 @@ def test_interpreter_triton_decode(Sq, write, per_batch, head_groups):
 @pytest.mark.parametrize("Sq, write, per_batch, head_groups", CPU_CASES)
 def test_gpu_triton_decode(dtype, atol, Sq, write, per_batch, head_groups):
     decode_matches_full("triton", dtype, "cuda", Sq, write, per_batch, head_groups, atol=atol)
+
+
+@pytest.fixture
+def lengths_on_device(monkeypatch):
+    """Every cache_seqlens tensor treated as a GPU one is: not read on the host (the path of GPU tensors, CUDA
+    graphs and torch.compile), so that it runs on CPU tensors too."""
+    monkeypatch.setattr(dilated_attn.spec, "reads_cache_seqlens", lambda lengths: not torch.is_tensor(lengths))
+
+
+DEVICE_CASES = [(Sq, write, groups) for Sq, write, groups in [(1, True, "all"), (3, True, "split"), (5, False, "all")]]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"] + (["triton"] if INTERPRETED_TRITON else []))
+@pytest.mark.parametrize("Sq, write, head_groups", DEVICE_CASES)
+def test_decode_with_lengths_left_on_the_device(lengths_on_device, backend, Sq, write, head_groups):
+    dtype, atol = (torch.float32, 1e-5) if backend == "triton" else (torch.float64, 1e-12)
+    decode_matches_full(backend, dtype, "cpu", Sq, write, True, head_groups, atol)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"] + (["triton"] if INTERPRETED_TRITON else []))
+def test_lengths_left_on_the_device_never_reach_outside_the_cache(lengths_on_device, backend):
+    """Lengths not checked on the host may run past the cache (or below 0): no error, and only the rows inside
+    the cache that new tokens land on are written."""
+    B, Sq, H, Hkv, D, Nmax = 3, 3, 4, 2, 8, 10
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, Sq, H, D, generator=g)
+    k, v = (torch.randn(B, Sq, Hkv, D, generator=g) for _ in range(2))
+    k_cache, v_cache = (torch.randn(B, Nmax, Hkv, D, generator=g) for _ in range(2))
+    before = k_cache.clone()
+    lengths = torch.tensor([Nmax - 1, Nmax + 5, -2])
+    out = dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, lengths, [4, 8], [1, 2], k=k, v=v,
+                                                      backend=backend)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    want = before.clone()
+    want[0, Nmax - 1] = k[0, 0]  # the one row of element 0 inside the cache; element 1 lands on none
+    want[2, 0] = k[2, 2]  # element 2's rows -2, -1, 0: only row 0 is in the cache
+    torch.testing.assert_close(k_cache, want, atol=0, rtol=0)
+
+
+def test_torch_compile_fullgraph_decodes_like_eager():
+    """The KV-cache call traces with fullgraph=True (no graph break), the new k, v written into the cache in the
+    graph. cache_seqlens is a tensor: on these backends an int would be a new prefix length, and a recompile, at
+    every step."""
+    compiled = torch.compile(dilated_attn.dilated_attention_with_kvcache, fullgraph=True, backend="aot_eager")
+    decode_matches_full("cpu", torch.float64, "cpu", 2, True, True, "all", 1e-12, call=compiled)
+    decode_matches_full("reference", torch.float64, "cpu", 1, False, True, "split", 1e-12, call=compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_gpu_torch_compile_fullgraph_decodes_like_eager(per_batch):
+    compiled = torch.compile(dilated_attn.dilated_attention_with_kvcache, fullgraph=True)
+    decode_matches_full("triton", torch.bfloat16, "cuda", 3, True, per_batch, "all", 2e-2, call=compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_whole_call_captured_in_a_cuda_graph():
+    """With cache_seqlens a GPU tensor the call makes no device-to-host copy: captured once in a CUDA graph, it
+    decodes step after step as the lengths tensor advances, equal to eager calls."""
+    B, N, Hq, Hkv, D, Nmax = 2, 40, 4, 2, 64, 48
+    q, k, v = sequence(B, N, Hq, Hkv, D, torch.bfloat16, "cuda")
+    caches = [torch.zeros(B, Nmax, Hkv, D, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    step_q, step_k, step_v = q[:, :1].clone(), k[:, :1].clone(), v[:, :1].clone()
+    lengths = torch.zeros(B, dtype=torch.int32, device="cuda")
+
+    def step():
+        return dilated_attn.dilated_attention_with_kvcache(step_q, caches[0], caches[1], lengths, SEGS, DILS,
+                                                           k=step_k, v=step_v, backend="triton")
+
+    step()  # compiles the kernels; the cache row it writes is written again below
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for t in range(N):
+        step_q.copy_(q[:, t:t + 1]), step_k.copy_(k[:, t:t + 1]), step_v.copy_(v[:, t:t + 1])
+        lengths.fill_(t)
+        graph.replay()
+        want = dilated_attn.dilated_attention_with_kvcache(q[:, t:t + 1], caches[2], caches[3], t, SEGS, DILS,
+                                                           k=k[:, t:t + 1], v=v[:, t:t + 1], backend="triton")
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(caches[0], caches[2], atol=0, rtol=0)
 
 
 def _call(**change):

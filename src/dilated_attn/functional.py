@@ -125,8 +125,10 @@ def dilated_attention_with_kvcache(
         q: `[B, Sq, Hq, D]`, the `Sq >= 1` new tokens (1 for a decode step; more for chunked prefill or
             speculative decoding).
         k_cache, v_cache: `[B, Nmax, Hkv, D]`.
-        cache_seqlens: how many tokens each batch element has cached: an int, or an integer tensor `[B]` (its
-            values are read back to the host).
+        cache_seqlens: how many tokens each batch element has cached: an int, or an integer tensor `[B]`. A CPU
+            tensor is read on the host and checked; a GPU tensor is not (no device-to-host copy: the call can be
+            captured in a CUDA graph, and runs under torch.compile without a graph break), and rows outside the
+            cache are then neither read nor written.
         k, v: `[B, Sq, Hkv, D]` or None. When given they are first written into the cache, in place, at rows
             `cache_seqlens[b] + i`.
         The other arguments are those of `dilated_attention`.
@@ -152,14 +154,7 @@ def dilated_attention_with_kvcache(
     chosen = dispatch.select(cp.problem, backend)
     with torch.no_grad():
         if k is not None:
-            n = cp.new_tokens
-            if len(set(cp.cache_seqlens)) == 1:  # one slice of every batch element
-                first = cp.cache_seqlens[0]
-                k_cache[:, first:first + n] = k
-                v_cache[:, first:first + n] = v
-            else:
-                for b, cached in enumerate(cp.cache_seqlens):
-                    k_cache[b, cached:cached + n] = k[b]
-                    v_cache[b, cached:cached + n] = v[b]
+            chosen.append_kvcache(k_cache, v_cache, k, v, cp)
         out, lse = chosen.forward_kvcache(q, k_cache, v_cache, cp)
     return (out, lse) if return_lse else out
+

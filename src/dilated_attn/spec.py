@@ -288,9 +288,19 @@ class CacheProblem:
     token attends over (batch 1, causal; what dispatch decides on) and each batch element's cached length."""
 
     problem: Problem
-    cache_seqlens: tuple[int, ...]  # read to the host
+    cache_seqlens: Optional[tuple[int, ...]]  # on the host; None where that needs a device-to-host copy
     new_tokens: int
     given_seqlens: object  # cache_seqlens as the caller gave it: an int, or a tensor [B] kernels may read
+
+
+def reads_cache_seqlens(cache_seqlens) -> bool:
+    """Whether the KV-cache call reads `cache_seqlens` on the host: an int or a CPU tensor, in eager mode. A GPU
+    tensor is left on the GPU (no device-to-host copy: the call stays asynchronous and can be captured in a CUDA
+    graph), and so is any tensor under torch.compile (no graph break); the kernels then clamp every row they
+    touch to the cache."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        return True
+    return cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def validate_kvcache(
@@ -308,8 +318,8 @@ def validate_kvcache(
     return_lse=False,
     backend="auto",
 ) -> CacheProblem:
-    """The KV-cache call's checks (docs/SPEC.md, "Decoding with a KV cache"). `cache_seqlens` is read to the host
-    (a tensor's values are copied back), so that a cache too short for the new tokens is a ValueError."""
+    """The KV-cache call's checks (docs/SPEC.md, "Decoding with a KV cache"). A cache too short for the new tokens
+    is a ValueError where `cache_seqlens` is read on the host (reads_cache_seqlens)."""
     given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     given += [(name, x) for name, x in (("k", k), ("v", v)) if x is not None]
     for name, x in given:
@@ -341,22 +351,28 @@ def validate_kvcache(
             raise TypeError(f"cache_seqlens must be an int or an int32/int64 tensor, got dtype {cache_seqlens.dtype}")
         if tuple(cache_seqlens.shape) != (B,):
             raise ValueError(f"cache_seqlens must have shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
-        lengths = [int(n) for n in cache_seqlens.tolist()]
-    elif _is_int(cache_seqlens):
-        lengths = [int(cache_seqlens)] * B
-    else:
+        if cache_seqlens.device != q.device and cache_seqlens.device.type != "cpu":
+            raise ValueError(f"cache_seqlens must be on q's device ({q.device}) or the CPU, got {cache_seqlens.device}")
+    elif not _is_int(cache_seqlens):
         raise TypeError(f"cache_seqlens must be an int or an integer tensor [B], got {type(cache_seqlens).__name__}")
-    for b, n in enumerate(lengths):
-        if n < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch element {b}")
-        if n + Sq > Nmax:
-            raise ValueError(f"the cache is too short: cache_seqlens + Sq = {n} + {Sq} > Nmax = {Nmax} (batch "
-                             f"element {b}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
-    longest = max(lengths) + Sq
+    lengths = None
+    longest = Nmax  # what dispatch decides on where the lengths stay on the device
+    if reads_cache_seqlens(cache_seqlens):
+        if isinstance(cache_seqlens, torch.Tensor):
+            lengths = tuple(int(n) for n in cache_seqlens.tolist())
+        else:
+            lengths = (cache_seqlens,) * B
+        for b, n in enumerate(lengths):
+            if n < 0:
+                raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch element {b}")
+            if n + Sq > Nmax:
+                raise ValueError(f"the cache is too short: cache_seqlens + Sq = {n} + {Sq} > Nmax = {Nmax} (batch "
+                                 f"element {b}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
+        longest = max(lengths) + Sq
     p = validate(q[:1, :1].expand(1, longest, Hq, D), k_cache[:1, :longest], v_cache[:1, :longest], segment_lengths,
                  dilation_rates, causal=True, scale=scale, head_groups=head_groups, return_lse=return_lse,
                  backend=backend)
-    return CacheProblem(p, tuple(lengths), Sq, cache_seqlens)
+    return CacheProblem(p, lengths, Sq, cache_seqlens)
 
 
 def sequence_problem(packed: Problem, length: int) -> Problem:

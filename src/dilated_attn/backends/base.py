@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -89,10 +90,27 @@ class Backend:
             return out, (out.sum(-1) * 0).T.to(lse_dtype(q.dtype))
         return torch.cat(outs), torch.cat(lses, dim=1)
 
+    def append_kvcache(self, k_cache, v_cache, k, v, cp: CacheProblem) -> None:
+        """Writes the new k, v `[B, Sq, Hkv, D]` into the caches in place, at rows `cache_seqlens[b] + i`."""
+        n = cp.new_tokens
+        if not isinstance(cp.given_seqlens, torch.Tensor):  # one slice of every batch element
+            first = cp.given_seqlens
+            k_cache[:, first:first + n] = k
+            v_cache[:, first:first + n] = v
+        elif cp.cache_seqlens is None:  # the lengths stay on the device
+            for cache, new in ((k_cache, k), (v_cache, v)):
+                _write_rows(cache, new, cp.given_seqlens)
+        else:
+            for b, first in enumerate(cp.cache_seqlens):
+                k_cache[b, first:first + n] = k[b]
+                v_cache[b, first:first + n] = v[b]
+
     def forward_kvcache(self, q, k_cache, v_cache, cp: CacheProblem):
         """Decoding (dilated_attention_with_kvcache, the cache already written): `(out [B, Sq, Hq, D],
-        lse [B, Hq, Sq])`. Here each batch element's new queries are the last rows of a causal forward over its
-        cache prefix (the rows before them computed and dropped: O(prefix) work per call)."""
+        lse [B, Hq, Sq])`. Here the new queries are the last rows of a causal forward over the cache prefix (the
+        rows before them computed and dropped: O(prefix) work per call)."""
+        if cp.cache_seqlens is None:
+            return self._forward_kvcache_whole(q, k_cache, v_cache, cp)
         B, Sq, H, D = q.shape
         outs, lses = [], []
         for b, cached in enumerate(cp.cache_seqlens):
@@ -105,5 +123,35 @@ class Backend:
             lses.append(lse[:, :, cached:])
         return torch.cat(outs), torch.cat(lses)
 
+    def _forward_kvcache_whole(self, q, k_cache, v_cache, cp: CacheProblem):
+        """forward_kvcache with the cached lengths left on the device: one causal forward over every cache row,
+        the new queries scattered to their positions (clamped to the cache) and gathered back. The rows past each
+        batch element's last new token are zeroed in a copy (no key there is attended, but a NaN there would
+        reach the earlier rows through a tile's 0 * NaN)."""
+        B, Sq, H, D = q.shape
+        Nmax = k_cache.shape[1]
+        batch = torch.arange(B, device=q.device)[:, None]
+        positions = cp.given_seqlens.to(q.device, torch.int64)[:, None] + torch.arange(Sq, device=q.device)
+        positions = positions.clamp(0, Nmax - 1)  # [B, Sq]
+        attended = (torch.arange(Nmax, device=q.device) <= positions[:, -1:])[:, :, None, None]
+        rows = q.new_zeros((B, Nmax, H, D))
+        rows[batch, positions] = q
+        p = dataclasses.replace(cp.problem, batch=B, seq_len=Nmax)
+        out, lse = self.forward(rows, torch.where(attended, k_cache, 0), torch.where(attended, v_cache, 0), p)
+        return out[batch, positions], lse.transpose(1, 2)[batch, positions].transpose(1, 2)
+
     def __repr__(self) -> str:
         return f"<dilated_attn backend {self.name!r}>"
+
+
+def _write_rows(cache, new, cache_seqlens):
+    """cache[b, cache_seqlens[b] + i] = new[b, i], the lengths a tensor read on the device only: a row past the
+    cache is not written. Every index is clamped into the cache, and each write to a row carries the value that
+    row must get (its new row, or its old value where no new row lands on it), so duplicates agree."""
+    B, Sq = new.shape[:2]
+    batch = torch.arange(B, device=cache.device)[:, None]
+    first = cache_seqlens.to(cache.device, torch.int64)[:, None]
+    rows = (first + torch.arange(Sq, device=cache.device)).clamp(0, cache.shape[1] - 1)  # [B, Sq]
+    source = rows - first  # the new row that lands on each written row
+    lands = ((source >= 0) & (source < Sq))[:, :, None, None]
+    cache[batch, rows] = torch.where(lands, new[batch, source.clamp(0, Sq - 1)], cache[batch, rows])

@@ -120,6 +120,11 @@ class TritonBackend(Backend):
             _ops.prepare(q, k, v, p, backward=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
         return super().forward(q, k, v, p)
 
+    def append_kvcache(self, k_cache, v_cache, k, v, cp):
+        # one launch per cache, whatever cache_seqlens is (a graph of small index ops otherwise)
+        self.ops()
+        _ops.append_kv(k_cache, v_cache, k, v, cp.given_seqlens)
+
     def forward_kvcache(self, q, k_cache, v_cache, cp):
         # one launch for every branch and new token (decode.py), instead of a forward over each prefix
         self.ops()

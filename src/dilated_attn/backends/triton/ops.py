@@ -20,7 +20,7 @@ from ...spec import branch_table
 from ..autograd import register_attention_autograd
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel
-from .decode import _decode_combine_kernel, _decode_kernel
+from .decode import _append_kernel, _decode_combine_kernel, _decode_kernel
 from .configs import launch, launch_plain, make_key
 from .fwd import FORWARD
 
@@ -334,10 +334,11 @@ def prepare(q, k, v, p, backward: bool) -> None:
                        f"{what}, head dim {p.head_dim}{', causal' if p.causal else ''}")
 
 
-# The decode kernel's block of keys and warps, and the programs it aims for (each (batch element, kv head, token)'s
-# keys are split into shares to reach it). benchmarks/bench_decode.py --sweep measures the choices.
-DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4)
-DECODE_PROGRAMS = 4096
+# The decode kernel's block of keys, warps and pipeline depth, and the programs it aims for (the keys of each
+# (batch element, new token) are split into shares to reach it). benchmarks/bench_decode.py --sweep measures them.
+DECODE_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3)
+DECODE_PROGRAMS = 512
+DECODE_MAX_SPLITS = 256
 
 
 @functools.lru_cache(maxsize=64)
@@ -350,6 +351,51 @@ def _branch_rows(segment_lengths: tuple, dilation_rates: tuple, n_heads: int, he
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
+def _decode(q, k_cache, v_cache, cache_seqlens, cache_len, branches, scale, launch=wrap_triton):
+    """New queries q `[B, Sq, Hq, D]` at positions cache_seqlens[b] + i (cache_len + i without cache_seqlens)
+    over the cache: (out, lse `[B, Hq, Sq]`), every branch in one launch (decode.py)."""
+    B, Sq, H, D = q.shape
+    q = _rows_contiguous(q)
+    out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    queries, tile_d, group = B * H * Sq, block_d(D), H // k_cache.shape[2]
+    programs = B * Sq  # one per (batch element, new token) times the shares of its keys, for DECODE_PROGRAMS in
+    # all (a power of two, for the combine)
+    splits = 2 if interpreting() else min(DECODE_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS,
+                                                                                                 programs)))
+    stats = torch.empty((queries, splits, 2), dtype=torch.float32, device=q.device)
+    partial = torch.empty((queries, splits, tile_d), dtype=torch.float32, device=q.device)
+    launch(_decode_kernel)[(programs, splits)](
+        q, k_cache, v_cache, stats, partial, _unread_int32(q.device) if cache_seqlens is None else cache_seqlens,
+        branches,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        Sq, H, branches.shape[0], cache_len, k_cache.shape[1] - 1, scale * LOG2E, group, D,
+        PER_BATCH=cache_seqlens is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=tile_d,
+        **(dict(BLOCK_N=16, num_warps=1) if interpreting() else DECODE_CONFIG),
+    )
+    launch(_decode_combine_kernel)[(queries,)](
+        stats, partial, out, lse, out.stride(0), out.stride(1), out.stride(2), Sq, H, D, SPLITS=splits,
+        CHUNK=min(splits, 32), BLOCK_D=tile_d, num_warps=4,
+    )
+    return out, lse
+
+
+def _append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_len, launch=wrap_triton) -> None:
+    """k, v `[B, Sq, Hkv, D]` written into the caches at rows cache_seqlens[b] + i (cache_len + i without
+    cache_seqlens), in one launch; rows outside the cache are not written."""
+    B, Sq, Hkv, D = k.shape
+    launch(_append_kernel)[(B * Sq, 2)](
+        k, v, k_cache, v_cache, _unread_int32(k.device) if cache_seqlens is None else cache_seqlens,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), Sq, cache_len, k_cache.shape[1] - 1, Hkv, D,
+        PER_BATCH=cache_seqlens is not None, BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
+    )
+
+
+# The ops torch.compile traces. An eager decoding call launches the kernels itself, past the op and wrap_triton:
+# their dispatch costs more host time than the kernels take on the GPU, and a decode step is bound by latency.
 @triton_op("dilated_attn::triton_decode", mutates_args=())
 def triton_decode(
     q: torch.Tensor,
@@ -360,33 +406,30 @@ def triton_decode(
     branches: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """New queries q `[B, Sq, Hq, D]` at positions cache_seqlens[b] + i (cache_len + i without cache_seqlens)
-    over the cache: (out, lse `[B, Hq, Sq]`), every branch in one launch (decode.py)."""
-    B, Sq, H, D = q.shape
-    q = _rows_contiguous(q)
-    out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    queries, tile_d, group = B * H * Sq, block_d(D), H // k_cache.shape[2]
-    programs = B * k_cache.shape[2] * Sq  # one per (batch element, kv head, new token) ...
-    # ... times the shares of their keys, for DECODE_PROGRAMS in all (a power of two, for the combine)
-    splits = 2 if interpreting() else min(64, triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS, programs)))
-    stats = torch.empty((queries, splits, 2), dtype=torch.float32, device=q.device)
-    partial = torch.empty((queries, splits, tile_d), dtype=torch.float32, device=q.device)
-    wrap_triton(_decode_kernel)[(programs, splits)](
-        q, k_cache, v_cache, stats, partial, branches if cache_seqlens is None else cache_seqlens, branches,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        Sq, H, branches.shape[0], cache_len, k_cache.shape[1] - 1, scale * LOG2E, group, D,
-        PER_BATCH=cache_seqlens is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=tile_d,
-        **(dict(BLOCK_N=16, num_warps=1) if interpreting() else DECODE_CONFIG),
-    )
-    wrap_triton(_decode_combine_kernel)[(queries,)](
-        stats, partial, out, lse, out.stride(0), out.stride(1), out.stride(2), Sq, H, D, SPLITS=splits,
-        BLOCK_D=tile_d, num_warps=4,
-    )
-    return out, lse
+    return _decode(q, k_cache, v_cache, cache_seqlens, cache_len, branches, scale)
+
+
+@triton_op("dilated_attn::triton_append_kv", mutates_args=("k_cache", "v_cache"))
+def triton_append_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
+    cache_len: int,
+) -> None:
+    _append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_len)
+
+
+def _eager(kernel):
+    return kernel
+
+
+def _lengths(cache_seqlens, device):
+    """The kernels' (cache_seqlens, cache_len): a tensor of per-batch lengths, or None and the one length."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens.to(device), 0
+    return None, cache_seqlens
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, cp):
@@ -395,6 +438,16 @@ def decode(q, k_cache, v_cache, cache_seqlens, cp):
     p = cp.problem
     branches = _branch_rows(p.segment_lengths, p.dilation_rates, p.num_heads, p.head_groups, q.device)
     k_cache, v_cache = _rows_contiguous(k_cache), _rows_contiguous(v_cache)
-    if isinstance(cache_seqlens, torch.Tensor):
-        return triton_decode(q, k_cache, v_cache, cache_seqlens.to(q.device), 0, branches, p.scale)
-    return triton_decode(q, k_cache, v_cache, None, cache_seqlens, branches, p.scale)
+    lengths, cache_len = _lengths(cache_seqlens, q.device)
+    if torch.compiler.is_compiling():
+        return triton_decode(q, k_cache, v_cache, lengths, cache_len, branches, p.scale)
+    return _decode(q, k_cache, v_cache, lengths, cache_len, branches, p.scale, launch=_eager)
+
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens):
+    """The new k, v written into the caches (rows outside the cache dropped)."""
+    lengths, cache_len = _lengths(cache_seqlens, k.device)
+    if torch.compiler.is_compiling():
+        triton_append_kv(k_cache, v_cache, k, v, lengths, cache_len)
+    else:
+        _append_kv(k_cache, v_cache, k, v, lengths, cache_len, launch=_eager)
