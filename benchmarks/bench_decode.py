@@ -5,9 +5,12 @@
 
 Rows:
   decode     dilated_attn.dilated_attention_with_kvcache (backend triton: one launch for every branch), the
-             whole call as a user makes it (validation and the cache write of the new k, v included)
-  kernel     the decode op alone (dilated_attn::triton_decode), captured in a CUDA graph and replayed: the GPU's
-             time without the host's
+             whole call as a user makes it in eager mode (validation, dispatch and the cache write of the new k, v
+             included), cache_seqlens an int
+  graphed    the same whole call with cache_seqlens a GPU tensor (no device-to-host copy), captured in a CUDA graph
+             and replayed, as a decoding loop runs it: the GPU's time for the cache write, the decode and the merge
+  kernel     the decode and combine kernels alone (backends/triton/ops.decode), captured in a CUDA graph and
+             replayed: the GPU's time without the host's
   recompute  dilated_attention over the whole prefix, causal, for the new token's row (what a model without a
              cache path does; run once per batch element's prefix as one batch)
 The yardstick: the bytes of cached K and V the new tokens attend to (the union of their member rows over the
@@ -71,7 +74,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--sweep", action="store_true",
-                    help="first time the kernel (CUDA graph) for each block of keys and warp count, and keep the best")
+                    help="first time the kernel (CUDA graph) for each count of programs, block of keys, warp count and "
+                         "pipeline depth, and keep the best")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode_<device>.json)")
     args = ap.parse_args(argv)
     B, H, Hkv, D, Sq, cached = args.batch, args.heads, args.kv_heads, args.dim, args.sq, args.cached
@@ -112,7 +116,7 @@ def main(argv=None) -> None:
 
     sweep, choices = {}, {}
     if args.sweep:
-        for programs, block_n, warps, stages in itertools.product((1024, 4096, 16384), (16, 32, 64), (2, 4), (1, 2)):
+        for programs, block_n, warps, stages in itertools.product((256, 512, 1024), (16, 32, 64), (2, 4), (2, 3)):
             ops.DECODE_PROGRAMS = programs
             ops.DECODE_CONFIG = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             name = f"programs={programs}, BLOCK_N={block_n}, num_warps={warps}, num_stages={stages}"
@@ -130,6 +134,18 @@ def main(argv=None) -> None:
     def kernel():
         graph.replay()
 
+    lengths = torch.full((B,), cached, dtype=torch.int32, device="cuda")
+
+    def decode_on_device_lengths():
+        dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, lengths, segs, dils, k=k_new, v=v_new,
+                                                    backend="triton")
+
+    decode_on_device_lengths()  # compiles its kernels before the capture
+    torch.cuda.synchronize()
+    decode_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(decode_graph):
+        decode_on_device_lengths()
+
     q_full = torch.randn(B, Nmax, H, D, generator=g, device="cuda", dtype=dtype)
 
     def recompute():
@@ -145,7 +161,8 @@ def main(argv=None) -> None:
                     kernel_sweep_us={k: v * 1e3 for k, v in sweep.items()})
     with torch.no_grad():
         times = {}
-        for name, fn, repeats in (("decode", decode, args.repeats), ("kernel", kernel, args.repeats),
+        for name, fn, repeats in (("decode", decode, args.repeats), ("graphed", decode_graph.replay, args.repeats),
+                                  ("kernel", kernel, args.repeats),
                                   ("recompute", recompute, max(3, args.repeats // 20))):
             times[name] = median_ms(fn, "cuda", args.warmup if name != "recompute" else 2, repeats)
             record.add(dict(provider=name, median_us=times[name] * 1e3, over_ideal=times[name] / ideal_ms))
