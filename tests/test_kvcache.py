@@ -180,6 +180,7 @@ def _call(**change):
     (dict(cache_seqlens=torch.tensor([2.0, 3.0])), TypeError, "cache_seqlens must be an int or an int32/int64"),
     (dict(cache_seqlens=torch.tensor([2, 3, 4])), ValueError, "cache_seqlens must have shape \\[B\\] = \\(2,\\)"),
     (dict(cache_seqlens=2.5), TypeError, "cache_seqlens must be an int or an integer tensor"),
+    (dict(cache_seqlens=torch.tensor([2, 3], device="meta")), ValueError, "cache_seqlens must be on q's device"),
     (dict(q=torch.randn(2, 1, 4, 8, requires_grad=True)), ValueError, "q requires grad: .* inference only"),
     (dict(k=torch.randn(2, 1, 2, 8, requires_grad=True), v=torch.randn(2, 1, 2, 8)), ValueError,
      "k requires grad"),

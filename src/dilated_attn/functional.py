@@ -157,4 +157,3 @@ def dilated_attention_with_kvcache(
             chosen.append_kvcache(k_cache, v_cache, k, v, cp)
         out, lse = chosen.forward_kvcache(q, k_cache, v_cache, cp)
     return (out, lse) if return_lse else out
-

@@ -121,7 +121,7 @@ class TritonBackend(Backend):
         return super().forward(q, k, v, p)
 
     def append_kvcache(self, k_cache, v_cache, k, v, cp):
-        # one launch per cache, whatever cache_seqlens is (a graph of small index ops otherwise)
+        # one launch for both caches, whatever cache_seqlens is (a graph of small index ops otherwise)
         self.ops()
         _ops.append_kv(k_cache, v_cache, k, v, cp.given_seqlens)
 

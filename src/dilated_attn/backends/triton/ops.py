@@ -338,7 +338,7 @@ def prepare(q, k, v, p, backward: bool) -> None:
 # (batch element, new token) are split into shares to reach it). benchmarks/bench_decode.py --sweep measures them.
 DECODE_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3)
 DECODE_PROGRAMS = 512
-DECODE_MAX_SPLITS = 256
+DECODE_MAX_SPLITS = 256  # the combine reads a query's shares' statistics at once
 
 
 @functools.lru_cache(maxsize=64)
@@ -359,10 +359,9 @@ def _decode(q, k_cache, v_cache, cache_seqlens, cache_len, branches, scale, laun
     out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     queries, tile_d, group = B * H * Sq, block_d(D), H // k_cache.shape[2]
-    programs = B * Sq  # one per (batch element, new token) times the shares of its keys, for DECODE_PROGRAMS in
-    # all (a power of two, for the combine)
-    splits = 2 if interpreting() else min(DECODE_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS,
-                                                                                                 programs)))
+    programs = B * Sq  # one per (batch element, new token), times the shares of its keys (a power of two)
+    splits = min(DECODE_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS, programs)))
+    splits = 2 if interpreting() else splits
     stats = torch.empty((queries, splits, 2), dtype=torch.float32, device=q.device)
     partial = torch.empty((queries, splits, tile_d), dtype=torch.float32, device=q.device)
     launch(_decode_kernel)[(programs, splits)](
