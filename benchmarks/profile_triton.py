@@ -10,7 +10,8 @@ Only the call between cudaProfilerStart and cudaProfilerStop is profiled: with -
 forward kernels and the first branch's dK/dV and dQ kernels (bf16, B=1, H=16, the LongNet branches).
 `bash benchmarks/run_on_gpu.sh ncu` runs exactly this and keeps the report under $OUT. With `--backend cudnn`
 profile cuDNN's kernels and the merge and gradient-addition kernels instead
-(NCU_KERNELS="sdpa|_merge_kernel|_accumulate_kernel|dot_do_o|convert_dq" NCU_COUNT=60 for the stage).
+(NCU_KERNELS="sdpa|_merge_kernel|_accumulate_kernel|dot_do_o|convert_dq" NCU_COUNT=60 for the stage); with
+`--backend cuda --dtype float32` the hand-written CUDA kernels (NCU_KERNELS="forward_kernel|dq_kernel|dkdv_kernel").
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--backend", default="triton", choices=["triton", "cudnn"])
+    ap.add_argument("--backend", default="triton", choices=["triton", "cudnn", "cuda"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
-    q, k, v, go = random_inputs(1, args.seq_len, 16, args.dim, dtype=torch.bfloat16, device="cuda")
+    q, k, v, go = random_inputs(1, args.seq_len, 16, args.dim, dtype=getattr(torch, args.dtype), device="cuda")
 
     def step() -> None:
         out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=args.causal, backend=args.backend)

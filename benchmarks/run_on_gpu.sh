@@ -4,7 +4,8 @@
 # Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tune|first_call|varlen|decode|tile_order|ncu|all]...
 #   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
 #   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS};
-#        NCU_KERNELS, NCU_COUNT: the kernel regex and count, e.g. for NCU_ARGS="--backend cudnn")
+#        NCU_KERNELS, NCU_COUNT: the kernel regex and count, e.g. for NCU_ARGS="--backend cudnn"; NCU_METRICS: the
+#        metrics beside the sections, comma-separated, default the tensor pipe's activity)
 #   smem: tools/triton_shared_memory.py ${SMEM_ARGS} (the Triton configs' shared memory against the estimate)
 #   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
 #   tune: benchmarks/tune.py ${TUNE_ARGS} (the full sweep, merged into the source tree's tuned_configs.json when run
@@ -69,9 +70,11 @@ for stage in $stages; do
       ncu --profile-from-start off -k regex:"${NCU_KERNELS:-_fwd_kernel|_dkdv_kernel|_dq_kernel}" -c ${NCU_COUNT:-6} \
         --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-        --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+        --metrics "${NCU_METRICS:-sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active}" \
         python3 benchmarks/profile_triton.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
-      grep -E "^  .*Context [0-9]|hmma_cycles|Registers Per|Theoretical Occ|Duration|Issue Slots Busy" "$OUT/ncu.txt" ;;
+      metrics=$(echo "${NCU_METRICS:-hmma_cycles}" | tr ',' '|')
+      grep -E "^  .*Context [0-9]|Registers Per|Theoretical Occ|Achieved Occ|Duration|Issue Slots Busy|$metrics" \
+        "$OUT/ncu.txt" ;;
     ring)
       gpus=$(nvidia-smi -L | wc -l)
       python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider tests 2>&1 | tee "$OUT/ring_tests.log" | tail -20

@@ -89,6 +89,9 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
   constexpr int KC = row_chunk<BN, DMAX>();
   __shared__ __align__(16) float tiles[kTileFloats];  // Q^T, dO^T, K^T, V^T chunks; then K row chunks
   __shared__ __align__(16) float ds_t[BN * LD];       // dS^T: [key][query]
+  // lse * log2(e) and delta of the block's queries: in shared memory rather than 2 * R registers a thread, which
+  // the score loop needs (with them held there, the kernel spilled into its inner loops at head dim 128)
+  __shared__ __align__(16) float row_stats[2 * BM];
   float* q_t = tiles;
   float* do_t = tiles + kChunkD * LD;
   float* k_t = tiles + 2 * kChunkD * LD;
@@ -110,16 +113,17 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
   const int64_t row_base = (b * sh.num_heads + head) * sh.seq_len;
 
-  float lse2[R], delta[R], dq[R][J];
+  static_assert(BM <= kThreads, "a thread per query row fills row_stats");
+  if (threadIdx.x < BM) {  // read by the softmax step, after the score loop's barriers
+    const int64_t pos = mem.first + min(start_m + threadIdx.x, mem.count - 1) * br.dilation;
+    row_stats[threadIdx.x] = p.lse[row_base + pos] * kLog2e;
+    row_stats[BM + threadIdx.x] = p.delta[row_base + pos];
+  }
+  float dq[R][J];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int64_t qi = start_m + ty * R + r;
-    const int64_t pos = mem.first + min(qi, mem.count - 1) * br.dilation;
-    lse2[r] = p.lse[row_base + pos] * kLog2e;
-    delta[r] = p.delta[row_base + pos];
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int j = 0; j < J; ++j) dq[r][j] = 0.f;
-  }
 
   const int64_t key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
   for (int64_t start_n = 0; start_n < key_end; start_n += BN) {
@@ -154,6 +158,9 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
           }
       }
     }
+    float lse2[R], delta[R];
+    load_row_values(lse2, row_stats + ty * R);
+    load_row_values(delta, row_stats + BM + ty * R);
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int64_t kj = start_n + tx + c * kColsX;
