@@ -4,7 +4,8 @@
 // members kBlockN (64) at a time (flash-attention's online softmax, base 2). Scores S = Q K^T are reduced
 // over the head dim in chunks of 32: each chunk of the dilated Q and K rows is gathered straight from
 // global memory (positions first + r * j) into transposed fp32 shared tiles, and every thread accumulates
-// an 8 x 4 block of S with FMAs. The probabilities go through shared memory (transposed) and O += P V
+// an 8 x 4 block of S with FMAs (its 4 keys and its output columns contiguous: vector loads, common.cuh's
+// thread_col). The probabilities go through shared memory (transposed) and O += P V
 // streams the key rows of V in chunks. All math is fp32; inputs may be fp16, bf16 or fp32. No tensor
 // cores, so the same code runs from Pascal up.
 #include "common.cuh"
@@ -106,8 +107,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
       for (int d = 0; d < kChunkD; ++d) {
         float a[kRows], kv[kCols];
         load_row_values(a, q_t + d * kLdM + ty * kRows);
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) kv[c] = k_t[d * kLdN + tx + c * kColsX];
+        load_thread_cols(kv, k_t + d * kLdN, tx);
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
       float row_max = kNoMax;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const int64_t kj = start_n + tx + c * kColsX;
+        const int64_t kj = start_n + thread_col<kCols>(tx, c);
         const bool visible = !needs_mask || (kj < mem.count && (!sh.causal || kj <= qi));
         s[r][c] = visible ? s[r][c] * scale2 : -INFINITY;
         row_max = fmaxf(row_max, s[r][c]);
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
       float col[kRows];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) col[r] = s[r][c];
-      store_row_values(probs + (tx + c * kColsX) * kLdM + ty * kRows, col);
+      store_row_values(probs + thread_col<kCols>(tx, c) * kLdM + ty * kRows, col);
     }
 
     // O += P V, streaming KC key rows of V at a time through the tiles' space.
@@ -158,8 +158,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
       for (int kk = 0; kk < KC; ++kk) {
         float pr[kRows], vv[J];
         load_row_values(pr, probs + (k0 + kk) * kLdM + ty * kRows);
-#pragma unroll
-        for (int j = 0; j < J; ++j) vv[j] = tiles[kk * DMAX + tx + j * kColsX];
+        load_thread_cols(vv, tiles + kk * DMAX, tx);
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -190,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
       T* row = out_base + pos * p.so.seq;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        const int d = tx + j * kColsX;
+        const int d = thread_col<J>(tx, j);
         if (d < dim) {
           // Running lse -inf (no earlier branch covered the row): w_old = 0, so prev = 0 without reading it.
           const float prev = old_lse[r] == -INFINITY ? 0.f : to_float(row[d]) * w_old;

@@ -216,6 +216,38 @@ __device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]
   for (int i = 0; i < R; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
 }
 
+// The N columns a thread (column index tx of kColsX) owns of a row of kColsX * N: groups of V floats (the widest
+// of 4, 2, 1 dividing N), contiguous per thread, so that a row's threads read one contiguous span per vector load
+// (no bank conflicts) and a thread issues N / V loads instead of N.
+template <int N>
+__host__ __device__ constexpr int col_vector() {
+  return N % 4 == 0 ? 4 : (N % 2 == 0 ? 2 : 1);
+}
+
+template <int N>
+__device__ __forceinline__ int thread_col(int tx, int j) {
+  constexpr int V = col_vector<N>();
+  return (j / V) * (kColsX * V) + tx * V + j % V;
+}
+
+template <int N>
+__device__ __forceinline__ void load_thread_cols(float (&x)[N], const float* row, int tx) {
+  constexpr int V = col_vector<N>();
+#pragma unroll
+  for (int g = 0; g < N / V; ++g) {
+    const float* src = row + g * (kColsX * V) + tx * V;
+    if constexpr (V == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      x[4 * g] = v.x, x[4 * g + 1] = v.y, x[4 * g + 2] = v.z, x[4 * g + 3] = v.w;
+    } else if constexpr (V == 2) {
+      const float2 v = *reinterpret_cast<const float2*>(src);
+      x[2 * g] = v.x, x[2 * g + 1] = v.y;
+    } else {
+      x[g] = *src;
+    }
+  }
+}
+
 // The current device's shared memory per block with opt-in (48 KiB without).
 inline size_t max_shared_memory_per_block() {
   int device = 0, bytes = 48 * 1024;
