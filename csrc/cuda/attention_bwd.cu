@@ -144,11 +144,8 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
         float a[R], g[R], kk[C], vv[C];
         load_row_values(a, q_t + d * LD + ty * R);
         load_row_values(g, do_t + d * LD + ty * R);
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          kk[c] = k_t[d * LD + tx + c * kColsX];
-          vv[c] = v_t[d * LD + tx + c * kColsX];
-        }
+        load_thread_cols(kk, k_t + d * LD, tx);
+        load_thread_cols(vv, v_t + d * LD, tx);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -163,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
     load_row_values(delta, row_stats + BM + ty * R);
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int64_t kj = start_n + tx + c * kColsX;
+      const int64_t kj = start_n + thread_col<C>(tx, c);
       float col[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -172,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
         const float pr = visible ? exp2f(s[r][c] * scale2 - lse2[r]) : 0.f;
         col[r] = pr * (dp[r][c] - delta[r]);
       }
-      store_row_values(ds_t + (tx + c * kColsX) * LD + ty * R, col);
+      store_row_values(ds_t + thread_col<C>(tx, c) * LD + ty * R, col);
     }
     for (int k0 = 0; k0 < BN; k0 += KC) {
       __syncthreads();
@@ -182,8 +179,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
       for (int kk = 0; kk < KC; ++kk) {
         float dsr[R], kv[J];
         load_row_values(dsr, ds_t + (k0 + kk) * LD + ty * R);
-#pragma unroll
-        for (int j = 0; j < J; ++j) kv[j] = tiles[kk * DMAX + tx + j * kColsX];
+        load_thread_cols(kv, tiles + kk * DMAX, tx);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -200,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
       float* row = p.dq + ((b * sh.seq_len + mem.first + qi * br.dilation) * sh.num_heads + head) * sh.head_dim;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        const int d = tx + j * kColsX;
+        const int d = thread_col<J>(tx, j);
         if (d < dim) row[d] += dq[r][j] * scale;
       }
     }
@@ -267,11 +263,8 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
           float kr[R], vr[R], qc[C], gc[C];
           load_row_values(kr, k_t + d * LDN + ty * R);
           load_row_values(vr, v_t + d * LDN + ty * R);
-#pragma unroll
-          for (int c = 0; c < C; ++c) {
-            qc[c] = q_t[d * LDM + tx + c * kColsX];
-            gc[c] = do_t[d * LDM + tx + c * kColsX];
-          }
+          load_thread_cols(qc, q_t + d * LDM, tx);
+          load_thread_cols(gc, do_t + d * LDM, tx);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -283,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
       }
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        const int64_t qi = start_m + tx + c * kColsX;
+        const int64_t qi = start_m + thread_col<C>(tx, c);
         const int64_t pos = mem.first + min(qi, mem.count - 1) * br.dilation;
         const float lse2 = p.lse[row_base + pos] * kLog2e, delta = p.delta[row_base + pos];
         float pc[R], dsc[R];
@@ -294,8 +287,8 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
           pc[r] = visible ? exp2f(s[r][c] * scale2 - lse2) : 0.f;
           dsc[r] = pc[r] * (dp[r][c] - delta);
         }
-        store_row_values(p_s + (tx + c * kColsX) * LDN + ty * R, pc);
-        store_row_values(ds_s + (tx + c * kColsX) * LDN + ty * R, dsc);
+        store_row_values(p_s + thread_col<C>(tx, c) * LDN + ty * R, pc);
+        store_row_values(ds_s + thread_col<C>(tx, c) * LDN + ty * R, dsc);
       }
       for (int q0 = 0; q0 < BM; q0 += QC) {
         __syncthreads();
@@ -307,11 +300,8 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
           float pr[R], dsr[R], qv[J], gv[J];
           load_row_values(pr, p_s + (q0 + qq) * LDN + ty * R);
           load_row_values(dsr, ds_s + (q0 + qq) * LDN + ty * R);
-#pragma unroll
-          for (int j = 0; j < J; ++j) {
-            qv[j] = tiles[qq * DMAX + tx + j * kColsX];
-            gv[j] = tiles[(QC + qq) * DMAX + tx + j * kColsX];
-          }
+          load_thread_cols(qv, tiles + qq * DMAX, tx);
+          load_thread_cols(gv, tiles + (QC + qq) * DMAX, tx);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -330,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
         const int64_t off = ((b * sh.seq_len + mem.first + kj * br.dilation) * sh.num_kv_heads + kvh) * sh.head_dim;
 #pragma unroll
         for (int j = 0; j < J; ++j) {
-          const int d = tx + j * kColsX;
+          const int d = thread_col<J>(tx, j);
           if (d < dim) {
             p.dk[off + d] += dk[r][j] * scale;
             p.dv[off + d] += dv[r][j];
