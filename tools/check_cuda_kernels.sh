@@ -6,6 +6,11 @@
 #                 for the older assembler) are rewritten to sm_61 and assembled by the ptxas of the
 #                 nvidia-cuda-nvcc-cu12 wheel (CUDA 12.9, which still has Pascal).
 # Prints registers, shared memory and spills per kernel and target; any compile error fails the script.
+# Then, for sm_61, each variant's theoretical occupancy from those numbers and Pascal's limits (64K registers,
+# 96 KiB of shared memory, 64 warps and 32 blocks an SM), and whether it meets the Pascal target: no spills and
+# at least 50% theoretical occupancy. The forward's dynamic shared memory comes from the launcher's own
+# constexprs (a host program built from attention_fwd.cu). SM61_STRICT=1 fails the script where a variant misses
+# the target; the default reports it.
 # Usage: tools/check_cuda_kernels.sh [PTXAS_FOR_PASCAL]   (default: from the wheel, installed to a temp dir)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,11 +40,32 @@ for src in csrc/cuda/*.cu; do
     || { cat "$WORK/$name.sm_61.log"; echo "FAILED: $src for sm_61"; exit 1; }
 done
 
-# One line per kernel and target: registers, static shared memory, spill bytes.
-python - "$WORK"/*.log <<'PY'
-import re, subprocess, sys
+# The block size and the forward's dynamic shared memory per head dim (resident Q and streamed), as launched.
+cat >"$WORK/launch_smem.cu" <<'CU'
+#include <cstdio>
+#include "attention_fwd.cu"
+using namespace dilated_attn::cuda;
+template <int D>
+void row() {
+  std::printf("forward %d %zu %zu\n", D, forward_smem_floats<D, true>() * sizeof(float),
+              forward_smem_floats<D, false>() * sizeof(float));
+}
+int main() {
+  std::printf("threads %d\n", kThreads);
+  row<32>(), row<64>(), row<96>(), row<128>(), row<256>();
+}
+CU
+"$NVCC" "${FLAGS[@]}" -arch=sm_75 -I csrc/cuda "$WORK/launch_smem.cu" -o "$WORK/launch_smem"
+"$WORK/launch_smem" >"$WORK/launch_smem.txt"
+
+# One line per kernel and target: registers, static shared memory, spill bytes; then the sm_61 occupancy.
+python - "$WORK/launch_smem.txt" "$WORK"/*.log <<'PY'
+import math, os, re, subprocess, sys
+launch = [line.split() for line in open(sys.argv[1])]
+threads = int(next(r[1] for r in launch if r[0] == "threads"))
+forward_smem = {int(r[1]): (int(r[2]), int(r[3])) for r in launch if r[0] == "forward"}  # D: (resident, streamed)
 rows = []
-for path in sys.argv[1:]:
+for path in sys.argv[2:]:
     arch = path.rsplit(".", 2)[-2]
     kernel = None
     spill = "0"
@@ -60,5 +86,34 @@ print(f"{'kernel':<44} {'arch':<6} {'regs':>5} {'smem':>6} {'spill':>6}")
 for r in sorted(rows):
     print(f"{r[0]:<44} {r[1]:<6} {r[2]:>5} {r[3]:>6} {r[4]:>6}")
 print(f"{len(rows)} kernel builds checked")
+
+# Pascal (sm_61): registers allocated 256 a warp; 48 KiB of shared memory a block at most, 96 KiB an SM.
+REGS, SMEM_SM, SMEM_BLOCK, WARPS, BLOCKS = 65536, 96 * 1024, 48 * 1024, 64, 32
+warps = threads // 32
+report, missing = [], 0
+for kernel, arch, regs, smem, spill in sorted(rows):
+    if arch != "sm_61":
+        continue
+    regs, smem, spill = int(regs), int(smem), int(spill)
+    m = re.match(r"void forward_kernel<.*, (\d+), (true|false)>", kernel)
+    if m:  # dynamic shared memory; the launcher runs the resident-Q variant where it fits a block
+        resident, streamed = forward_smem[int(m.group(1))]
+        runs_resident = resident <= SMEM_BLOCK
+        if (m.group(2) == "true") != runs_resident:
+            continue  # never launched on Pascal
+        smem += resident if runs_resident else streamed
+    by_regs = REGS // (math.ceil(regs * 32 / 256) * 256) // warps
+    by_smem = SMEM_SM // (math.ceil(smem / 256) * 256) if smem else BLOCKS
+    blocks = min(BLOCKS, WARPS // warps, by_regs, by_smem)
+    occupancy = blocks * warps / WARPS
+    ok = spill == 0 and occupancy >= 0.5
+    missing += not ok
+    report.append(f"{kernel:<46} {regs:>5} {smem:>6} {spill:>6} {blocks:>7} {occupancy:>9.1%}  {'yes' if ok else 'no'}")
+print(f"\nsm_61 (Pascal): theoretical occupancy of each variant the launchers run ({threads} threads a block)")
+print(f"{'kernel':<46} {'regs':>5} {'smem':>6} {'spill':>6} {'blocks':>7} {'occupancy':>9}  no spills, >= 50%")
+print("\n".join(report))
+print(f"{len(report) - missing} of {len(report)} sm_61 variants meet the Pascal target")
+if missing and os.environ.get("SM61_STRICT") == "1":
+    sys.exit(f"SM61_STRICT=1: {missing} sm_61 variants spill or run below 50% theoretical occupancy")
 PY
 echo "CUDA kernel compile check passed (sm_61 via PTX, sm_75, sm_90)"
