@@ -107,11 +107,11 @@ def main(argv=None) -> None:
     cp = validate_kvcache(q, k_cache, v_cache, cached, segs, dils)
 
     def captured():
-        ops.decode(q, k_cache, v_cache, cached, cp)  # compiled before capture
+        ops.decode(q, k_cache, v_cache, cp)  # compiled before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            ops.decode(q, k_cache, v_cache, cached, cp)
+            ops.decode(q, k_cache, v_cache, cp)
         return graph
 
     sweep, choices = {}, {}

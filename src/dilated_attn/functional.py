@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from . import dispatch
 import torch
 
+from . import dispatch
 from .spec import validate, validate_kvcache, validate_varlen
 
 

@@ -92,18 +92,13 @@ class Backend:
 
     def append_kvcache(self, k_cache, v_cache, k, v, cp: CacheProblem) -> None:
         """Writes the new k, v `[B, Sq, Hkv, D]` into the caches in place, at rows `cache_seqlens[b] + i`."""
-        n = cp.new_tokens
-        if not isinstance(cp.given_seqlens, torch.Tensor):  # one slice of every batch element
-            first = cp.given_seqlens
-            k_cache[:, first:first + n] = k
-            v_cache[:, first:first + n] = v
-        elif cp.cache_seqlens is None:  # the lengths stay on the device
+        if isinstance(cp.given_seqlens, torch.Tensor):  # per-batch lengths, read where they are
             for cache, new in ((k_cache, k), (v_cache, v)):
                 _write_rows(cache, new, cp.given_seqlens)
-        else:
-            for b, first in enumerate(cp.cache_seqlens):
-                k_cache[b, first:first + n] = k[b]
-                v_cache[b, first:first + n] = v[b]
+        else:  # one slice of every batch element
+            first = cp.given_seqlens
+            k_cache[:, first:first + cp.new_tokens] = k
+            v_cache[:, first:first + cp.new_tokens] = v
 
     def forward_kvcache(self, q, k_cache, v_cache, cp: CacheProblem):
         """Decoding (dilated_attention_with_kvcache, the cache already written): `(out [B, Sq, Hq, D],
@@ -145,8 +140,8 @@ class Backend:
 
 
 def _write_rows(cache, new, cache_seqlens):
-    """cache[b, cache_seqlens[b] + i] = new[b, i], the lengths a tensor read on the device only: a row past the
-    cache is not written. Every index is clamped into the cache, and each write to a row carries the value that
+    """cache[b, cache_seqlens[b] + i] = new[b, i], the lengths a tensor (never read back to the host): a row past
+    the cache is not written. Every index is clamped into the cache, and each write to a row carries the value that
     row must get (its new row, or its old value where no new row lands on it), so duplicates agree."""
     B, Sq = new.shape[:2]
     batch = torch.arange(B, device=cache.device)[:, None]

@@ -123,12 +123,12 @@ class TritonBackend(Backend):
     def append_kvcache(self, k_cache, v_cache, k, v, cp):
         # one launch for both caches, whatever cache_seqlens is (a graph of small index ops otherwise)
         self.ops()
-        _ops.append_kv(k_cache, v_cache, k, v, cp.given_seqlens)
+        _ops.append_kv(k_cache, v_cache, k, v, cp)
 
     def forward_kvcache(self, q, k_cache, v_cache, cp):
         # one launch for every branch and new token (decode.py), instead of a forward over each prefix
         self.ops()
-        return _ops.decode(q, k_cache, v_cache, cp.given_seqlens, cp)
+        return _ops.decode(q, k_cache, v_cache, cp)
 
     def forward_varlen(self, q, k, v, p):
         # the whole pack in each launch: a program per (sequence, head, segment, block), no padding copies

@@ -44,6 +44,12 @@ def _branch_keys(Branches, br, pos):
     return start + offset, r, n_keys, head_a, head_b
 
 
+@triton.jit
+def _kv_head_keys(n_keys, head_a, head_b, kvh, GROUP):
+    """A branch's key count for kv head `kvh`: n_keys where one of its query heads is among [head_a, head_b)."""
+    return tl.where((kvh * GROUP < head_b) & (kvh * GROUP + GROUP > head_a), n_keys, 0)
+
+
 @triton.jit(do_not_specialize=["Sq", "H", "n_branches", "cache_len", "max_pos", "GROUP"])
 def _decode_kernel(
     Q, K, V,
@@ -87,13 +93,13 @@ def _decode_kernel(
     lo = share * (total // splits) + tl.minimum(share, total % splits)
     hi = lo + total // splits + (share < total % splits).to(tl.int32)
     scale2 = tl.cast(qk_scale, tl.float32)
-    before = 0  # the keys of the passes before this one
+    before = 0  # the keys of the passes of the kv heads before this one
     for kvh in range(H_KV):
         heads = kvh * GROUP + offs_g  # the query heads of this kv head (rows past GROUP are padding)
         kvh_keys = 0
         for br in range(n_branches):
             _, _, n_keys, head_a, head_b = _branch_keys(Branches, br, pos)
-            kvh_keys += tl.where((kvh * GROUP < head_b) & (kvh * GROUP + GROUP > head_a), n_keys, 0)
+            kvh_keys += _kv_head_keys(n_keys, head_a, head_b, kvh, GROUP)
         part = ((b * H + heads) * Sq + i) * splits + share  # the combine's (batch, query head, token) order
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -103,12 +109,13 @@ def _decode_kernel(
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
             k_base = K + b * stride_kb + kvh * stride_kh
             v_base = V + b * stride_vb + kvh * stride_vh
+            pass_start = before
             for br in range(n_branches):
                 first, r, n_keys, head_a, head_b = _branch_keys(Branches, br, pos)
                 in_pass = g_mask & (heads >= head_a) & (heads < head_b)
-                n_keys = tl.where((kvh * GROUP < head_b) & (kvh * GROUP + GROUP > head_a), n_keys, 0)
-                j_lo = tl.maximum(lo - before, 0)
-                j_hi = tl.minimum(hi - before, n_keys)
+                n_keys = _kv_head_keys(n_keys, head_a, head_b, kvh, GROUP)
+                j_lo = tl.maximum(lo - pass_start, 0)
+                j_hi = tl.minimum(hi - pass_start, n_keys)
                 if j_lo < j_hi:
                     for j0 in range(j_lo, j_hi, BLOCK_N):
                         offs_n = j0 + tl.arange(0, BLOCK_N)
@@ -126,12 +133,12 @@ def _decode_kernel(
                         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
                         l_i = l_i * alpha + tl.sum(p, 1)
                         m_i = m_new
-                before += n_keys
+                pass_start += n_keys
             tl.store(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=(g_mask & (l_i > 0))[:, None])
-        else:
-            before += kvh_keys
+        before += kvh_keys
         tl.store(PartStats + part * 2, m_i, mask=g_mask)
         tl.store(PartStats + part * 2 + 1, l_i, mask=g_mask)
+
 
 @triton.jit(do_not_specialize=["Sq", "H", "HEAD_DIM"])
 def _decode_combine_kernel(

@@ -431,21 +431,20 @@ def _lengths(cache_seqlens, device):
     return None, cache_seqlens
 
 
-def decode(q, k_cache, v_cache, cache_seqlens, cp):
-    """dilated_attention_with_kvcache's computation on the Triton backend (the cache already written);
-    `cache_seqlens` as the caller gave it (an int, or a tensor [B] the kernel reads)."""
+def decode(q, k_cache, v_cache, cp):
+    """dilated_attention_with_kvcache's computation on the Triton backend (the cache already written)."""
     p = cp.problem
     branches = _branch_rows(p.segment_lengths, p.dilation_rates, p.num_heads, p.head_groups, q.device)
     k_cache, v_cache = _rows_contiguous(k_cache), _rows_contiguous(v_cache)
-    lengths, cache_len = _lengths(cache_seqlens, q.device)
+    lengths, cache_len = _lengths(cp.given_seqlens, q.device)
     if torch.compiler.is_compiling():
         return triton_decode(q, k_cache, v_cache, lengths, cache_len, branches, p.scale)
     return _decode(q, k_cache, v_cache, lengths, cache_len, branches, p.scale, launch=_eager)
 
 
-def append_kv(k_cache, v_cache, k, v, cache_seqlens):
+def append_kv(k_cache, v_cache, k, v, cp):
     """The new k, v written into the caches (rows outside the cache dropped)."""
-    lengths, cache_len = _lengths(cache_seqlens, k.device)
+    lengths, cache_len = _lengths(cp.given_seqlens, k.device)
     if torch.compiler.is_compiling():
         triton_append_kv(k_cache, v_cache, k, v, lengths, cache_len)
     else:
