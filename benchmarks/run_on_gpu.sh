@@ -44,9 +44,14 @@ for stage in $stages; do
       python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfEs --maxfail=10 -p no:cacheprovider \
         --durations=10 $workers tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;&
     sanitize)
-      for tool in memcheck racecheck initcheck; do
-        compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize_cuda.py > "$OUT/sanitize_$tool.log" 2>&1
-        echo "compute-sanitizer $tool: exit $? ($(tail -1 "$OUT/sanitize_$tool.log"))"
+      # both tile tables: the device's (70 here) and Pascal's (csrc/cuda/launch.h)
+      for tiles in 70 61; do
+        for tool in memcheck racecheck initcheck; do
+          log="$OUT/sanitize_${tool}_tiles$tiles.log"
+          DILATED_ATTN_CUDA_TILES=$tiles compute-sanitizer --tool $tool --error-exitcode 1 \
+            python3 tools/sanitize_cuda.py > "$log" 2>&1
+          echo "compute-sanitizer $tool, tile table $tiles: exit $? ($(tail -1 "$log"))"
+        done
       done ;;
     smem)
       python3 tools/triton_shared_memory.py ${SMEM_ARGS:-} 2>&1 | tee "$OUT/smem.log" ;;

@@ -18,6 +18,17 @@ def _needs_cuda_kernels():
         pytest.fail("a GPU is present but dilated_attn._C was built without CUDA kernels")
 
 
+# Each test runs with the device's own tile table and with Pascal's (csrc/cuda/launch.h), which a newer GPU runs
+# when DILATED_ATTN_CUDA_TILES=61: Pascal's kernels are tested here even though no Pascal GPU is at hand.
+@pytest.fixture(autouse=True, params=["device-tiles", "pascal-tiles"])
+def tile_table(request, monkeypatch):
+    if request.param == "pascal-tiles":
+        monkeypatch.setenv("DILATED_ATTN_CUDA_TILES", "61")
+    else:
+        monkeypatch.delenv("DILATED_ATTN_CUDA_TILES", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("index", range(len(GPU_CASES)))
 def test_parity(index, dtype):
@@ -92,3 +103,18 @@ def test_bad_input_raises():
     q = torch.randn(1, 16, 2, 8, device="cuda", dtype=torch.float64)
     with pytest.raises(ValueError, match="float64"):
         dilated_attn.dilated_attention(q, q, q, [8], [1], backend="cuda")
+
+
+def test_tile_table_override_is_checked(monkeypatch):
+    q = torch.randn(1, 16, 2, 8, device="cuda")
+    monkeypatch.setenv("DILATED_ATTN_CUDA_TILES", "75")
+    with pytest.raises(ValueError, match="DILATED_ATTN_CUDA_TILES must be 61"):
+        dilated_attn.dilated_attention(q, q, q, [8], [1], backend="cuda")
+
+
+def test_sequence_of_2_31_positions_is_refused():
+    """The kernels index positions with 32-bit integers; a longer sequence (here a stride-0 view, no memory) is
+    refused before any launch."""
+    q = torch.randn(1, 1, 1, 8, device="cuda").expand(1, 2**31, 1, 8)
+    with pytest.raises(ValueError, match="2\\^31"):
+        torch.ops.dilated_attn.forward(q, q, q, [2**31], [1], False, False, 1.0)

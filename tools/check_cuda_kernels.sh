@@ -8,8 +8,9 @@
 # Prints registers, shared memory and spills per kernel and target; any compile error fails the script.
 # Then, for sm_61, each variant's theoretical occupancy from those numbers and Pascal's limits (64K registers,
 # 96 KiB of shared memory, 64 warps and 32 blocks an SM), and whether it meets the Pascal target: no spills and
-# at least 50% theoretical occupancy. The forward's dynamic shared memory comes from the launcher's own
-# constexprs (a host program built from attention_fwd.cu). SM61_STRICT=1 fails the script where a variant misses
+# at least 50% theoretical occupancy, for each variant Pascal runs (the kernels of the Pascal tile table, launch.h).
+# The forward's dynamic shared memory comes from the kernel's own constexprs (a host program built from
+# attention_fwd.cu). SM61_STRICT=1 fails the script where a variant misses
 # the target; the default reports it.
 # Usage: tools/check_cuda_kernels.sh [PTXAS_FOR_PASCAL]   (default: from the wheel, installed to a temp dir)
 set -euo pipefail
@@ -40,15 +41,14 @@ for src in csrc/cuda/*.cu; do
     || { cat "$WORK/$name.sm_61.log"; echo "FAILED: $src for sm_61"; exit 1; }
 done
 
-# The block size and the forward's dynamic shared memory per head dim (resident Q and streamed), as launched.
+# The block size and the forward's dynamic shared memory per head dim with Pascal's tiles, as launched.
 cat >"$WORK/launch_smem.cu" <<'CU'
 #include <cstdio>
 #include "attention_fwd.cu"
 using namespace dilated_attn::cuda;
 template <int D>
 void row() {
-  std::printf("forward %d %zu %zu\n", D, forward_smem_floats<D, true>() * sizeof(float),
-              forward_smem_floats<D, false>() * sizeof(float));
+  std::printf("forward %d %zu\n", D, ForwardTiles<kPascalTiles, D>::template smem_floats<false>() * sizeof(float));
 }
 int main() {
   std::printf("threads %d\n", kThreads);
@@ -63,7 +63,7 @@ python - "$WORK/launch_smem.txt" "$WORK"/*.log <<'PY'
 import math, os, re, subprocess, sys
 launch = [line.split() for line in open(sys.argv[1])]
 threads = int(next(r[1] for r in launch if r[0] == "threads"))
-forward_smem = {int(r[1]): (int(r[2]), int(r[3])) for r in launch if r[0] == "forward"}  # D: (resident, streamed)
+forward_smem = {int(r[1]): int(r[2]) for r in launch if r[0] == "forward"}  # D: Pascal's streamed-Q tiles
 rows = []
 for path in sys.argv[2:]:
     arch = path.rsplit(".", 2)[-2]
@@ -95,13 +95,13 @@ for kernel, arch, regs, smem, spill in sorted(rows):
     if arch != "sm_61":
         continue
     regs, smem, spill = int(regs), int(smem), int(spill)
-    m = re.match(r"void forward_kernel<.*, (\d+), (true|false)>", kernel)
-    if m:  # dynamic shared memory; the launcher runs the resident-Q variant where it fits a block
-        resident, streamed = forward_smem[int(m.group(1))]
-        runs_resident = resident <= SMEM_BLOCK
-        if (m.group(2) == "true") != runs_resident:
-            continue  # never launched on Pascal
-        smem += resident if runs_resident else streamed
+    # Pascal runs the delta kernel and the variants of its own tile table (template argument 61), the forward
+    # with streamed Q
+    m = re.match(r"void \w+_kernel<[^,]+, (\d+), (\d+)(?:, (true|false))?>", kernel)
+    if not kernel.startswith("void delta_kernel") and (not m or int(m.group(2)) != 61 or m.group(3) == "true"):
+        continue
+    if kernel.startswith("void forward_kernel"):
+        smem += forward_smem[int(m.group(1))]  # dynamic shared memory
     by_regs = REGS // (math.ceil(regs * 32 / 256) * 256) // warps
     by_smem = SMEM_SM // (math.ceil(smem / 256) * 256) if smem else BLOCKS
     blocks = min(BLOCKS, WARPS // warps, by_regs, by_smem)

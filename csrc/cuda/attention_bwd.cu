@@ -6,13 +6,14 @@
 // merge weights included (docs/SPEC.md, "Gradients").
 //
 // - delta_kernel: one warp per (batch, position, head) row.
-// - dq_kernel: a block owns kDqBlockM (64) query members of one (batch, head, segment), like the forward,
-//   and walks the segment's keys kDqBlockN (64) at a time: S = Q K^T and dP = dO V^T reduced over the
-//   head dim in chunks gathered into transposed shared tiles, dS through shared memory, dQ += dS K with
-//   K's rows streamed.
-// - dkdv_kernel: a block owns dkdv_block_n (64; 32 for head dim 256) key members of one (batch, kv head,
-//   segment) and, for each query head of its group that takes part, walks the query members kDkdvBlockM
-//   (32) at a time: S^T = K Q^T, dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
+// - dq_kernel: a block owns DqTiles::kBlockM query members of one (batch, head, segment), like the forward,
+//   and walks the segment's keys kBlockN at a time: S = Q K^T and dP = dO V^T reduced over the head dim in
+//   chunks gathered into transposed shared tiles, dS through shared memory, dQ += dS K with K's rows streamed.
+// - dkdv_kernel: a block owns DkdvTiles::kBlockN key members of one (batch, kv head, segment) and, for each
+//   query head of its group that takes part, walks the query members kBlockM (32) at a time: S^T = K Q^T,
+//   dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
+// The tile structs hold the sizes per tile table (common.cuh): Volta and newer 64 x 64 (dq) and 64 x 32 (dK/dV;
+// 32 keys at head dim 256), Pascal 16 x 32 (8 queries at head dim 256) and 8 x 32, within 64 registers a thread.
 // Every block adds its fp32 sums into fp32 accumulators with a plain read-add-write: within one launch no
 // two blocks write the same position (the blocks of a segment own disjoint members, heads of one block
 // are visited by the same threads in turn), so there are no atomics and results are deterministic.
@@ -24,37 +25,49 @@ namespace {
 
 constexpr int kChunkD = 16;  // head-dim chunk of the two score reductions (four tiles in flight)
 
-// Blocks per SM the registers of dq_kernel and dkdv_kernel are sized for (__launch_bounds__): 2, so 255
-// registers a thread at every head dim.
-constexpr int kBackwardMinBlocks = 2;
-
-// dq_kernel's tiles: kDqBlockM queries per block against kDqBlockN keys per step. Q^T and dO^T (kDqBlockM
-// rows), K^T and V^T (kDqBlockN rows) and dS^T (indexed by query) share one leading dim.
-constexpr int kDqBlockM = 64;
-constexpr int kDqBlockN = 64;
-constexpr int kDqLd = transposed_ld(kDqBlockM);  // 68: LD % 32 == 4, conflict-free transposed gathers
-static_assert(kDqBlockN <= kDqBlockM, "K^T and V^T rows fit kDqLd");
-
-// Shared floats for the chunked tiles: dq_kernel's four transposed chunks Q^T, dO^T, K^T, V^T (17 KiB,
-// as much as the forward's score tiles). The row chunks of both kernels and dkdv_kernel's four chunks
-// reuse the same space.
-constexpr int kTileFloats = 4 * kChunkD * kDqLd;
-
-// dkdv_kernel's tiles: dkdv_block_n<DMAX>() keys per block against kDkdvBlockM queries per step. dK and
-// dV take 2 * (keys / 8) * (DMAX / 16) accumulator registers a thread: at most 128 with 64 keys up to head
-// dim 128; head dim 256 takes 32 keys (64 would need 256 registers).
-constexpr int kDkdvBlockM = 32;
-template <int DMAX>
-__host__ __device__ constexpr int dkdv_block_n() {
-  return DMAX > 128 ? 32 : 64;
-}
-
+// Rows of a [rows][DMAX] tile, at most ROWS_MAX (halving), that fit `floats`.
 template <int ROWS_MAX, int DMAX>
-__host__ __device__ constexpr int row_chunk() {  // rows of a [rows][DMAX] tile that fit the tile space
+__host__ __device__ constexpr int row_chunk(int floats) {
   int rows = ROWS_MAX;
-  while (rows * DMAX > kTileFloats) rows /= 2;
+  while (rows * DMAX > floats) rows /= 2;
   return rows;
 }
+
+// dq_kernel's tiles per tile table (common.cuh) and head dim: kBlockM queries per block against kBlockN keys per
+// step. Q^T and dO^T (kLdM), K^T and V^T (kLdN) chunks, then K row chunks, share kTileFloats; dS^T is [key][query].
+template <int TILES, int DMAX>
+struct DqTiles {
+  static constexpr bool kPascal = TILES == kPascalTiles;
+  // Pascal: few queries and keys, so that dQ (R x J), S and dP (R x C each) fit 64 registers a thread.
+  static constexpr int kBlockM = kPascal ? (DMAX > 128 ? 8 : 16) : 64;
+  static constexpr int kBlockN = kPascal ? 32 : 64;
+  static constexpr int kLdM = transposed_ld(kBlockM), kLdN = transposed_ld(kBlockN);
+  static constexpr int kTileFloats = 2 * kChunkD * (kLdM + kLdN);
+  static constexpr int kKeyChunk = row_chunk<kBlockN, DMAX>(kTileFloats);  // K rows per chunk of dQ += dS K
+  // Blocks per SM for __launch_bounds__: Pascal 8 (64 registers a thread), else 2 (255).
+  static constexpr int kMinBlocks = kPascal ? 8 : 2;
+};
+
+// dkdv_kernel's tiles: kBlockN keys per block against kBlockM queries per step. K^T, V^T (kLdN), Q^T and dO^T
+// (kLdM) chunks, then Q and dO row chunks, share kTileFloats; P and dS are [query][key].
+template <int TILES, int DMAX>
+struct DkdvTiles {
+  static constexpr bool kPascal = TILES == kPascalTiles;
+  // dK and dV take 2 * (kBlockN / 8) * (DMAX / 16) accumulator registers a thread. Volta: at most 128, with 64
+  // keys up to head dim 128 and 32 at 256. Pascal: 8 keys (one row a thread), 16 to 32 registers.
+  static constexpr int kBlockN = kPascal ? 8 : (DMAX > 128 ? 32 : 64);
+  static constexpr int kBlockM = kPascal ? 16 : 32;
+  static constexpr int kLdN = transposed_ld(kBlockN), kLdM = transposed_ld(kBlockM);
+  // Volta: as much as dq_kernel's (17 KiB), so that the row chunks hold 16 queries at head dim 128.
+  static constexpr int kTileFloats = kPascal ? 2 * kChunkD * (kLdN + kLdM) : 4 * kChunkD * transposed_ld(64);
+  static_assert(2 * kChunkD * (kLdN + kLdM) <= kTileFloats, "score tiles");
+  // Pascal from head dim 96 on: the dims of dK and dV split over kDimParts blocks (grid y) of kOutDims each, so
+  // that a thread's accumulators stay at 8 or fewer registers a row; each part recomputes S and dP over all dims.
+  static constexpr int kDimParts = kPascal && DMAX > 64 ? (DMAX + 63) / 64 : 1;
+  static constexpr int kOutDims = DMAX / kDimParts;
+  static constexpr int kQueryChunk = row_chunk<kBlockM, kOutDims>(kTileFloats) / 2;  // Q and dO rows side by side
+  static constexpr int kMinBlocks = kPascal ? 8 : 2;
+};
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) delta_kernel(const DeltaParams p) {
@@ -74,40 +87,43 @@ __global__ void __launch_bounds__(kThreads) delta_kernel(const DeltaParams p) {
   }
 }
 
-// The rows of tensor x for (batch b, head `head`) at one segment's members.
+// The rows of q, dO, k and v that a backward block reads, for query head `head` and kv head `kvh`.
 template <typename T>
-__device__ __forceinline__ DilatedRows<T> rows_of(const void* x, const Strides& s, int64_t b, int64_t head,
-                                                  const Members& mem, int64_t dilation) {
-  return DilatedRows<T>{static_cast<const T*>(x) + b * s.batch + head * s.head, s.seq, mem.first, dilation,
-                        mem.count};
+__device__ __forceinline__ void set_block_rows(DilatedRows<T> (&rows)[4], const BackwardParams& p, int b, int head,
+                                               int kvh, const Members& mem, int64_t dilation) {
+  rows[0] = rows_of<T>(p.q, p.sq, b, head, mem, dilation);
+  rows[1] = rows_of<T>(p.dout, p.sdo, b, head, mem, dilation);
+  rows[2] = rows_of<T>(p.k, p.sk, b, kvh, mem, dilation);
+  rows[3] = rows_of<T>(p.v, p.sv, b, kvh, mem, dilation);
 }
 
-template <typename T, int DMAX>
-__global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const BackwardParams p) {
-  constexpr int BM = kDqBlockM, BN = kDqBlockN, LD = kDqLd;
+template <typename T, int DMAX, int TILES>
+__global__ void __launch_bounds__(kThreads, DqTiles<TILES, DMAX>::kMinBlocks) dq_kernel(const BackwardParams p) {
+  using Tiles = DqTiles<TILES, DMAX>;
+  constexpr int BM = Tiles::kBlockM, BN = Tiles::kBlockN, LDM = Tiles::kLdM, LDN = Tiles::kLdN;
   constexpr int R = BM / kRowsY, C = BN / kColsX, J = DMAX / kColsX;  // rows, key columns, dims per thread
-  constexpr int KC = row_chunk<BN, DMAX>();
-  __shared__ __align__(16) float tiles[kTileFloats];  // Q^T, dO^T, K^T, V^T chunks; then K row chunks
-  __shared__ __align__(16) float ds_t[BN * LD];       // dS^T: [key][query]
+  constexpr int KC = Tiles::kKeyChunk;
+  __shared__ __align__(16) float tiles[Tiles::kTileFloats];  // Q^T, dO^T, K^T, V^T chunks; then K row chunks
+  __shared__ __align__(16) float ds_t[BN * LDM];              // dS^T: [key][query]
   // lse * log2(e) and delta of the block's queries: in shared memory rather than 2 * R registers a thread, which
   // the score loop needs (with them held there, the kernel spilled into its inner loops at head dim 128)
   __shared__ __align__(16) float row_stats[2 * BM];
   float* q_t = tiles;
-  float* do_t = tiles + kChunkD * LD;
-  float* k_t = tiles + 2 * kChunkD * LD;
-  float* v_t = tiles + 3 * kChunkD * LD;
+  float* do_t = tiles + kChunkD * LDM;
+  float* k_t = tiles + 2 * kChunkD * LDM;
+  float* v_t = tiles + 2 * kChunkD * LDM + kChunkD * LDN;
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
   const auto [b, head, seg, tile] = query_grid(br, sh, BM).block_tile();
   const Members mem = members_of(br, sh.seq_len, head, seg);
-  const int64_t start_m = tile * BM;
+  const int start_m = tile * BM;
   if (start_m >= mem.count) return;
-  const int64_t kvh = sh.kv_head(head);
-  const auto q_rows = rows_of<T>(p.q, p.sq, b, head, mem, br.dilation);
-  const auto do_rows = rows_of<T>(p.dout, p.sdo, b, head, mem, br.dilation);
-  const auto k_rows = rows_of<T>(p.k, p.sk, b, kvh, mem, br.dilation);
-  const auto v_rows = rows_of<T>(p.v, p.sv, b, kvh, mem, br.dilation);
+  const int kvh = static_cast<int>(sh.kv_head(head));
+  // q, dO, k, v (common.cuh: why in shared memory); read after the score loop's first barrier
+  __shared__ DilatedRows<T> block_rows[4];
+  if (threadIdx.x == 0) set_block_rows(block_rows, p, b, head, kvh, mem, br.dilation);
+  SharedRows<T> q_rows = block_rows[0], do_rows = block_rows[1], k_rows = block_rows[2], v_rows = block_rows[3];
   const int ty = threadIdx.x / kColsX, tx = threadIdx.x % kColsX;
   const int dim = static_cast<int>(sh.head_dim);
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
@@ -115,7 +131,8 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
 
   static_assert(BM <= kThreads, "a thread per query row fills row_stats");
   if (threadIdx.x < BM) {  // read by the softmax step, after the score loop's barriers
-    const int64_t pos = mem.first + min(start_m + threadIdx.x, mem.count - 1) * br.dilation;
+    const int member = min(start_m + static_cast<int>(threadIdx.x), mem.count - 1);
+    const int pos = mem.first + member * static_cast<int>(br.dilation);
     row_stats[threadIdx.x] = p.lse[row_base + pos] * kLog2e;
     row_stats[BM + threadIdx.x] = p.delta[row_base + pos];
   }
@@ -125,8 +142,8 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
 #pragma unroll
     for (int j = 0; j < J; ++j) dq[r][j] = 0.f;
 
-  const int64_t key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
-  for (int64_t start_n = 0; start_n < key_end; start_n += BN) {
+  const int key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
+  for (int start_n = 0; start_n < key_end; start_n += BN) {
     float s[R][C], dp[R][C];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -134,18 +151,18 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
       for (int c = 0; c < C; ++c) s[r][c] = dp[r][c] = 0.f;
     for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
       __syncthreads();
-      gather_transposed<T, BM, kChunkD, LD>(q_t, q_rows, start_m, d0, dim);
-      gather_transposed<T, BM, kChunkD, LD>(do_t, do_rows, start_m, d0, dim);
-      gather_transposed<T, BN, kChunkD, LD>(k_t, k_rows, start_n, d0, dim);
-      gather_transposed<T, BN, kChunkD, LD>(v_t, v_rows, start_n, d0, dim);
+      gather_transposed<T, BM, kChunkD, LDM>(q_t, q_rows, start_m, d0, dim);
+      gather_transposed<T, BM, kChunkD, LDM>(do_t, do_rows, start_m, d0, dim);
+      gather_transposed<T, BN, kChunkD, LDN>(k_t, k_rows, start_n, d0, dim);
+      gather_transposed<T, BN, kChunkD, LDN>(v_t, v_rows, start_n, d0, dim);
       __syncthreads();
 #pragma unroll 4
       for (int d = 0; d < kChunkD; ++d) {
         float a[R], g[R], kk[C], vv[C];
-        load_row_values(a, q_t + d * LD + ty * R);
-        load_row_values(g, do_t + d * LD + ty * R);
-        load_thread_cols(kk, k_t + d * LD, tx);
-        load_thread_cols(vv, v_t + d * LD, tx);
+        load_row_values(a, q_t + d * LDM + ty * R);
+        load_row_values(g, do_t + d * LDM + ty * R);
+        load_thread_cols(kk, k_t + d * LDN, tx);
+        load_thread_cols(vv, v_t + d * LDN, tx);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -160,25 +177,25 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
     load_row_values(delta, row_stats + BM + ty * R);
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int64_t kj = start_n + thread_col<C>(tx, c);
+      const int kj = start_n + thread_col<C>(tx, c);
       float col[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int64_t qi = start_m + ty * R + r;
+        const int qi = start_m + ty * R + r;
         const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
         const float pr = visible ? exp2f(s[r][c] * scale2 - lse2[r]) : 0.f;
         col[r] = pr * (dp[r][c] - delta[r]);
       }
-      store_row_values(ds_t + thread_col<C>(tx, c) * LD + ty * R, col);
+      store_row_values(ds_t + thread_col<C>(tx, c) * LDM + ty * R, col);
     }
     for (int k0 = 0; k0 < BN; k0 += KC) {
       __syncthreads();
-      gather_rows<T, KC, DMAX>(tiles, k_rows, start_n + k0, dim);
+      gather_rows<T, KC, DMAX>(tiles, k_rows, start_n + k0, 0, dim);
       __syncthreads();
 #pragma unroll 4
       for (int kk = 0; kk < KC; ++kk) {
         float dsr[R], kv[J];
-        load_row_values(dsr, ds_t + (k0 + kk) * LD + ty * R);
+        load_row_values(dsr, ds_t + (k0 + kk) * LDM + ty * R);
         load_thread_cols(kv, tiles + kk * DMAX, tx);
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -191,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
   const float scale = static_cast<float>(sh.scale);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int64_t qi = start_m + ty * R + r;
+    const int qi = start_m + ty * R + r;
     if (qi < mem.count) {
       float* row = p.dq + ((b * sh.seq_len + mem.first + qi * br.dilation) * sh.num_heads + head) * sh.head_dim;
 #pragma unroll
@@ -203,16 +220,16 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dq_kernel(const 
   }
 }
 
-template <typename T, int DMAX>
-__global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(const BackwardParams p) {
-  constexpr int BN = dkdv_block_n<DMAX>(), BM = kDkdvBlockM;
-  constexpr int R = BN / kRowsY, C = BM / kColsX, J = DMAX / kColsX;  // key rows, query columns, dims per thread
-  constexpr int LDN = transposed_ld(BN), LDM = transposed_ld(BM);    // K^T, V^T, P, dS; Q^T, dO^T
-  constexpr int QC = row_chunk<BM, DMAX>() / 2;  // query rows per chunk: Q and dO side by side
-  static_assert(2 * kChunkD * (LDN + LDM) <= kTileFloats, "score tiles");
-  __shared__ __align__(16) float tiles[kTileFloats];  // K^T, V^T, Q^T, dO^T chunks; then Q, dO row chunks
-  __shared__ __align__(16) float p_s[BM * LDN];       // P: [query][key]
-  __shared__ __align__(16) float ds_s[BM * LDN];      // dS: [query][key]
+template <typename T, int DMAX, int TILES>
+__global__ void __launch_bounds__(kThreads, DkdvTiles<TILES, DMAX>::kMinBlocks) dkdv_kernel(const BackwardParams p) {
+  using Tiles = DkdvTiles<TILES, DMAX>;
+  constexpr int BN = Tiles::kBlockN, BM = Tiles::kBlockM, LDN = Tiles::kLdN, LDM = Tiles::kLdM;
+  constexpr int OUT_DIMS = Tiles::kOutDims;
+  constexpr int R = BN / kRowsY, C = BM / kColsX, J = OUT_DIMS / kColsX;  // key rows, query columns, dims a thread
+  constexpr int QC = Tiles::kQueryChunk;
+  __shared__ __align__(16) float tiles[Tiles::kTileFloats];  // K^T, V^T, Q^T, dO^T chunks; then Q, dO row chunks
+  __shared__ __align__(16) float p_s[BM * LDN];               // P: [query][key]
+  __shared__ __align__(16) float ds_s[BM * LDN];              // dS: [query][key]
   float* k_t = tiles;
   float* v_t = tiles + kChunkD * LDN;
   float* q_t = tiles + 2 * kChunkD * LDN;
@@ -221,22 +238,35 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
   const auto [b, kvh, seg, tile] = kv_grid(br, sh, BN).block_tile();
-  const int64_t group = sh.num_heads / sh.num_kv_heads;
-  const int64_t h_begin = max(kvh * group, br.head_lo), h_end = min((kvh + 1) * group, br.head_hi);
-  const int64_t start_n = tile * BN;
+  const int group = static_cast<int>(sh.num_heads / sh.num_kv_heads);
+  const int h_begin = max(kvh * group, static_cast<int>(br.head_lo));
+  const int h_end = min((kvh + 1) * group, static_cast<int>(br.head_hi));
+  const int start_n = tile * BN;
+  const int d_out = blockIdx.y * OUT_DIMS;  // the block's dims of dK and dV
   const int ty = threadIdx.x / kColsX, tx = threadIdx.x % kColsX;
   const int dim = static_cast<int>(sh.head_dim);
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
   const float scale = static_cast<float>(sh.scale);
+  __shared__ DilatedRows<T> block_rows[4];  // q, dO, k, v of the current head (common.cuh: why in shared memory)
+  SharedRows<T> q_rows = block_rows[0], do_rows = block_rows[1], k_rows = block_rows[2], v_rows = block_rows[3];
 
-  for (int64_t head = h_begin; head < h_end; ++head) {
-    const Members mem = members_of(br, sh.seq_len, head, seg);
-    if (start_n >= mem.count) continue;  // uniform over the block
-    const auto q_rows = rows_of<T>(p.q, p.sq, b, head, mem, br.dilation);
-    const auto do_rows = rows_of<T>(p.dout, p.sdo, b, head, mem, br.dilation);
-    const auto k_rows = rows_of<T>(p.k, p.sk, b, kvh, mem, br.dilation);
-    const auto v_rows = rows_of<T>(p.v, p.sv, b, kvh, mem, br.dilation);
-    const int64_t row_base = (b * sh.num_heads + head) * sh.seq_len;
+  // The current head's members and LSE/delta row offset, in shared memory like block_rows
+  __shared__ Members head_members;
+  __shared__ int64_t head_row_base;
+  const volatile Members& mem = head_members;
+  const volatile int64_t& row_base = head_row_base;
+  for (int head = h_begin; head < h_end; ++head) {
+    __syncthreads();  // every thread is done with the previous head's members
+    const Members m = members_of(br, sh.seq_len, head, seg);
+    if (start_n >= m.count) continue;  // uniform over the block
+    // Read after the score loop's first barrier. The previous head's last reads came before a barrier that
+    // thread 0 has passed.
+    if (threadIdx.x == 0) {
+      set_block_rows(block_rows, p, b, head, kvh, m, br.dilation);
+      head_members.first = m.first;
+      head_members.count = m.count;
+      head_row_base = (b * sh.num_heads + head) * sh.seq_len;
+    }
 
     float dk[R][J], dv[R][J];
 #pragma unroll
@@ -245,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
       for (int j = 0; j < J; ++j) dk[r][j] = dv[r][j] = 0.f;
 
     // Causal: queries before the block's first key never see it.
-    for (int64_t start_m = sh.causal ? start_n / BM * BM : 0; start_m < mem.count; start_m += BM) {
+    for (int start_m = sh.causal ? start_n / BM * BM : 0; start_m < mem.count; start_m += BM) {
       float s[R][C], dp[R][C];
 #pragma unroll
       for (int r = 0; r < R; ++r)
@@ -258,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
         gather_transposed<T, BM, kChunkD, LDM>(q_t, q_rows, start_m, d0, dim);
         gather_transposed<T, BM, kChunkD, LDM>(do_t, do_rows, start_m, d0, dim);
         __syncthreads();
-#pragma unroll 4
+#pragma unroll (Tiles::kPascal ? 1 : 4)
         for (int d = 0; d < kChunkD; ++d) {
           float kr[R], vr[R], qc[C], gc[C];
           load_row_values(kr, k_t + d * LDN + ty * R);
@@ -276,13 +306,13 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
       }
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        const int64_t qi = start_m + thread_col<C>(tx, c);
-        const int64_t pos = mem.first + min(qi, mem.count - 1) * br.dilation;
+        const int qi = start_m + thread_col<C>(tx, c);
+        const int pos = mem.first + min(qi, mem.count - 1) * static_cast<int>(br.dilation);
         const float lse2 = p.lse[row_base + pos] * kLog2e, delta = p.delta[row_base + pos];
         float pc[R], dsc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          const int64_t kj = start_n + ty * R + r;
+          const int kj = start_n + ty * R + r;
           const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
           pc[r] = visible ? exp2f(s[r][c] * scale2 - lse2) : 0.f;
           dsc[r] = pc[r] * (dp[r][c] - delta);
@@ -292,16 +322,16 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
       }
       for (int q0 = 0; q0 < BM; q0 += QC) {
         __syncthreads();
-        gather_rows<T, QC, DMAX>(tiles, q_rows, start_m + q0, dim);
-        gather_rows<T, QC, DMAX>(tiles + QC * DMAX, do_rows, start_m + q0, dim);
+        gather_rows<T, QC, OUT_DIMS>(tiles, q_rows, start_m + q0, d_out, dim);
+        gather_rows<T, QC, OUT_DIMS>(tiles + QC * OUT_DIMS, do_rows, start_m + q0, d_out, dim);
         __syncthreads();
-#pragma unroll 2
+#pragma unroll (Tiles::kPascal ? 1 : 2)
         for (int qq = 0; qq < QC; ++qq) {
           float pr[R], dsr[R], qv[J], gv[J];
           load_row_values(pr, p_s + (q0 + qq) * LDN + ty * R);
           load_row_values(dsr, ds_s + (q0 + qq) * LDN + ty * R);
-          load_thread_cols(qv, tiles + qq * DMAX, tx);
-          load_thread_cols(gv, tiles + (QC + qq) * DMAX, tx);
+          load_thread_cols(qv, tiles + qq * OUT_DIMS, tx);
+          load_thread_cols(gv, tiles + (QC + qq) * OUT_DIMS, tx);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -315,12 +345,12 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks) dkdv_kernel(cons
 
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int64_t kj = start_n + ty * R + r;
+      const int kj = start_n + ty * R + r;
       if (kj < mem.count) {
         const int64_t off = ((b * sh.seq_len + mem.first + kj * br.dilation) * sh.num_kv_heads + kvh) * sh.head_dim;
 #pragma unroll
         for (int j = 0; j < J; ++j) {
-          const int d = thread_col<J>(tx, j);
+          const int d = d_out + thread_col<J>(tx, j);
           if (d < dim) {
             p.dk[off + d] += dk[r][j] * scale;
             p.dv[off + d] += dv[r][j];
@@ -344,22 +374,26 @@ cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t str
   });
 }
 
-cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, cudaStream_t stream) {
+cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
-  return dispatch_scalar(kind, [&](auto tag) {
-    using T = decltype(tag);
+  return dispatch_tiles(tiles, [&](auto table) {
+    constexpr int TILES = decltype(table)::value;
     return dispatch_head_dim(sh.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
-      const int64_t kv_blocks = kv_grid(br, sh, dkdv_block_n<DMAX>()).blocks();
-      const int64_t q_blocks = query_grid(br, sh, kDqBlockM).blocks();
+      const int64_t kv_blocks = kv_grid(br, sh, DkdvTiles<TILES, DMAX>::kBlockN).blocks();
+      const int64_t q_blocks = query_grid(br, sh, DqTiles<TILES, DMAX>::kBlockM).blocks();
       if (kv_blocks > kMaxGridBlocks || q_blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
       if (kv_blocks == 0 || q_blocks == 0) return cudaSuccess;
-      dkdv_kernel<T, DMAX><<<static_cast<unsigned>(kv_blocks), kThreads, 0, stream>>>(p);
-      cudaError_t err = cudaGetLastError();
-      if (err != cudaSuccess) return err;
-      dq_kernel<T, DMAX><<<static_cast<unsigned>(q_blocks), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
+      return dispatch_scalar(kind, [&](auto tag) {
+        using T = decltype(tag);
+        const dim3 kv_grid_dims(static_cast<unsigned>(kv_blocks), DkdvTiles<TILES, DMAX>::kDimParts);
+        dkdv_kernel<T, DMAX, TILES><<<kv_grid_dims, kThreads, 0, stream>>>(p);
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) return err;
+        dq_kernel<T, DMAX, TILES><<<static_cast<unsigned>(q_blocks), kThreads, 0, stream>>>(p);
+        return cudaGetLastError();
+      });
     });
   });
 }

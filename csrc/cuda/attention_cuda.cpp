@@ -2,12 +2,15 @@
 // check the arguments, translate tensors into the plain parameter structs of launch.h, run one kernel
 // launch per branch on the current stream, and check every launch.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <limits>
 #include <optional>
+#include <string>
 
 #include "../checks.h"
 #include "launch.h"
@@ -31,9 +34,26 @@ void check_launch(cudaError_t err, const char* kernel) {
 void check_cuda_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_qkv(q, k, v);
   TORCH_CHECK_VALUE(q.is_cuda(), "q, k and v must be CUDA tensors");
+  TORCH_CHECK_VALUE(q.size(1) < kMaxSeqLen, "the CUDA kernels take sequences of fewer than 2^31 positions, got ",
+                    q.size(1));
   TORCH_CHECK_VALUE(q.size(3) <= kMaxHeadDim, "head_dim must be <= ", kMaxHeadDim, " for the CUDA kernels, got ",
                     q.size(3));
   scalar_kind(q);
+}
+
+// The kernels' tile table for the current device (common.cuh): Pascal's below compute capability 7.0, Volta's
+// from 7.0 on. DILATED_ATTN_CUDA_TILES=61 or 70 picks one by hand, so that a newer GPU can run (and test)
+// Pascal's tiles.
+int tile_table() {
+  const char* env = std::getenv("DILATED_ATTN_CUDA_TILES");
+  if (env != nullptr && *env != '\0') {
+    const std::string name(env);
+    TORCH_CHECK_VALUE(name == "61" || name == "70",
+                      "DILATED_ATTN_CUDA_TILES must be 61 (Pascal's tiles) or 70 (Volta's and newer), got '", name,
+                      "'");
+    return name == "61" ? kPascalTiles : kVoltaTiles;
+  }
+  return at::cuda::getCurrentDeviceProperties()->major < 7 ? kPascalTiles : kVoltaTiles;
 }
 
 AttentionShape shape_of(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
@@ -56,9 +76,10 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
   ForwardParams p{q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
                   strides_of(q), strides_of(k), strides_of(v), strides_of(out), sh, Branch{}};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int tiles = tile_table();
   for (const Branch& br : table) {
     p.branch = br;
-    check_launch(launch_forward(p, scalar_kind(q), stream), "forward");
+    check_launch(launch_forward(p, scalar_kind(q), tiles, stream), "forward");
   }
   return {out, lse};
 }
@@ -95,9 +116,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   BackwardParams p{q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), lse.data_ptr<float>(),
                    delta.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(),
                    strides_of(q), strides_of(k), strides_of(v), strides_of(grad_out), sh, Branch{}};
+  const int tiles = tile_table();
   for (const Branch& br : table) {
     p.branch = br;
-    check_launch(launch_backward(p, kind, stream), "backward");
+    check_launch(launch_backward(p, kind, tiles, stream), "backward");
   }
   const auto dt = q.scalar_type();
   return {dq.to(dt), dk.to(dt), dv.to(dt)};

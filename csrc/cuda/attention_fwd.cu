@@ -1,75 +1,83 @@
 // CUDA forward: one branch of dilated attention, merged into the running (out, lse) in place.
 //
-// A block owns kBlockM (64) query members of one (batch, head, segment) and walks the segment's key
-// members kBlockN (64) at a time (flash-attention's online softmax, base 2). Scores S = Q K^T are reduced
-// over the head dim in chunks of 32: each chunk of the dilated Q and K rows is gathered straight from
-// global memory (positions first + r * j) into transposed fp32 shared tiles, and every thread accumulates
-// an 8 x 4 block of S with FMAs (its 4 keys and its output columns contiguous: vector loads, common.cuh's
-// thread_col). The probabilities go through shared memory (transposed) and O += P V
-// streams the key rows of V in chunks. All math is fp32; inputs may be fp16, bf16 or fp32. No tensor
-// cores, so the same code runs from Pascal up.
+// A block owns kBlockM query members of one (batch, head, segment) and walks the segment's key members
+// kBlockN (64) at a time (flash-attention's online softmax, base 2). Scores S = Q K^T are reduced over the
+// head dim in chunks: each chunk of the dilated Q and K rows is gathered straight from global memory
+// (positions first + r * j) into transposed fp32 shared tiles, and every thread accumulates an R x 4 block of
+// S with FMAs (its 4 keys and its output columns contiguous: vector loads, common.cuh's thread_col). The
+// probabilities go through shared memory (transposed) and O += P V streams the key rows of V in chunks. All
+// math is fp32; inputs may be fp16, bf16 or fp32. No tensor cores, so the same code runs from Pascal up.
+// ForwardTiles holds the sizes of each tile table: 64 queries and 32-dim chunks from Volta on, 16 queries (8
+// at head dim 256) and 16-dim chunks on Pascal.
 #include "common.cuh"
 
 namespace dilated_attn {
 namespace cuda {
 namespace {
 
-constexpr int kBlockM = 64;                    // queries per block
-constexpr int kBlockN = 64;                    // keys per step
-constexpr int kChunkD = 32;                    // head-dim chunk of the score reduction
-constexpr int kRows = kBlockM / kRowsY;        // 8 query rows per thread
-constexpr int kCols = kBlockN / kColsX;        // 4 key columns per thread
-constexpr int kLdM = transposed_ld(kBlockM);   // Q^T and P^T (indexed by query)
-constexpr int kLdN = transposed_ld(kBlockN);   // K^T (indexed by key)
-constexpr int kScoreTiles = kChunkD * (kLdM + kLdN);  // Q and K chunks (floats)
+// The forward's tiles per tile table (common.cuh) and head dim.
+template <int TILES, int DMAX>
+struct ForwardTiles {
+  static constexpr bool kPascal = TILES == kPascalTiles;
+  // Queries per block. Pascal: few, so that the output rows (R x J registers a thread) fit 64 registers.
+  static constexpr int kBlockM = kPascal ? (DMAX > 128 ? 8 : 16) : 64;
+  static constexpr int kBlockN = 64;                  // keys per step
+  static constexpr int kChunkD = kPascal ? 16 : 32;   // head-dim chunk of the score reduction
+  static constexpr int kRows = kBlockM / kRowsY;      // query rows per thread
+  static constexpr int kCols = kBlockN / kColsX;      // key columns per thread
+  static constexpr int kLdM = transposed_ld(kBlockM);  // Q^T and P^T (indexed by query)
+  static constexpr int kLdN = transposed_ld(kBlockN);  // K^T (indexed by key)
+  static constexpr int kScoreTiles = kChunkD * (kLdM + kLdN);  // Q and K chunks (floats)
+  // Blocks per SM the register budget is sized for (__launch_bounds__). Pascal: 8 (64 registers a thread).
+  // Volta and newer: 3 (168 registers) up to head dim 128, 2 (255) for 256.
+  static constexpr int kMinBlocks = kPascal ? 8 : (DMAX > 128 ? 2 : 3);
 
-// Key rows of V per chunk of the O += P V product: as many as fit in the score tiles' space.
-template <int DMAX>
-__host__ __device__ constexpr int value_chunk() {
-  int rows = kBlockN;
-  while (rows * DMAX > kScoreTiles) rows /= 2;
-  return rows;
-}
+  // Key rows of V per chunk of the O += P V product: as many as fit in the score tiles' space.
+  static constexpr int value_chunk() {
+    int rows = kBlockN;
+    while (rows * DMAX > kScoreTiles) rows /= 2;
+    return rows;
+  }
 
-// Shared memory of a block (floats): with RESIDENT_Q the block's whole Q^T tile stays in shared memory and
-// only K is gathered per step (where the device allows that much shared memory per block; not Pascal's
-// 48 KiB from head dim 64 on), else Q^T is gathered again chunk by chunk beside K^T.
-template <int DMAX, bool RESIDENT_Q>
-__host__ __device__ constexpr int forward_smem_floats() {
-  return (RESIDENT_Q ? DMAX * kLdM : 0) + kScoreTiles + kBlockN * kLdM;
-}
+  // Shared memory of a block (floats): with RESIDENT_Q the block's whole Q^T tile stays in shared memory and
+  // only K is gathered per step (where the device allows that much shared memory per block; Volta's tiles from
+  // head dim 64 on need more than 48 KiB), else Q^T is gathered again chunk by chunk beside K^T.
+  template <bool RESIDENT_Q>
+  static constexpr int smem_floats() {
+    return (RESIDENT_Q ? DMAX * kLdM : 0) + kScoreTiles + kBlockN * kLdM;
+  }
+};
 
-// Blocks per SM the register budget is sized for (__launch_bounds__): 3 (168 registers a thread) up to
-// head dim 128, 2 (255) for 256. tools/check_cuda_kernels.sh prints every kernel's registers and spills.
-template <int DMAX>
-__host__ __device__ constexpr int min_blocks() {
-  return DMAX > 128 ? 2 : 3;
-}
-
-template <typename T, int DMAX, bool RESIDENT_Q>
-__global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(const ForwardParams p) {
+template <typename T, int DMAX, int TILES, bool RESIDENT_Q>
+__global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlocks)
+    forward_kernel(const ForwardParams p) {
+  using Tiles = ForwardTiles<TILES, DMAX>;
+  constexpr int kBlockM = Tiles::kBlockM, kBlockN = Tiles::kBlockN, kChunkD = Tiles::kChunkD;
+  constexpr int kRows = Tiles::kRows, kCols = Tiles::kCols, kLdM = Tiles::kLdM, kLdN = Tiles::kLdN;
   constexpr int J = DMAX / kColsX;  // output columns per thread
-  constexpr int KC = value_chunk<DMAX>();
+  constexpr int KC = Tiles::value_chunk();
   extern __shared__ __align__(16) float smem[];
   float* q_resident = smem;                                   // RESIDENT_Q: Q^T, [DMAX][kLdM]
   float* tiles = smem + (RESIDENT_Q ? DMAX * kLdM : 0);       // Q^T and K^T chunks, then V chunks
-  float* probs = tiles + kScoreTiles;                         // P^T: [key][query]
+  float* probs = tiles + Tiles::kScoreTiles;                         // P^T: [key][query]
   float* k_t = tiles + kChunkD * kLdM;
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
   const auto [b, head, seg, tile] = query_grid(br, sh, kBlockM).block_tile();
   const Members mem = members_of(br, sh.seq_len, head, seg);
-  const int64_t start_m = tile * kBlockM;
+  const int start_m = tile * kBlockM;
   if (start_m >= mem.count) return;
-  const int64_t kvh = sh.kv_head(head);
+  const int kvh = static_cast<int>(sh.kv_head(head));
 
-  const DilatedRows<T> q_rows{static_cast<const T*>(p.q) + b * p.sq.batch + head * p.sq.head, p.sq.seq, mem.first,
-                              br.dilation, mem.count};
-  const DilatedRows<T> k_rows{static_cast<const T*>(p.k) + b * p.sk.batch + kvh * p.sk.head, p.sk.seq, mem.first,
-                              br.dilation, mem.count};
-  const DilatedRows<T> v_rows{static_cast<const T*>(p.v) + b * p.sv.batch + kvh * p.sv.head, p.sv.seq, mem.first,
-                              br.dilation, mem.count};
+  __shared__ DilatedRows<T> block_rows[3];  // q, k, v (common.cuh: why in shared memory)
+  if (threadIdx.x == 0) {
+    block_rows[0] = rows_of<T>(p.q, p.sq, b, head, mem, br.dilation);
+    block_rows[1] = rows_of<T>(p.k, p.sk, b, kvh, mem, br.dilation);
+    block_rows[2] = rows_of<T>(p.v, p.sv, b, kvh, mem, br.dilation);
+  }
+  __syncthreads();
+  SharedRows<T> q_rows = block_rows[0], k_rows = block_rows[1], v_rows = block_rows[2];
   const int ty = threadIdx.x / kColsX, tx = threadIdx.x % kColsX;
   const int dim = static_cast<int>(sh.head_dim);
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
@@ -89,8 +97,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
   }
 
   // Causal: keys after the block's last query are never seen.
-  const int64_t key_end = sh.causal ? min(mem.count, start_m + kBlockM) : mem.count;
-  for (int64_t start_n = 0; start_n < key_end; start_n += kBlockN) {
+  const int key_end = sh.causal ? min(mem.count, start_m + kBlockM) : mem.count;
+  for (int start_n = 0; start_n < key_end; start_n += kBlockN) {
     float s[kRows][kCols];
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
@@ -119,11 +127,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
     const bool needs_mask = start_n + kBlockN > mem.count || (sh.causal && start_n + kBlockN - 1 > start_m);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const int64_t qi = start_m + ty * kRows + r;
+      const int qi = start_m + ty * kRows + r;
       float row_max = kNoMax;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const int64_t kj = start_n + thread_col<kCols>(tx, c);
+        const int kj = start_n + thread_col<kCols>(tx, c);
         const bool visible = !needs_mask || (kj < mem.count && (!sh.causal || kj <= qi));
         s[r][c] = visible ? s[r][c] * scale2 : -INFINITY;
         row_max = fmaxf(row_max, s[r][c]);
@@ -152,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
     // O += P V, streaming KC key rows of V at a time through the tiles' space.
     for (int k0 = 0; k0 < kBlockN; k0 += KC) {
       __syncthreads();  // probs written; tiles free
-      gather_rows<T, KC, DMAX>(tiles, v_rows, start_n + k0, dim);
+      gather_rows<T, KC, DMAX>(tiles, v_rows, start_n + k0, 0, dim);
       __syncthreads();
 #pragma unroll 4
       for (int kk = 0; kk < KC; ++kk) {
@@ -174,9 +182,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
   float old_lse[kRows], new_lse[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int64_t qi = start_m + ty * kRows + r;
+    const int qi = start_m + ty * kRows + r;
     const bool stored = qi < mem.count;
-    const int64_t pos = mem.first + qi * br.dilation;
+    const int pos = mem.first + qi * static_cast<int>(br.dilation);
     const float inv_l = stored ? 1.f / l_i[r] : 0.f;
     const float lse_b = stored ? (m_i[r] + __log2f(l_i[r])) * kLn2 : -INFINITY;
     old_lse[r] = stored ? lse_base[pos] : -INFINITY;
@@ -202,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
   if (tx == 0) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const int64_t qi = start_m + ty * kRows + r;
+      const int qi = start_m + ty * kRows + r;
       if (qi < mem.count) lse_base[mem.first + qi * br.dilation] = new_lse[r];
     }
   }
@@ -210,30 +218,37 @@ __global__ void __launch_bounds__(kThreads, min_blocks<DMAX>()) forward_kernel(c
 
 }  // namespace
 
-cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, cudaStream_t stream) {
-  const int64_t blocks = query_grid(p.branch, p.shape, kBlockM).blocks();
-  if (blocks == 0) return cudaSuccess;
-  if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
-  return dispatch_scalar(kind, [&](auto tag) {
-    using T = decltype(tag);
+cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream) {
+  return dispatch_tiles(tiles, [&](auto table) {
+    constexpr int TILES = decltype(table)::value;
     return dispatch_head_dim(p.shape.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
-      constexpr size_t kResident = forward_smem_floats<DMAX, true>() * sizeof(float);
-      if (kResident <= max_shared_memory_per_block()) {
-        // Above 48 KiB a kernel must opt in; harmless to repeat, so no caching per device needed.
-        cudaError_t err = cudaFuncSetAttribute(forward_kernel<T, DMAX, true>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kResident);
-        if (err != cudaSuccess) return err;
-        // Three blocks of ~70 KiB per SM need the largest shared-memory carveout of L1.
-        err = cudaFuncSetAttribute(forward_kernel<T, DMAX, true>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   cudaSharedmemCarveoutMaxShared);
-        if (err != cudaSuccess) return err;
-        forward_kernel<T, DMAX, true><<<static_cast<unsigned>(blocks), kThreads, kResident, stream>>>(p);
-      } else {
-        constexpr size_t kStreamed = forward_smem_floats<DMAX, false>() * sizeof(float);
-        forward_kernel<T, DMAX, false><<<static_cast<unsigned>(blocks), kThreads, kStreamed, stream>>>(p);
-      }
-      return cudaGetLastError();
+      using Tiles = ForwardTiles<TILES, DMAX>;
+      const int64_t blocks = query_grid(p.branch, p.shape, Tiles::kBlockM).blocks();
+      if (blocks == 0) return cudaSuccess;
+      if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
+      return dispatch_scalar(kind, [&](auto tag) {
+        using T = decltype(tag);
+        // Pascal's tiles never keep Q resident: their budget is 12 KiB a block.
+        if constexpr (!Tiles::kPascal) {
+          constexpr size_t kResident = Tiles::template smem_floats<true>() * sizeof(float);
+          if (kResident <= max_shared_memory_per_block()) {
+            const auto kernel = forward_kernel<T, DMAX, TILES, true>;
+            // Above 48 KiB a kernel must opt in; harmless to repeat, so no caching per device needed.
+            cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kResident);
+            if (err != cudaSuccess) return err;
+            // Three blocks of ~70 KiB per SM need the largest shared-memory carveout of L1.
+            err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       cudaSharedmemCarveoutMaxShared);
+            if (err != cudaSuccess) return err;
+            kernel<<<static_cast<unsigned>(blocks), kThreads, kResident, stream>>>(p);
+            return cudaGetLastError();
+          }
+        }
+        constexpr size_t kStreamed = Tiles::template smem_floats<false>() * sizeof(float);
+        forward_kernel<T, DMAX, TILES, false><<<static_cast<unsigned>(blocks), kThreads, kStreamed, stream>>>(p);
+        return cudaGetLastError();
+      });
     });
   });
 }

@@ -3,10 +3,11 @@
 // No ATen.
 //
 // Every kernel runs 128 threads seen as an 8 x 16 grid (ty = threadIdx.x / 16, tx = threadIdx.x % 16).
-// A thread owns rows ty * R .. ty * R + R - 1 of a tile (R consecutive rows, read as float4 from
-// transposed tiles) and columns tx, tx + 16, ... (strided, so 16 lanes read 16 consecutive words and the
-// two rows of a warp broadcast: no bank conflicts). The 16 threads of a row sit in one half-warp, so row
-// reductions are shuffles over xor 1, 2, 4, 8.
+// A thread owns rows ty * R .. ty * R + R - 1 of a tile (R consecutive rows, read as vectors from
+// transposed tiles) and the columns thread_col(tx, j) (groups of up to 4 contiguous columns, a row's 16
+// threads side by side: each vector load of a half-warp reads one contiguous span, and the two rows of a
+// warp broadcast, so no bank conflicts). The 16 threads of a row sit in one half-warp, so row reductions are
+// shuffles over xor 1, 2, 4, 8.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,6 +25,7 @@ namespace cuda {
 constexpr int kThreads = 128;
 constexpr int kRowsY = 8;   // ty in [0, 8)
 constexpr int kColsX = 16;  // tx in [0, 16)
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 // A finite start for running maxima keeps rows with no visible key NaN-free: exp2(-inf - m) = 0. The lowest
@@ -60,14 +62,16 @@ __device__ __forceinline__ float half_warp_sum(float x) {
   return x;
 }
 
-// The members of one segment for one query head: positions first + dilation * j, j < count.
+// The members of one segment for one query head: positions first + dilation * j, j < count. Positions and
+// member indices are 32-bit in the kernels (the launchers take seq_len < kMaxSeqLen, 2^31): fewer registers,
+// which Pascal's 64 a thread needs.
 struct Members {
-  int64_t first, count;
+  int first, count;
 };
 
-__device__ __forceinline__ Members members_of(const Branch& br, int64_t seq_len, int64_t head, int64_t seg) {
+__device__ __forceinline__ Members members_of(const Branch& br, int64_t seq_len, int head, int seg) {
   const int64_t off = br.offset(head);
-  return Members{seg * br.seg_len + off, br.members(seq_len, seg, off)};
+  return Members{static_cast<int>(seg * br.seg_len + off), static_cast<int>(br.members(seq_len, seg, off))};
 }
 
 // The 1-D grid of one kernel launch over one branch. Block i owns tile `tile` (members tile * block ..
@@ -75,7 +79,7 @@ __device__ __forceinline__ Members members_of(const Branch& br, int64_t seq_len,
 // the segment, the head and the batch: the tiles of one segment run side by side and share its K/V rows
 // in L2. The forward and dq grids run over the branch's query heads, the dK/dV grid over all kv heads.
 struct GridTile {
-  int64_t b, head, seg, tile;
+  int b, head, seg, tile;
 };
 
 struct TileGrid {
@@ -83,14 +87,14 @@ struct TileGrid {
 
   __host__ __device__ int64_t blocks() const { return batch * heads * segments * tiles; }
 
-  // This block's tile.
+  // This block's tile (32-bit arithmetic: the grid has fewer than 2^31 blocks, kMaxGridBlocks).
   __device__ __forceinline__ GridTile block_tile() const {
-    const int64_t i = blockIdx.x;
+    const int i = blockIdx.x, n_tiles = static_cast<int>(tiles), n_segments = static_cast<int>(segments);
     GridTile t;
-    t.tile = i % tiles;
-    t.seg = (i / tiles) % segments;
-    t.head = head_lo + (i / tiles / segments) % heads;
-    t.b = i / tiles / segments / heads;
+    t.tile = i % n_tiles;
+    t.seg = (i / n_tiles) % n_segments;
+    t.head = static_cast<int>(head_lo) + (i / n_tiles / n_segments) % static_cast<int>(heads);
+    t.b = i / n_tiles / n_segments / static_cast<int>(heads);
     return t;
   }
 };
@@ -115,37 +119,53 @@ __host__ __device__ inline TileGrid kv_grid(const Branch& br, const AttentionSha
 // The largest 1-D grid a launch may ask for (gridDim.x).
 constexpr int64_t kMaxGridBlocks = 0x7fffffffLL;
 
-// Rows of a [B, N, H, D] tensor as seen by one (batch, head) and one segment's members.
+// Rows of a [B, N, H, D] tensor as seen by one (batch, head) and one segment's members: member j is row
+// first + j * step.
+//
+// The kernels keep theirs in shared memory (thread 0 writes them before a barrier) and read them through a
+// SharedRows reference: they are the same for the whole block, and Pascal has no uniform registers, so held in
+// registers the three or four of a kernel take about 15 of its 64 a thread and the tiles spill. `volatile`
+// makes the compiler read them where a gather uses them instead of hoisting them back into registers.
 template <typename T>
 struct DilatedRows {
-  const T* base;     // element (b, 0, head, 0)
-  int64_t stride;    // between positions
-  int64_t first;     // position of member 0
-  int64_t dilation;  // between members
-  int64_t count;     // members
-  __device__ __forceinline__ const T* row(int64_t j) const { return base + (first + j * dilation) * stride; }
+  const T* first;  // member 0's row
+  int64_t step;    // elements between members (dilation * stride between positions)
+  int count;       // members
+  __device__ __forceinline__ const T* row(int j) const volatile { return first + j * step; }
 };
 
-// Leading dimension of a transposed tile of `rows` rows (a multiple of 32): rows + 4, so that LD % 32 == 4
-// and gather_transposed stores a warp's 4 rows x 8 dims to 32 distinct banks.
+template <typename T>
+using SharedRows = const volatile DilatedRows<T>&;
+
+// The rows of tensor x (strides s) for batch b and head `head` at one segment's members.
+template <typename T>
+__device__ __forceinline__ DilatedRows<T> rows_of(const void* x, const Strides& s, int b, int head, const Members& mem,
+                                                  int64_t dilation) {
+  return DilatedRows<T>{static_cast<const T*>(x) + b * s.batch + head * s.head + mem.first * s.seq, dilation * s.seq,
+                        mem.count};
+}
+
+// Leading dimension of a transposed tile of `rows` rows (a multiple of 8): rows + 4, so that LD / 4 is odd and
+// gather_transposed stores a warp's 4 rows x 8 dims to 32 distinct banks (d * LD mod 32 takes 8 distinct
+// multiples of 4 for d < 8).
 __host__ __device__ constexpr int transposed_ld(int rows) { return rows + 4; }
 
 // Transposed gather: dst[d * LD + i] = rows.row(start + i)[d0 + d] for i < ROWS, d < DC; zero for members
 // past the end and dims past `dim`. A warp covers 4 rows x 8 dims per step: short coalesced runs in
-// global memory, and 32 distinct banks in shared memory when LD % 32 == 4 (transposed_ld). Each thread
+// global memory, and 32 distinct banks in shared memory with transposed_ld. Each thread
 // keeps one dim and steps one row pointer (few registers, so the loads of a few steps can be in flight at
 // once).
 template <typename T, int ROWS, int DC, int LD>
-__device__ __forceinline__ void gather_transposed(float* dst, const DilatedRows<T>& rows, int64_t start, int d0,
+__device__ __forceinline__ void gather_transposed(float* dst, SharedRows<T> rows, int start, int d0,
                                                   int dim) {
   constexpr int kWarps = kThreads / 32, kDimGroups = DC / 8, kRowStep = 4 * kWarps / kDimGroups;
   static_assert(DC % 8 == 0 && kWarps % kDimGroups == 0 && ROWS % kRowStep == 0, "tile shape");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int d = (warp % kDimGroups) * 8 + lane % 8;
   const int r = (warp / kDimGroups) * 4 + lane / 8;
-  const int64_t j = start + r;
+  const int j = start + r;
   const T* src = rows.row(j) + d0 + d;
-  const int64_t step = kRowStep * rows.dilation * rows.stride;
+  const int64_t step = kRowStep * rows.step;
   const bool dim_ok = d0 + d < dim;
   // All loads first, then all stores: the loads are in flight together (one memory latency per call).
   float x[ROWS / kRowStep];
@@ -156,65 +176,54 @@ __device__ __forceinline__ void gather_transposed(float* dst, const DilatedRows<
   for (int it = 0; it < ROWS / kRowStep; ++it) dst[d * LD + r + it * kRowStep] = x[it];
 }
 
-// Row-major gather: dst[i * DMAX + d] = rows.row(start + i)[d] for i < ROWS, d < DMAX; zero elsewhere.
-template <typename T, int ROWS, int DMAX>
-__device__ __forceinline__ void gather_rows(float* dst, const DilatedRows<T>& rows, int64_t start, int dim) {
-  if constexpr (kThreads % DMAX != 0 && DMAX % kThreads != 0) {  // e.g. 96: plain element loop
+// Row-major gather: dst[i * DIMS + d] = rows.row(start + i)[d0 + d] for i < ROWS, d < DIMS; zero for members past
+// the end and dims past `dim`.
+template <typename T, int ROWS, int DIMS>
+__device__ __forceinline__ void gather_rows(float* dst, SharedRows<T> rows, int start, int d0, int dim) {
+  if constexpr (kThreads % DIMS != 0 && DIMS % kThreads != 0) {  // e.g. 96: plain element loop
 #pragma unroll 2
-    for (int i = threadIdx.x; i < ROWS * DMAX; i += kThreads) {
-      const int r = i / DMAX, d = i % DMAX;
-      const int64_t j = start + r;
+    for (int i = threadIdx.x; i < ROWS * DIMS; i += kThreads) {
+      const int r = i / DIMS, d = d0 + i % DIMS;
+      const int j = start + r;
       dst[i] = (j < rows.count && d < dim) ? to_float(rows.row(j)[d]) : 0.f;
     }
   } else {
-    // A block step covers kThreads / DMAX rows (or a row takes DMAX / kThreads steps). Loads are issued
-    // 8 at a time before their stores, so memory latency is paid ROWS * DMAX / (8 * kThreads) times.
-    constexpr int kStepRows = DMAX >= kThreads ? 1 : kThreads / DMAX;
-    constexpr int kSteps = ROWS * DMAX / kThreads, kBatch = kSteps < 8 ? kSteps : 8;
+    // A block step covers kThreads / DIMS rows (or a row takes DIMS / kThreads steps). Loads are issued
+    // 8 at a time before their stores, so memory latency is paid ROWS * DIMS / (8 * kThreads) times.
+    constexpr int kStepRows = DIMS >= kThreads ? 1 : kThreads / DIMS;
+    constexpr int kSteps = ROWS * DIMS / kThreads, kBatch = kSteps < 8 ? kSteps : 8;
     static_assert(kSteps % kBatch == 0, "batches");
-    const int d0 = DMAX >= kThreads ? threadIdx.x : threadIdx.x % DMAX;
-    const int r0 = DMAX >= kThreads ? 0 : threadIdx.x / DMAX;
+    const int c0 = DIMS >= kThreads ? threadIdx.x : threadIdx.x % DIMS;
+    const int r0 = DIMS >= kThreads ? 0 : threadIdx.x / DIMS;
 #pragma unroll 1
     for (int b = 0; b < kSteps; b += kBatch) {
       float x[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int s = b + i;
-        const int r = DMAX >= kThreads ? s / (DMAX / kThreads) : r0 + s * kStepRows;
-        const int d = DMAX >= kThreads ? d0 + (s % (DMAX / kThreads)) * kThreads : d0;
-        const int64_t j = start + r;
-        x[i] = (j < rows.count && d < dim) ? to_float(rows.row(j)[d]) : 0.f;
+        const int r = DIMS >= kThreads ? s / (DIMS / kThreads) : r0 + s * kStepRows;
+        const int c = DIMS >= kThreads ? c0 + (s % (DIMS / kThreads)) * kThreads : c0;
+        const int j = start + r;
+        x[i] = (j < rows.count && d0 + c < dim) ? to_float(rows.row(j)[d0 + c]) : 0.f;
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int s = b + i;
-        const int r = DMAX >= kThreads ? s / (DMAX / kThreads) : r0 + s * kStepRows;
-        const int d = DMAX >= kThreads ? d0 + (s % (DMAX / kThreads)) * kThreads : d0;
-        dst[r * DMAX + d] = x[i];
+        const int r = DIMS >= kThreads ? s / (DIMS / kThreads) : r0 + s * kStepRows;
+        const int c = DIMS >= kThreads ? c0 + (s % (DIMS / kThreads)) * kThreads : c0;
+        dst[r * DIMS + c] = x[i];
       }
     }
   }
 }
 
-// Reads 8 or 4 consecutive floats (16-byte aligned) of shared memory.
+// Reads R consecutive floats of shared memory (aligned to the widest vector dividing R: col_vector).
 template <int R>
-__device__ __forceinline__ void load_row_values(float (&x)[R], const float* src) {
-  static_assert(R % 4 == 0, "rows per thread");
-#pragma unroll
-  for (int i = 0; i < R; i += 4) {
-    const float4 v = *reinterpret_cast<const float4*>(src + i);
-    x[i] = v.x;
-    x[i + 1] = v.y;
-    x[i + 2] = v.z;
-    x[i + 3] = v.w;
-  }
-}
+__device__ __forceinline__ void load_row_values(float (&x)[R], const float* src);
 
+// Writes R consecutive floats of shared memory, as load_row_values reads them.
 template <int R>
-__device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
-}
+__device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]);
 
 // The N columns a thread (column index tx of kColsX) owns of a row of kColsX * N: groups of V floats (the widest
 // of 4, 2, 1 dividing N), contiguous per thread, so that a row's threads read one contiguous span per vector load
@@ -248,6 +257,38 @@ __device__ __forceinline__ void load_thread_cols(float (&x)[N], const float* row
   }
 }
 
+template <int R>
+__device__ __forceinline__ void load_row_values(float (&x)[R], const float* src) {
+  constexpr int V = col_vector<R>();
+#pragma unroll
+  for (int i = 0; i < R; i += V) {
+    if constexpr (V == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src + i);
+      x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+    } else if constexpr (V == 2) {
+      const float2 v = *reinterpret_cast<const float2*>(src + i);
+      x[i] = v.x, x[i + 1] = v.y;
+    } else {
+      x[i] = src[i];
+    }
+  }
+}
+
+template <int R>
+__device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]) {
+  constexpr int V = col_vector<R>();
+#pragma unroll
+  for (int i = 0; i < R; i += V) {
+    if constexpr (V == 4) {
+      *reinterpret_cast<float4*>(dst + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+    } else if constexpr (V == 2) {
+      *reinterpret_cast<float2*>(dst + i) = make_float2(x[i], x[i + 1]);
+    } else {
+      dst[i] = x[i];
+    }
+  }
+}
+
 // The current device's shared memory per block with opt-in (48 KiB without).
 inline size_t max_shared_memory_per_block() {
   int device = 0, bytes = 48 * 1024;
@@ -264,6 +305,14 @@ cudaError_t dispatch_head_dim(int64_t dim, F&& launch) {
   if (dim <= 96) return launch(std::integral_constant<int, 96>{});
   if (dim <= 128) return launch(std::integral_constant<int, 128>{});
   if (dim <= 256) return launch(std::integral_constant<int, 256>{});
+  return cudaErrorInvalidValue;
+}
+
+// The tile table as a compile-time constant for the kernel templates.
+template <typename F>
+cudaError_t dispatch_tiles(int tiles, F&& launch) {
+  if (tiles == kPascalTiles) return launch(std::integral_constant<int, kPascalTiles>{});
+  if (tiles == kVoltaTiles) return launch(std::integral_constant<int, kVoltaTiles>{});
   return cudaErrorInvalidValue;
 }
 

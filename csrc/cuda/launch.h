@@ -12,9 +12,23 @@ namespace cuda {
 
 enum class ScalarKind { kHalf, kBFloat16, kFloat };
 
+// Tile tables. Every kernel is compiled with the tiles of two GPU generations, and the launchers take the one to
+// run (attention_cuda.cpp picks it from the device's compute capability). The kernels' tile structs hold the
+// sizes:
+// - kPascalTiles, below sm_70 (Pascal: 64K registers, 96 KiB of shared memory an SM, no tensor cores): small tiles,
+//   at most 64 registers a thread and 12 KiB of shared memory a block, so that 8 blocks (50% occupancy) are
+//   resident and hide latency. tools/check_cuda_kernels.sh fails when a Pascal variant spills or needs more.
+// - kVoltaTiles, sm_70 and newer (up to 255 registers and 227 KiB of shared memory a block): larger tiles, more
+//   products per load, 2-3 blocks an SM.
+constexpr int kPascalTiles = 61;
+constexpr int kVoltaTiles = 70;
+
 // Head dims are compiled for 32, 64, 96, 128 and 256; other sizes up to 256 run in the next larger one
 // with the extra columns zero.
 constexpr int64_t kMaxHeadDim = 256;
+
+// Positions and member indices are 32-bit in the kernels (fewer registers, which Pascal's tiles need).
+constexpr int64_t kMaxSeqLen = int64_t{1} << 31;
 
 // One branch of the forward: merges the branch's (out_i, lse_i) into the running (out, lse) in place.
 struct ForwardParams {
@@ -46,10 +60,11 @@ struct BackwardParams {
   Branch branch;
 };
 
-// Each returns the launch's error (cudaSuccess when it was queued).
-cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, cudaStream_t stream);
+// Each returns the launch's error (cudaSuccess when it was queued). `tiles` names the tile table the kernels
+// run with: kPascalTiles or kVoltaTiles.
+cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream);
 cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t stream);
-cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, cudaStream_t stream);
+cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace dilated_attn
