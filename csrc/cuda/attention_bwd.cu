@@ -256,17 +256,16 @@ __global__ void __launch_bounds__(kThreads, DkdvTiles<TILES, DMAX>::kMinBlocks) 
   const volatile Members& mem = head_members;
   const volatile int64_t& row_base = head_row_base;
   for (int head = h_begin; head < h_end; ++head) {
-    __syncthreads();  // every thread is done with the previous head's members
     const Members m = members_of(br, sh.seq_len, head, seg);
     if (start_n >= m.count) continue;  // uniform over the block
-    // Read after the score loop's first barrier. The previous head's last reads came before a barrier that
-    // thread 0 has passed.
+    __syncthreads();  // every thread is done with the previous head's values
     if (threadIdx.x == 0) {
       set_block_rows(block_rows, p, b, head, kvh, m, br.dilation);
       head_members.first = m.first;
       head_members.count = m.count;
       head_row_base = (b * sh.num_heads + head) * sh.seq_len;
     }
+    __syncthreads();
 
     float dk[R][J], dv[R][J];
 #pragma unroll
