@@ -10,10 +10,11 @@
 //   and walks the segment's keys kBlockN at a time: S = Q K^T and dP = dO V^T reduced over the head dim in
 //   chunks gathered into transposed shared tiles, dS through shared memory, dQ += dS K with K's rows streamed.
 // - dkdv_kernel: a block owns DkdvTiles::kBlockN key members of one (batch, kv head, segment) and, for each
-//   query head of its group that takes part, walks the query members kBlockM (32) at a time: S^T = K Q^T,
+//   query head of its group that takes part, walks the query members kBlockM at a time: S^T = K Q^T,
 //   dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
-// The tile structs hold the sizes per tile table (common.cuh): Volta and newer 64 x 64 (dq) and 64 x 32 (dK/dV;
-// 32 keys at head dim 256), Pascal 16 x 32 (8 queries at head dim 256) and 8 x 32, within 64 registers a thread.
+// The tile structs hold the sizes per tile table (launch.h): Volta and newer 64 x 64 (dq) and 64 x 32 (dK/dV;
+// 32 keys at head dim 256); Pascal, within 64 registers a thread, 16 x 32 (8 queries at head dim 256) and 8 x 16,
+// dK/dV's output dims split over blocks from head dim 96.
 // Every block adds its fp32 sums into fp32 accumulators with a plain read-add-write: within one launch no
 // two blocks write the same position (the blocks of a segment own disjoint members, heads of one block
 // are visited by the same threads in turn), so there are no atomics and results are deterministic.
@@ -33,7 +34,7 @@ __host__ __device__ constexpr int row_chunk(int floats) {
   return rows;
 }
 
-// dq_kernel's tiles per tile table (common.cuh) and head dim: kBlockM queries per block against kBlockN keys per
+// dq_kernel's tiles per tile table (launch.h) and head dim: kBlockM queries per block against kBlockN keys per
 // step. Q^T and dO^T (kLdM), K^T and V^T (kLdN) chunks, then K row chunks, share kTileFloats; dS^T is [key][query].
 template <int TILES, int DMAX>
 struct DqTiles {
@@ -53,8 +54,8 @@ struct DqTiles {
 template <int TILES, int DMAX>
 struct DkdvTiles {
   static constexpr bool kPascal = TILES == kPascalTiles;
-  // dK and dV take 2 * (kBlockN / 8) * (DMAX / 16) accumulator registers a thread. Volta: at most 128, with 64
-  // keys up to head dim 128 and 32 at 256. Pascal: 8 keys (one row a thread), 16 to 32 registers.
+  // dK and dV take 2 * (kBlockN / 8) * (kOutDims / 16) accumulator registers a thread. Volta: at most 128, with
+  // 64 keys up to head dim 128 and 32 at 256. Pascal: 8 keys (one row a thread), at most 8.
   static constexpr int kBlockN = kPascal ? 8 : (DMAX > 128 ? 32 : 64);
   static constexpr int kBlockM = kPascal ? 16 : 32;
   static constexpr int kLdN = transposed_ld(kBlockN), kLdM = transposed_ld(kBlockM);

@@ -15,7 +15,7 @@ namespace dilated_attn {
 namespace cuda {
 namespace {
 
-// The forward's tiles per tile table (common.cuh) and head dim.
+// The forward's tiles per tile table (launch.h) and head dim.
 template <int TILES, int DMAX>
 struct ForwardTiles {
   static constexpr bool kPascal = TILES == kPascalTiles;
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
   extern __shared__ __align__(16) float smem[];
   float* q_resident = smem;                                   // RESIDENT_Q: Q^T, [DMAX][kLdM]
   float* tiles = smem + (RESIDENT_Q ? DMAX * kLdM : 0);       // Q^T and K^T chunks, then V chunks
-  float* probs = tiles + Tiles::kScoreTiles;                         // P^T: [key][query]
+  float* probs = tiles + Tiles::kScoreTiles;                  // P^T: [key][query]
   float* k_t = tiles + kChunkD * kLdM;
 
   const AttentionShape& sh = p.shape;
