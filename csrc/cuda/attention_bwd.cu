@@ -60,7 +60,7 @@ struct DkdvTiles {
   static constexpr int kBlockM = kPascal ? 16 : 32;
   static constexpr int kLdN = transposed_ld(kBlockN), kLdM = transposed_ld(kBlockM);
   // Volta: as much as dq_kernel's (17 KiB), so that the row chunks hold 16 queries at head dim 128.
-  static constexpr int kTileFloats = kPascal ? 2 * kChunkD * (kLdN + kLdM) : 4 * kChunkD * transposed_ld(64);
+  static constexpr int kTileFloats = kPascal ? 2 * kChunkD * (kLdN + kLdM) : DqTiles<TILES, DMAX>::kTileFloats;
   static_assert(2 * kChunkD * (kLdN + kLdM) <= kTileFloats, "score tiles");
   // Pascal from head dim 96 on: the dims of dK and dV split over kDimParts blocks (grid y) of kOutDims each, so
   // that a thread's accumulators stay at 8 or fewer registers a row; each part recomputes S and dP over all dims.

@@ -41,7 +41,7 @@ void check_cuda_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   scalar_kind(q);
 }
 
-// The kernels' tile table for the current device (common.cuh): Pascal's below compute capability 7.0, Volta's
+// The kernels' tile table for the current device (launch.h): Pascal's below compute capability 7.0, Volta's
 // from 7.0 on. DILATED_ATTN_CUDA_TILES=61 or 70 picks one by hand, so that a newer GPU can run (and test)
 // Pascal's tiles.
 int tile_table() {

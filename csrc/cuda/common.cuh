@@ -217,14 +217,6 @@ __device__ __forceinline__ void gather_rows(float* dst, SharedRows<T> rows, int 
   }
 }
 
-// Reads R consecutive floats of shared memory (aligned to the widest vector dividing R: col_vector).
-template <int R>
-__device__ __forceinline__ void load_row_values(float (&x)[R], const float* src);
-
-// Writes R consecutive floats of shared memory, as load_row_values reads them.
-template <int R>
-__device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]);
-
 // The N columns a thread (column index tx of kColsX) owns of a row of kColsX * N: groups of V floats (the widest
 // of 4, 2, 1 dividing N), contiguous per thread, so that a row's threads read one contiguous span per vector load
 // (no bank conflicts) and a thread issues N / V loads instead of N.
@@ -239,54 +231,52 @@ __device__ __forceinline__ int thread_col(int tx, int j) {
   return (j / V) * (kColsX * V) + tx * V + j % V;
 }
 
+// V consecutive floats of shared memory (V = 4, 2 or 1, aligned to V floats) in one vector load or store.
+template <int V>
+__device__ __forceinline__ void load_vector(float* x, const float* src) {
+  if constexpr (V == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else if constexpr (V == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(src);
+    x[0] = v.x, x[1] = v.y;
+  } else {
+    x[0] = *src;
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_vector(float* dst, const float* x) {
+  if constexpr (V == 4) {
+    *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+  } else if constexpr (V == 2) {
+    *reinterpret_cast<float2*>(dst) = make_float2(x[0], x[1]);
+  } else {
+    *dst = x[0];
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void load_thread_cols(float (&x)[N], const float* row, int tx) {
   constexpr int V = col_vector<N>();
 #pragma unroll
-  for (int g = 0; g < N / V; ++g) {
-    const float* src = row + g * (kColsX * V) + tx * V;
-    if constexpr (V == 4) {
-      const float4 v = *reinterpret_cast<const float4*>(src);
-      x[4 * g] = v.x, x[4 * g + 1] = v.y, x[4 * g + 2] = v.z, x[4 * g + 3] = v.w;
-    } else if constexpr (V == 2) {
-      const float2 v = *reinterpret_cast<const float2*>(src);
-      x[2 * g] = v.x, x[2 * g + 1] = v.y;
-    } else {
-      x[g] = *src;
-    }
-  }
+  for (int g = 0; g < N / V; ++g) load_vector<V>(x + g * V, row + g * (kColsX * V) + tx * V);
 }
 
+// Reads R consecutive floats of shared memory (aligned to the widest vector dividing R: col_vector).
 template <int R>
 __device__ __forceinline__ void load_row_values(float (&x)[R], const float* src) {
   constexpr int V = col_vector<R>();
 #pragma unroll
-  for (int i = 0; i < R; i += V) {
-    if constexpr (V == 4) {
-      const float4 v = *reinterpret_cast<const float4*>(src + i);
-      x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
-    } else if constexpr (V == 2) {
-      const float2 v = *reinterpret_cast<const float2*>(src + i);
-      x[i] = v.x, x[i + 1] = v.y;
-    } else {
-      x[i] = src[i];
-    }
-  }
+  for (int i = 0; i < R; i += V) load_vector<V>(x + i, src + i);
 }
 
+// Writes R consecutive floats of shared memory, as load_row_values reads them.
 template <int R>
 __device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]) {
   constexpr int V = col_vector<R>();
 #pragma unroll
-  for (int i = 0; i < R; i += V) {
-    if constexpr (V == 4) {
-      *reinterpret_cast<float4*>(dst + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
-    } else if constexpr (V == 2) {
-      *reinterpret_cast<float2*>(dst + i) = make_float2(x[i], x[i + 1]);
-    } else {
-      dst[i] = x[i];
-    }
-  }
+  for (int i = 0; i < R; i += V) store_vector<V>(dst + i, x + i);
 }
 
 // The current device's shared memory per block with opt-in (48 KiB without).
