@@ -9,8 +9,8 @@
 # Then, for sm_61, each variant Pascal runs (the kernels of its tile table, csrc/cuda/launch.h, and the delta
 # kernel): its theoretical occupancy from those numbers and Pascal's limits (64K registers, 96 KiB of shared memory,
 # 64 warps and 32 blocks an SM). The script fails unless every one has no spills and at least 50% theoretical
-# occupancy. The forward's dynamic shared memory comes from the kernel's own constexprs (a host program built from
-# attention_fwd.cu).
+# occupancy. Block sizes and the forward's and dK/dV's dynamic shared memory come from the kernels' own constexprs (a
+# host program built from the kernel files).
 # Usage: tools/check_cuda_kernels.sh [PTXAS_FOR_PASCAL]   (default: from the wheel, installed to a temp dir)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,17 +40,21 @@ for src in csrc/cuda/*.cu; do
     || { cat "$WORK/$name.sm_61.log"; echo "FAILED: $src for sm_61"; exit 1; }
 done
 
-# The block size and the forward's dynamic shared memory per head dim with Pascal's tiles, as launched.
+# Each kernel's block size, and the dynamic shared memory per head dim with Pascal's tiles, as launched.
 cat >"$WORK/launch_smem.cu" <<'CU'
 #include <cstdio>
 #include "attention_fwd.cu"
+#include "attention_bwd.cu"
 using namespace dilated_attn::cuda;
 template <int D>
 void row() {
-  std::printf("forward %d %zu\n", D, ForwardTiles<kPascalTiles, D>::template smem_floats<false>() * sizeof(float));
+  std::printf("dynamic forward_kernel %d %zu\n", D,
+              ForwardTiles<kPascalTiles, D>::template smem_floats<false>() * sizeof(float));
+  std::printf("dynamic dkdv_kernel %d %zu\n", D, DkdvTiles<kPascalTiles, D>::smem_floats() * sizeof(float));
 }
 int main() {
-  std::printf("threads %d\n", kThreads);
+  std::printf("threads forward_kernel %d\nthreads delta_kernel %d\n", kThreads, kThreads);
+  std::printf("threads dq_kernel %d\nthreads dkdv_kernel %d\n", kBackwardThreads, kBackwardThreads);
   row<32>(), row<64>(), row<96>(), row<128>(), row<256>();
 }
 CU
@@ -61,8 +65,8 @@ CU
 python - "$WORK/launch_smem.txt" "$WORK"/*.log <<'PY'
 import math, re, subprocess, sys
 launch = [line.split() for line in open(sys.argv[1])]
-threads = int(next(r[1] for r in launch if r[0] == "threads"))
-forward_smem = {int(r[1]): int(r[2]) for r in launch if r[0] == "forward"}  # D: Pascal's streamed-Q tiles
+threads = {r[1]: int(r[2]) for r in launch if r[0] == "threads"}  # kernel name: threads a block
+dynamic_smem = {(r[1], int(r[2])): int(r[3]) for r in launch if r[0] == "dynamic"}  # (kernel, D): bytes (Pascal)
 rows = []
 for path in sys.argv[2:]:
     arch = path.rsplit(".", 2)[-2]
@@ -88,7 +92,6 @@ print(f"{len(rows)} kernel builds checked")
 
 # Pascal (sm_61): registers allocated 256 a warp; 48 KiB of shared memory a block at most, 96 KiB an SM.
 REGS, SMEM_SM, SMEM_BLOCK, WARPS, BLOCKS = 65536, 96 * 1024, 48 * 1024, 64, 32
-warps = threads // 32
 report, missing = [], 0
 for kernel, arch, regs, smem, spill in sorted(rows):
     if arch != "sm_61":
@@ -99,8 +102,10 @@ for kernel, arch, regs, smem, spill in sorted(rows):
     m = re.match(r"void \w+_kernel<[^,]+, (\d+), (\d+)(?:, (true|false))?>", kernel)
     if not kernel.startswith("void delta_kernel") and (not m or int(m.group(2)) != 61 or m.group(3) == "true"):
         continue
-    if kernel.startswith("void forward_kernel"):
-        smem += forward_smem[int(m.group(1))]  # dynamic shared memory
+    name = kernel.split()[1].split("<")[0]
+    warps = threads[name] // 32
+    if m:
+        smem += dynamic_smem.get((name, int(m.group(1))), 0)
     by_regs = REGS // (math.ceil(regs * 32 / 256) * 256) // warps
     by_smem = SMEM_SM // (math.ceil(smem / 256) * 256) if smem else BLOCKS
     blocks = min(BLOCKS, WARPS // warps, by_regs, by_smem)
@@ -108,7 +113,8 @@ for kernel, arch, regs, smem, spill in sorted(rows):
     ok = spill == 0 and occupancy >= 0.5
     missing += not ok
     report.append(f"{kernel:<46} {regs:>5} {smem:>6} {spill:>6} {blocks:>7} {occupancy:>9.1%}  {'yes' if ok else 'no'}")
-print(f"\nsm_61 (Pascal): theoretical occupancy of each variant the launchers run ({threads} threads a block)")
+print("\nsm_61 (Pascal): theoretical occupancy of each variant the launchers run "
+      f"(threads a block: {', '.join(f'{k} {v}' for k, v in sorted(threads.items()))})")
 print(f"{'kernel':<46} {'regs':>5} {'smem':>6} {'spill':>6} {'blocks':>7} {'occupancy':>9}  no spills, >= 50%")
 print("\n".join(report))
 print(f"{len(report) - missing} of {len(report)} sm_61 variants meet the Pascal target")

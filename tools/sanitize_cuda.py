@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_cuda.py
     compute-sanitizer --tool initcheck --error-exitcode 1 python tools/sanitize_cuda.py
 
-Covers every dtype, a padded head dim (40) and exact ones (64, 128), GQA, both head groupings, causal and not,
+Covers every dtype, a padded head dim (40) and exact ones (64, 96, 128, 256), GQA, both head groupings, causal and not,
 partial last segments, w > N, and non-contiguous inputs.
 """
 
@@ -19,7 +19,10 @@ def main():
         (1, 131, 4, 2, 40, [64, 200], [1, 3], "all", True),
         (2, 97, 3, 1, 64, [32, 50, 97], [2, 1, 4], "split", False),
         (1, 70, 6, 3, 40, [16, 40], [4, 2], "all", False),
-        (1, 90, 2, 1, 128, [48, 90], [1, 2], "all", True),  # Pascal's tiles split dK/dV's dims over blocks here
+        (1, 90, 2, 1, 128, [48, 90], [1, 2], "all", True),
+        # dK/dV's output dims split over blocks: Pascal's tiles at 96, both tables at 256
+        (1, 45, 2, 1, 96, [16, 45], [1, 2], "split", False),
+        (1, 40, 2, 2, 256, [40], [2], "all", True),
     ]
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for B, N, Hq, Hkv, D, w, r, groups, causal in configs:

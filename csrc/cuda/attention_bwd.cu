@@ -8,13 +8,20 @@
 // - delta_kernel: one warp per (batch, position, head) row.
 // - dq_kernel: a block owns DqTiles::kBlockM query members of one (batch, head, segment), like the forward,
 //   and walks the segment's keys kBlockN at a time: S = Q K^T and dP = dO V^T reduced over the head dim in
-//   chunks gathered into transposed shared tiles, dS through shared memory, dQ += dS K with K's rows streamed.
+//   chunks gathered into transposed shared tiles, P and dS through shared memory, dQ += dS K with K's rows
+//   streamed.
 // - dkdv_kernel: a block owns DkdvTiles::kBlockN key members of one (batch, kv head, segment) and, for each
 //   query head of its group that takes part, walks the query members kBlockM at a time: S^T = K Q^T,
 //   dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
-// The tile structs hold the sizes per tile table (launch.h): Volta and newer 64 x 64 (dq) and 64 x 32 (dK/dV;
-// 32 keys at head dim 256); Pascal, within 64 registers a thread, 16 x 32 (8 queries at head dim 256) and 8 x 16,
-// dK/dV's output dims split over blocks from head dim 96.
+// Both run two roles of 128 threads side by side (kBackwardThreads), each the 8 x 16 thread grid of common.cuh
+// over one of the two score products and one of the two accumulations: role 0 reduces S and turns it into P,
+// role 1 reduces dP and turns P into dS; in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of
+// dQ's dims. A thread so holds one score tile and one accumulator tile, half the registers of holding both, and
+// an SM runs twice the warps to hide the gathers' memory latency.
+// The tile structs hold the sizes per tile table (launch.h): Volta and newer, within 128 registers a thread (two
+// blocks an SM), 64 x 64 for dq (32 queries at head dim 256) and 64 keys x 32 queries for dK/dV; Pascal, within 64
+// (four blocks), 16 x 32 (8 queries at head dim 256) and 8 x 16. dK/dV's output dims split over blocks at head dim
+// 256 (2 on Volta, 4 on Pascal) and on Pascal at 96 (2).
 // Every block adds its fp32 sums into fp32 accumulators with a plain read-add-write: within one launch no
 // two blocks write the same position (the blocks of a segment own disjoint members, heads of one block
 // are visited by the same threads in turn), so there are no atomics and results are deterministic.
@@ -25,6 +32,17 @@ namespace cuda {
 namespace {
 
 constexpr int kChunkD = 16;  // head-dim chunk of the two score reductions (four tiles in flight)
+constexpr int kBackwardThreads = 2 * kThreads;  // two roles of the 8 x 16 thread grid
+
+// This thread's role (0 or 1, warp-uniform) and its place (ty, tx) in the role's 8 x 16 grid.
+struct Role {
+  int role, ty, tx;
+};
+
+__device__ __forceinline__ Role backward_role() {
+  const int t = threadIdx.x % kThreads;
+  return Role{static_cast<int>(threadIdx.x / kThreads), t / kColsX, t % kColsX};
+}
 
 // Rows of a [rows][DMAX] tile, at most ROWS_MAX (halving), that fit `floats`.
 template <int ROWS_MAX, int DMAX>
@@ -35,39 +53,45 @@ __host__ __device__ constexpr int row_chunk(int floats) {
 }
 
 // dq_kernel's tiles per tile table (launch.h) and head dim: kBlockM queries per block against kBlockN keys per
-// step. Q^T and dO^T (kLdM), K^T and V^T (kLdN) chunks, then K row chunks, share kTileFloats; dS^T is [key][query].
+// step. Q^T and dO^T (kLdM), K^T and V^T (kLdN) chunks, then K row chunks, share kTileFloats; P^T, then dS^T in
+// place, is [key][query].
 template <int TILES, int DMAX>
 struct DqTiles {
   static constexpr bool kPascal = TILES == kPascalTiles;
-  // Pascal: few queries and keys, so that dQ (R x J), S and dP (R x C each) fit 64 registers a thread.
-  static constexpr int kBlockM = kPascal ? (DMAX > 128 ? 8 : 16) : 64;
+  // A thread's dQ (R x J) and score (R x C) tiles fit its registers: 128 on Volta (32 queries at head dim 256), 64
+  // on Pascal (few queries and keys).
+  static constexpr int kBlockM = DMAX > 128 ? (kPascal ? 8 : 32) : (kPascal ? 16 : 64);
   static constexpr int kBlockN = kPascal ? 32 : 64;
   static constexpr int kLdM = transposed_ld(kBlockM), kLdN = transposed_ld(kBlockN);
   static constexpr int kTileFloats = 2 * kChunkD * (kLdM + kLdN);
   static constexpr int kKeyChunk = row_chunk<kBlockN, DMAX>(kTileFloats);  // K rows per chunk of dQ += dS K
-  // Blocks per SM for __launch_bounds__: Pascal 8 (64 registers a thread), else 2 (255).
-  static constexpr int kMinBlocks = kPascal ? 8 : 2;
+  // Blocks of 256 threads per SM for __launch_bounds__: Pascal 4 (64 registers a thread), else 2 (128).
+  static constexpr int kMinBlocks = kPascal ? 4 : 2;
 };
 
 // dkdv_kernel's tiles: kBlockN keys per block against kBlockM queries per step. K^T, V^T (kLdN), Q^T and dO^T
-// (kLdM) chunks, then Q and dO row chunks, share kTileFloats; P and dS are [query][key].
+// (kLdM) chunks, then Q and dO row chunks, share kTileFloats; P and dS are [query][key]. All in dynamic shared
+// memory (smem_floats).
 template <int TILES, int DMAX>
 struct DkdvTiles {
   static constexpr bool kPascal = TILES == kPascalTiles;
-  // dK and dV take 2 * (kBlockN / 8) * (kOutDims / 16) accumulator registers a thread. Volta: at most 128, with
-  // 64 keys up to head dim 128 and 32 at 256. Pascal: 8 keys (one row a thread), at most 8.
-  static constexpr int kBlockN = kPascal ? 8 : (DMAX > 128 ? 32 : 64);
+  // A thread's dK or dV tile is (kBlockN / 8) x (kOutDims / 16) registers: Volta 64 keys (at most 64 registers),
+  // Pascal 8 (a row a thread, at most 8).
+  static constexpr int kBlockN = kPascal ? 8 : 64;
   static constexpr int kBlockM = kPascal ? 16 : 32;
   static constexpr int kLdN = transposed_ld(kBlockN), kLdM = transposed_ld(kBlockM);
-  // Volta: as much as dq_kernel's (17 KiB), so that the row chunks hold 16 queries at head dim 128.
-  static constexpr int kTileFloats = kPascal ? 2 * kChunkD * (kLdN + kLdM) : DqTiles<TILES, DMAX>::kTileFloats;
-  static_assert(2 * kChunkD * (kLdN + kLdM) <= kTileFloats, "score tiles");
-  // Pascal from head dim 96 on: the dims of dK and dV split over kDimParts blocks (grid y) of kOutDims each, so
-  // that a thread's accumulators stay at 8 or fewer registers a row; each part recomputes S and dP over all dims.
-  static constexpr int kDimParts = kPascal && DMAX > 64 ? (DMAX + 63) / 64 : 1;
+  // The dims of dK and dV split over kDimParts blocks (grid y) of kOutDims each where a thread's accumulators and
+  // operands would not fit its registers: at head dim 256 (2 parts on Volta, 4 on Pascal) and on Pascal at 96 (2).
+  // Each part recomputes S and dP over all dims.
+  static constexpr int kDimParts = DMAX > 128 ? (kPascal ? 4 : 2) : (kPascal && DMAX == 96 ? 2 : 1);
   static constexpr int kOutDims = DMAX / kDimParts;
+  // Room for the score chunks, or for the Q and dO rows of a whole step (Pascal) or 16 queries (Volta).
+  static constexpr int kScoreFloats = 2 * kChunkD * (kLdN + kLdM);
+  static constexpr int kRowFloats = 2 * (kPascal ? kBlockM : 16) * kOutDims;
+  static constexpr int kTileFloats = kScoreFloats > kRowFloats ? kScoreFloats : kRowFloats;
   static constexpr int kQueryChunk = row_chunk<kBlockM, kOutDims>(kTileFloats) / 2;  // Q and dO rows side by side
-  static constexpr int kMinBlocks = kPascal ? 8 : 2;
+  static constexpr int kMinBlocks = kPascal ? 4 : 2;
+  static constexpr int smem_floats() { return kTileFloats + 2 * kBlockM * kLdN; }
 };
 
 template <typename T>
@@ -98,16 +122,30 @@ __device__ __forceinline__ void set_block_rows(DilatedRows<T> (&rows)[4], const 
   rows[3] = rows_of<T>(p.v, p.sv, b, kvh, mem, dilation);
 }
 
+// Gathers the four head-dim chunks (d0 .. d0 + kChunkD) of the two score products: Q^T and dO^T (BM rows, LDM)
+// and K^T and V^T (BN rows, LDN) at q_t, do_t, k_t and v_t.
+template <typename T, int BM, int LDM, int BN, int LDN>
+__device__ __forceinline__ void gather_score_chunks(float* q_t, float* do_t, float* k_t, float* v_t,
+                                                    SharedRows<T> q_rows, SharedRows<T> do_rows, SharedRows<T> k_rows,
+                                                    SharedRows<T> v_rows, int start_m, int start_n, int d0, int dim) {
+  gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(q_t, q_rows, start_m, d0, dim);
+  gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(do_t, do_rows, start_m, d0, dim);
+  gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(k_t, k_rows, start_n, d0, dim);
+  gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(v_t, v_rows, start_n, d0, dim);
+}
+
 template <typename T, int DMAX, int TILES>
-__global__ void __launch_bounds__(kThreads, DqTiles<TILES, DMAX>::kMinBlocks) dq_kernel(const BackwardParams p) {
+__global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBlocks)
+    dq_kernel(const BackwardParams p) {
   using Tiles = DqTiles<TILES, DMAX>;
   constexpr int BM = Tiles::kBlockM, BN = Tiles::kBlockN, LDM = Tiles::kLdM, LDN = Tiles::kLdN;
-  constexpr int R = BM / kRowsY, C = BN / kColsX, J = DMAX / kColsX;  // rows, key columns, dims per thread
+  // query rows, key columns and dims of the role's half of dQ per thread
+  constexpr int R = BM / kRowsY, C = BN / kColsX, J = DMAX / 2 / kColsX;
   constexpr int KC = Tiles::kKeyChunk;
   __shared__ __align__(16) float tiles[Tiles::kTileFloats];  // Q^T, dO^T, K^T, V^T chunks; then K row chunks
-  __shared__ __align__(16) float ds_t[BN * LDM];              // dS^T: [key][query]
-  // lse * log2(e) and delta of the block's queries: in shared memory rather than 2 * R registers a thread, which
-  // the score loop needs (with them held there, the kernel spilled into its inner loops at head dim 128)
+  __shared__ __align__(16) float ps_t[BN * LDM];              // P^T, then dS^T: [key][query]
+  // lse * log2(e) and delta of the block's queries: in shared memory rather than registers, which the score loop
+  // needs
   __shared__ __align__(16) float row_stats[2 * BM];
   float* q_t = tiles;
   float* do_t = tiles + kChunkD * LDM;
@@ -125,13 +163,17 @@ __global__ void __launch_bounds__(kThreads, DqTiles<TILES, DMAX>::kMinBlocks) dq
   __shared__ DilatedRows<T> block_rows[4];
   if (threadIdx.x == 0) set_block_rows(block_rows, p, b, head, kvh, mem, br.dilation);
   SharedRows<T> q_rows = block_rows[0], do_rows = block_rows[1], k_rows = block_rows[2], v_rows = block_rows[3];
-  const int ty = threadIdx.x / kColsX, tx = threadIdx.x % kColsX;
+  const auto [role, ty, tx] = backward_role();
+  // Role 0 reduces S = Q K^T, role 1 dP = dO V^T; each then accumulates its half of dQ's dims.
+  const float* rows_t = role == 0 ? q_t : do_t;
+  const float* cols_t = role == 0 ? k_t : v_t;
+  const int d_half = role * (DMAX / 2);
   const int dim = static_cast<int>(sh.head_dim);
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
   const int64_t row_base = (b * sh.num_heads + head) * sh.seq_len;
 
-  static_assert(BM <= kThreads, "a thread per query row fills row_stats");
-  if (threadIdx.x < BM) {  // read by the softmax step, after the score loop's barriers
+  static_assert(BM <= kBackwardThreads, "a thread per query row fills row_stats");
+  if (threadIdx.x < BM) {  // read after the score loop's barriers
     const int member = min(start_m + static_cast<int>(threadIdx.x), mem.count - 1);
     const int pos = mem.first + member * static_cast<int>(br.dilation);
     row_stats[threadIdx.x] = p.lse[row_base + pos] * kLog2e;
@@ -145,59 +187,66 @@ __global__ void __launch_bounds__(kThreads, DqTiles<TILES, DMAX>::kMinBlocks) dq
 
   const int key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
   for (int start_n = 0; start_n < key_end; start_n += BN) {
-    float s[R][C], dp[R][C];
+    float acc[R][C];  // role 0: S, role 1: dP
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int c = 0; c < C; ++c) s[r][c] = dp[r][c] = 0.f;
+      for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
     for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
       __syncthreads();
-      gather_transposed<T, BM, kChunkD, LDM>(q_t, q_rows, start_m, d0, dim);
-      gather_transposed<T, BM, kChunkD, LDM>(do_t, do_rows, start_m, d0, dim);
-      gather_transposed<T, BN, kChunkD, LDN>(k_t, k_rows, start_n, d0, dim);
-      gather_transposed<T, BN, kChunkD, LDN>(v_t, v_rows, start_n, d0, dim);
+      gather_score_chunks<T, BM, LDM, BN, LDN>(q_t, do_t, k_t, v_t, q_rows, do_rows, k_rows, v_rows, start_m, start_n,
+                                               d0, dim);
       __syncthreads();
 #pragma unroll 4
       for (int d = 0; d < kChunkD; ++d) {
-        float a[R], g[R], kk[C], vv[C];
-        load_row_values(a, q_t + d * LDM + ty * R);
-        load_row_values(g, do_t + d * LDM + ty * R);
-        load_thread_cols(kk, k_t + d * LDN, tx);
-        load_thread_cols(vv, v_t + d * LDN, tx);
+        float a[R], x[C];
+        load_row_values(a, rows_t + d * LDM + ty * R);
+        load_thread_cols(x, cols_t + d * LDN, tx);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-          for (int c = 0; c < C; ++c) {
-            s[r][c] = fmaf(a[r], kk[c], s[r][c]);
-            dp[r][c] = fmaf(g[r], vv[c], dp[r][c]);
-          }
+          for (int c = 0; c < C; ++c) acc[r][c] = fmaf(a[r], x[c], acc[r][c]);
       }
     }
-    float lse2[R], delta[R];
-    load_row_values(lse2, row_stats + ty * R);
-    load_row_values(delta, row_stats + BM + ty * R);
+    if (role == 0) {  // P^T
+      float lse2[R];
+      load_row_values(lse2, row_stats + ty * R);
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int kj = start_n + thread_col<C>(tx, c);
-      float col[R];
+      for (int c = 0; c < C; ++c) {
+        const int kj = start_n + thread_col<C>(tx, c);
+        float col[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int qi = start_m + ty * R + r;
-        const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
-        const float pr = visible ? exp2f(s[r][c] * scale2 - lse2[r]) : 0.f;
-        col[r] = pr * (dp[r][c] - delta[r]);
+        for (int r = 0; r < R; ++r) {
+          const int qi = start_m + ty * R + r;
+          const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
+          col[r] = visible ? exp2f(acc[r][c] * scale2 - lse2[r]) : 0.f;
+        }
+        store_row_values(ps_t + thread_col<C>(tx, c) * LDM + ty * R, col);
       }
-      store_row_values(ds_t + thread_col<C>(tx, c) * LDM + ty * R, col);
+    }
+    __syncthreads();
+    if (role == 1) {  // dS^T = P^T (dP^T - delta), in place
+      float delta[R];
+      load_row_values(delta, row_stats + BM + ty * R);
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        float* at = ps_t + thread_col<C>(tx, c) * LDM + ty * R;
+        float col[R];
+        load_row_values(col, at);
+#pragma unroll
+        for (int r = 0; r < R; ++r) col[r] *= acc[r][c] - delta[r];
+        store_row_values(at, col);
+      }
     }
     for (int k0 = 0; k0 < BN; k0 += KC) {
       __syncthreads();
-      gather_rows<T, KC, DMAX>(tiles, k_rows, start_n + k0, 0, dim);
+      gather_rows<T, KC, DMAX, kBackwardThreads>(tiles, k_rows, start_n + k0, 0, dim);
       __syncthreads();
 #pragma unroll 4
       for (int kk = 0; kk < KC; ++kk) {
         float dsr[R], kv[J];
-        load_row_values(dsr, ds_t + (k0 + kk) * LDM + ty * R);
-        load_thread_cols(kv, tiles + kk * DMAX, tx);
+        load_row_values(dsr, ps_t + (k0 + kk) * LDM + ty * R);
+        load_thread_cols(kv, tiles + kk * DMAX + d_half, tx);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -214,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, DqTiles<TILES, DMAX>::kMinBlocks) dq
       float* row = p.dq + ((b * sh.seq_len + mem.first + qi * br.dilation) * sh.num_heads + head) * sh.head_dim;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        const int d = thread_col<J>(tx, j);
+        const int d = d_half + thread_col<J>(tx, j);
         if (d < dim) row[d] += dq[r][j] * scale;
       }
     }
@@ -222,15 +271,17 @@ __global__ void __launch_bounds__(kThreads, DqTiles<TILES, DMAX>::kMinBlocks) dq
 }
 
 template <typename T, int DMAX, int TILES>
-__global__ void __launch_bounds__(kThreads, DkdvTiles<TILES, DMAX>::kMinBlocks) dkdv_kernel(const BackwardParams p) {
+__global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMinBlocks)
+    dkdv_kernel(const BackwardParams p) {
   using Tiles = DkdvTiles<TILES, DMAX>;
   constexpr int BN = Tiles::kBlockN, BM = Tiles::kBlockM, LDN = Tiles::kLdN, LDM = Tiles::kLdM;
   constexpr int OUT_DIMS = Tiles::kOutDims;
   constexpr int R = BN / kRowsY, C = BM / kColsX, J = OUT_DIMS / kColsX;  // key rows, query columns, dims a thread
   constexpr int QC = Tiles::kQueryChunk;
-  __shared__ __align__(16) float tiles[Tiles::kTileFloats];  // K^T, V^T, Q^T, dO^T chunks; then Q, dO row chunks
-  __shared__ __align__(16) float p_s[BM * LDN];               // P: [query][key]
-  __shared__ __align__(16) float ds_s[BM * LDN];              // dS: [query][key]
+  extern __shared__ __align__(16) float smem[];
+  float* tiles = smem;                      // K^T, V^T, Q^T, dO^T chunks; then Q, dO row chunks
+  float* p_s = smem + Tiles::kTileFloats;  // P: [query][key]
+  float* ds_s = p_s + BM * LDN;             // dS: [query][key]
   float* k_t = tiles;
   float* v_t = tiles + kChunkD * LDN;
   float* q_t = tiles + 2 * kChunkD * LDN;
@@ -243,11 +294,15 @@ __global__ void __launch_bounds__(kThreads, DkdvTiles<TILES, DMAX>::kMinBlocks) 
   const int h_begin = max(kvh * group, static_cast<int>(br.head_lo));
   const int h_end = min((kvh + 1) * group, static_cast<int>(br.head_hi));
   const int start_n = tile * BN;
-  const int d_out = blockIdx.y * OUT_DIMS;  // the block's dims of dK and dV
-  const int ty = threadIdx.x / kColsX, tx = threadIdx.x % kColsX;
+  const int d_out = Tiles::kDimParts > 1 ? blockIdx.y * OUT_DIMS : 0;  // the block's dims of dK and dV
+  const auto [role, ty, tx] = backward_role();
+  // Role 0: S^T = K Q^T, P, dV += P^T dO. Role 1: dP^T = V dO^T, dS, dK += dS^T Q.
+  const float* rows_t = role == 0 ? k_t : v_t;
+  const float* cols_t = role == 0 ? q_t : do_t;
+  const float* weights = p_s + role * (BM * LDN);                 // P or dS
+  const float* values = tiles + (1 - role) * (QC * OUT_DIMS);     // the dO or Q row chunk
   const int dim = static_cast<int>(sh.head_dim);
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
-  const float scale = static_cast<float>(sh.scale);
   __shared__ DilatedRows<T> block_rows[4];  // q, dO, k, v of the current head (common.cuh: why in shared memory)
   SharedRows<T> q_rows = block_rows[0], do_rows = block_rows[1], k_rows = block_rows[2], v_rows = block_rows[3];
 
@@ -268,93 +323,94 @@ __global__ void __launch_bounds__(kThreads, DkdvTiles<TILES, DMAX>::kMinBlocks) 
     }
     __syncthreads();
 
-    float dk[R][J], dv[R][J];
+    float grad[R][J];  // role 0: dV, role 1: dK
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int j = 0; j < J; ++j) dk[r][j] = dv[r][j] = 0.f;
+      for (int j = 0; j < J; ++j) grad[r][j] = 0.f;
 
     // Causal: queries before the block's first key never see it.
     for (int start_m = sh.causal ? start_n / BM * BM : 0; start_m < mem.count; start_m += BM) {
-      float s[R][C], dp[R][C];
+      float acc[R][C];  // role 0: S^T, role 1: dP^T
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int c = 0; c < C; ++c) s[r][c] = dp[r][c] = 0.f;
+        for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
       for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
         __syncthreads();
-        gather_transposed<T, BN, kChunkD, LDN>(k_t, k_rows, start_n, d0, dim);
-        gather_transposed<T, BN, kChunkD, LDN>(v_t, v_rows, start_n, d0, dim);
-        gather_transposed<T, BM, kChunkD, LDM>(q_t, q_rows, start_m, d0, dim);
-        gather_transposed<T, BM, kChunkD, LDM>(do_t, do_rows, start_m, d0, dim);
+        gather_score_chunks<T, BM, LDM, BN, LDN>(q_t, do_t, k_t, v_t, q_rows, do_rows, k_rows, v_rows, start_m,
+                                                 start_n, d0, dim);
         __syncthreads();
 #pragma unroll (Tiles::kPascal ? 1 : 4)
         for (int d = 0; d < kChunkD; ++d) {
-          float kr[R], vr[R], qc[C], gc[C];
-          load_row_values(kr, k_t + d * LDN + ty * R);
-          load_row_values(vr, v_t + d * LDN + ty * R);
-          load_thread_cols(qc, q_t + d * LDM, tx);
-          load_thread_cols(gc, do_t + d * LDM, tx);
+          float a[R], x[C];
+          load_row_values(a, rows_t + d * LDN + ty * R);
+          load_thread_cols(x, cols_t + d * LDM, tx);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int c = 0; c < C; ++c) {
-              s[r][c] = fmaf(kr[r], qc[c], s[r][c]);
-              dp[r][c] = fmaf(vr[r], gc[c], dp[r][c]);
-            }
+            for (int c = 0; c < C; ++c) acc[r][c] = fmaf(a[r], x[c], acc[r][c]);
         }
       }
+      if (role == 0) {  // P
 #pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const int qi = start_m + thread_col<C>(tx, c);
-        const int pos = mem.first + min(qi, mem.count - 1) * static_cast<int>(br.dilation);
-        const float lse2 = p.lse[row_base + pos] * kLog2e, delta = p.delta[row_base + pos];
-        float pc[R], dsc[R];
+        for (int c = 0; c < C; ++c) {
+          const int qi = start_m + thread_col<C>(tx, c);
+          const int pos = mem.first + min(qi, mem.count - 1) * static_cast<int>(br.dilation);
+          const float lse2 = p.lse[row_base + pos] * kLog2e;
+          float pc[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int kj = start_n + ty * R + r;
-          const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
-          pc[r] = visible ? exp2f(s[r][c] * scale2 - lse2) : 0.f;
-          dsc[r] = pc[r] * (dp[r][c] - delta);
+          for (int r = 0; r < R; ++r) {
+            const int kj = start_n + ty * R + r;
+            const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
+            pc[r] = visible ? exp2f(acc[r][c] * scale2 - lse2) : 0.f;
+          }
+          store_row_values(p_s + thread_col<C>(tx, c) * LDN + ty * R, pc);
         }
-        store_row_values(p_s + thread_col<C>(tx, c) * LDN + ty * R, pc);
-        store_row_values(ds_s + thread_col<C>(tx, c) * LDN + ty * R, dsc);
+      }
+      __syncthreads();
+      if (role == 1) {  // dS = P (dP - delta)
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          const int qi = start_m + thread_col<C>(tx, c);
+          const int pos = mem.first + min(qi, mem.count - 1) * static_cast<int>(br.dilation);
+          const float delta = p.delta[row_base + pos];
+          float dsc[R];
+          load_row_values(dsc, p_s + thread_col<C>(tx, c) * LDN + ty * R);
+#pragma unroll
+          for (int r = 0; r < R; ++r) dsc[r] *= acc[r][c] - delta;
+          store_row_values(ds_s + thread_col<C>(tx, c) * LDN + ty * R, dsc);
+        }
       }
       for (int q0 = 0; q0 < BM; q0 += QC) {
         __syncthreads();
-        gather_rows<T, QC, OUT_DIMS>(tiles, q_rows, start_m + q0, d_out, dim);
-        gather_rows<T, QC, OUT_DIMS>(tiles + QC * OUT_DIMS, do_rows, start_m + q0, d_out, dim);
+        gather_rows<T, QC, OUT_DIMS, kBackwardThreads>(tiles, q_rows, start_m + q0, d_out, dim);
+        gather_rows<T, QC, OUT_DIMS, kBackwardThreads>(tiles + QC * OUT_DIMS, do_rows, start_m + q0, d_out, dim);
         __syncthreads();
 #pragma unroll (Tiles::kPascal ? 1 : 2)
         for (int qq = 0; qq < QC; ++qq) {
-          float pr[R], dsr[R], qv[J], gv[J];
-          load_row_values(pr, p_s + (q0 + qq) * LDN + ty * R);
-          load_row_values(dsr, ds_s + (q0 + qq) * LDN + ty * R);
-          load_thread_cols(qv, tiles + qq * OUT_DIMS, tx);
-          load_thread_cols(gv, tiles + (QC + qq) * OUT_DIMS, tx);
+          float w[R], x[J];
+          load_row_values(w, weights + (q0 + qq) * LDN + ty * R);
+          load_thread_cols(x, values + qq * OUT_DIMS, tx);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int j = 0; j < J; ++j) {
-              dv[r][j] = fmaf(pr[r], gv[j], dv[r][j]);
-              dk[r][j] = fmaf(dsr[r], qv[j], dk[r][j]);
-            }
+            for (int j = 0; j < J; ++j) grad[r][j] = fmaf(w[r], x[j], grad[r][j]);
         }
       }
     }
 
+    float* out = role == 0 ? p.dv : p.dk;
+    const float scale = role == 0 ? 1.f : static_cast<float>(sh.scale);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int kj = start_n + ty * R + r;
       if (kj < mem.count) {
-        const int64_t off = ((b * sh.seq_len + mem.first + kj * br.dilation) * sh.num_kv_heads + kvh) * sh.head_dim;
+        float* row = out + ((b * sh.seq_len + mem.first + kj * br.dilation) * sh.num_kv_heads + kvh) * sh.head_dim;
 #pragma unroll
         for (int j = 0; j < J; ++j) {
           const int d = d_out + thread_col<J>(tx, j);
-          if (d < dim) {
-            p.dk[off + d] += dk[r][j] * scale;
-            p.dv[off + d] += dv[r][j];
-          }
+          if (d < dim) row[d] += grad[r][j] * scale;
         }
       }
     }
@@ -381,17 +437,18 @@ cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles,
     constexpr int TILES = decltype(table)::value;
     return dispatch_head_dim(sh.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
-      const int64_t kv_blocks = kv_grid(br, sh, DkdvTiles<TILES, DMAX>::kBlockN).blocks();
+      using KvTiles = DkdvTiles<TILES, DMAX>;
+      const int64_t kv_blocks = kv_grid(br, sh, KvTiles::kBlockN).blocks();
       const int64_t q_blocks = query_grid(br, sh, DqTiles<TILES, DMAX>::kBlockM).blocks();
       if (kv_blocks > kMaxGridBlocks || q_blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
       if (kv_blocks == 0 || q_blocks == 0) return cudaSuccess;
       return dispatch_scalar(kind, [&](auto tag) {
         using T = decltype(tag);
-        const dim3 kv_grid_dims(static_cast<unsigned>(kv_blocks), DkdvTiles<TILES, DMAX>::kDimParts);
-        dkdv_kernel<T, DMAX, TILES><<<kv_grid_dims, kThreads, 0, stream>>>(p);
-        const cudaError_t err = cudaGetLastError();
+        const dim3 kv_grid_dims(static_cast<unsigned>(kv_blocks), KvTiles::kDimParts);
+        const cudaError_t err = launch_with_shared(dkdv_kernel<T, DMAX, TILES>, kv_grid_dims, kBackwardThreads,
+                                                   KvTiles::smem_floats() * sizeof(float), stream, p);
         if (err != cudaSuccess) return err;
-        dq_kernel<T, DMAX, TILES><<<static_cast<unsigned>(q_blocks), kThreads, 0, stream>>>(p);
+        dq_kernel<T, DMAX, TILES><<<static_cast<unsigned>(q_blocks), kBackwardThreads, 0, stream>>>(p);
         return cudaGetLastError();
       });
     });

@@ -131,11 +131,24 @@ struct DilatedRows {
   const T* first;  // member 0's row
   int64_t step;    // elements between members (dilation * stride between positions)
   int count;       // members
-  __device__ __forceinline__ const T* row(int j) const volatile { return first + j * step; }
+  __device__ __forceinline__ const T* row(int j) const { return first + j * step; }
 };
 
 template <typename T>
 using SharedRows = const volatile DilatedRows<T>&;
+
+// A gather's own copy of the shared descriptor: read once at the gather's start (three shared loads), held in
+// registers only for the gather, so that its per-element address arithmetic does not re-read shared memory.
+template <typename T>
+__device__ __forceinline__ DilatedRows<T> read_rows(SharedRows<T> rows) {
+  return DilatedRows<T>{rows.first, rows.step, rows.count};
+}
+
+// One element of a (read-only during the kernel) input through the non-coherent global load path.
+template <typename T>
+__device__ __forceinline__ float load_input(const T* x) {
+  return to_float(__ldg(x));
+}
 
 // The rows of tensor x (strides s) for batch b and head `head` at one segment's members.
 template <typename T>
@@ -151,66 +164,74 @@ __device__ __forceinline__ DilatedRows<T> rows_of(const void* x, const Strides& 
 __host__ __device__ constexpr int transposed_ld(int rows) { return rows + 4; }
 
 // Transposed gather: dst[d * LD + i] = rows.row(start + i)[d0 + d] for i < ROWS, d < DC; zero for members
-// past the end and dims past `dim`. A warp covers 4 rows x 8 dims per step: short coalesced runs in
-// global memory, and 32 distinct banks in shared memory with transposed_ld. Each thread
+// past the end and dims past `dim`, by all THREADS threads of the block. A warp covers 4 rows x 8 dims per step:
+// short coalesced runs in global memory, and 32 distinct banks in shared memory with transposed_ld. Each thread
 // keeps one dim and steps one row pointer (few registers, so the loads of a few steps can be in flight at
-// once).
-template <typename T, int ROWS, int DC, int LD>
-__device__ __forceinline__ void gather_transposed(float* dst, SharedRows<T> rows, int start, int d0,
+// once); a tile of fewer rows than the block covers in one step leaves the other warps idle.
+template <typename T, int ROWS, int DC, int LD, int THREADS = kThreads>
+__device__ __forceinline__ void gather_transposed(float* dst, SharedRows<T> shared_rows, int start, int d0,
                                                   int dim) {
-  constexpr int kWarps = kThreads / 32, kDimGroups = DC / 8, kRowStep = 4 * kWarps / kDimGroups;
-  static_assert(DC % 8 == 0 && kWarps % kDimGroups == 0 && ROWS % kRowStep == 0, "tile shape");
+  constexpr int kWarps = THREADS / 32, kDimGroups = DC / 8, kRowStep = 4 * kWarps / kDimGroups;
+  constexpr int kSteps = (ROWS + kRowStep - 1) / kRowStep;
+  static_assert(DC % 8 == 0 && kWarps % kDimGroups == 0 && ROWS % 4 == 0, "tile shape");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int d = (warp % kDimGroups) * 8 + lane % 8;
   const int r = (warp / kDimGroups) * 4 + lane / 8;
+  if (ROWS % kRowStep != 0 && r >= ROWS) return;  // warp-uniform
+  const DilatedRows<T> rows = read_rows(shared_rows);
   const int j = start + r;
   const T* src = rows.row(j) + d0 + d;
   const int64_t step = kRowStep * rows.step;
   const bool dim_ok = d0 + d < dim;
   // All loads first, then all stores: the loads are in flight together (one memory latency per call).
-  float x[ROWS / kRowStep];
+  float x[kSteps];
 #pragma unroll
-  for (int it = 0; it < ROWS / kRowStep; ++it)
-    x[it] = (j + it * kRowStep < rows.count && dim_ok) ? to_float(src[it * step]) : 0.f;
+  for (int it = 0; it < kSteps; ++it) {
+    const bool in_tile = ROWS % kRowStep == 0 || r + it * kRowStep < ROWS;
+    x[it] = (j + it * kRowStep < rows.count && dim_ok && in_tile) ? load_input(src) : 0.f;
+    src += step;
+  }
 #pragma unroll
-  for (int it = 0; it < ROWS / kRowStep; ++it) dst[d * LD + r + it * kRowStep] = x[it];
+  for (int it = 0; it < kSteps; ++it)
+    if (ROWS % kRowStep == 0 || r + it * kRowStep < ROWS) dst[d * LD + r + it * kRowStep] = x[it];
 }
 
 // Row-major gather: dst[i * DIMS + d] = rows.row(start + i)[d0 + d] for i < ROWS, d < DIMS; zero for members past
-// the end and dims past `dim`.
-template <typename T, int ROWS, int DIMS>
-__device__ __forceinline__ void gather_rows(float* dst, SharedRows<T> rows, int start, int d0, int dim) {
-  if constexpr (kThreads % DIMS != 0 && DIMS % kThreads != 0) {  // e.g. 96: plain element loop
+// the end and dims past `dim`, by all THREADS threads of the block.
+template <typename T, int ROWS, int DIMS, int THREADS = kThreads>
+__device__ __forceinline__ void gather_rows(float* dst, SharedRows<T> shared_rows, int start, int d0, int dim) {
+  const DilatedRows<T> rows = read_rows(shared_rows);
+  if constexpr ((THREADS % DIMS != 0 && DIMS % THREADS != 0) || ROWS * DIMS % THREADS != 0) {  // e.g. 96
 #pragma unroll 2
-    for (int i = threadIdx.x; i < ROWS * DIMS; i += kThreads) {
+    for (int i = threadIdx.x; i < ROWS * DIMS; i += THREADS) {
       const int r = i / DIMS, d = d0 + i % DIMS;
       const int j = start + r;
-      dst[i] = (j < rows.count && d < dim) ? to_float(rows.row(j)[d]) : 0.f;
+      dst[i] = (j < rows.count && d < dim) ? load_input(rows.row(j) + d) : 0.f;
     }
   } else {
-    // A block step covers kThreads / DIMS rows (or a row takes DIMS / kThreads steps). Loads are issued
-    // 8 at a time before their stores, so memory latency is paid ROWS * DIMS / (8 * kThreads) times.
-    constexpr int kStepRows = DIMS >= kThreads ? 1 : kThreads / DIMS;
-    constexpr int kSteps = ROWS * DIMS / kThreads, kBatch = kSteps < 8 ? kSteps : 8;
+    // A block step covers THREADS / DIMS rows (or a row takes DIMS / THREADS steps). Loads are issued
+    // 8 at a time before their stores, so memory latency is paid ROWS * DIMS / (8 * THREADS) times.
+    constexpr int kStepRows = DIMS >= THREADS ? 1 : THREADS / DIMS;
+    constexpr int kRowSteps = DIMS >= THREADS ? DIMS / THREADS : 1;  // steps a row takes
+    constexpr int kSteps = ROWS * DIMS / THREADS, kBatch = kSteps < 8 ? kSteps : 8;
     static_assert(kSteps % kBatch == 0, "batches");
-    const int c0 = DIMS >= kThreads ? threadIdx.x : threadIdx.x % DIMS;
-    const int r0 = DIMS >= kThreads ? 0 : threadIdx.x / DIMS;
+    const int c0 = DIMS >= THREADS ? threadIdx.x : threadIdx.x % DIMS;
+    const int r0 = DIMS >= THREADS ? 0 : threadIdx.x / DIMS;
+    // Step s reads row r0 + (s / kRowSteps) * kStepRows at column c0 + (s % kRowSteps) * THREADS.
+    const T* src = rows.row(start + r0) + d0 + c0;
+    const int64_t step = kStepRows * rows.step;
 #pragma unroll 1
     for (int b = 0; b < kSteps; b += kBatch) {
       float x[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int s = b + i;
-        const int r = DIMS >= kThreads ? s / (DIMS / kThreads) : r0 + s * kStepRows;
-        const int c = DIMS >= kThreads ? c0 + (s % (DIMS / kThreads)) * kThreads : c0;
-        const int j = start + r;
-        x[i] = (j < rows.count && d0 + c < dim) ? to_float(rows.row(j)[d0 + c]) : 0.f;
+        const int s = b + i, r = r0 + (s / kRowSteps) * kStepRows, c = c0 + (s % kRowSteps) * THREADS;
+        x[i] = (start + r < rows.count && d0 + c < dim) ? load_input(src + (s % kRowSteps) * THREADS) : 0.f;
+        if (s % kRowSteps == kRowSteps - 1) src += step;
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int s = b + i;
-        const int r = DIMS >= kThreads ? s / (DIMS / kThreads) : r0 + s * kStepRows;
-        const int c = DIMS >= kThreads ? c0 + (s % (DIMS / kThreads)) * kThreads : c0;
+        const int s = b + i, r = r0 + (s / kRowSteps) * kStepRows, c = c0 + (s % kRowSteps) * THREADS;
         dst[r * DIMS + c] = x[i];
       }
     }
@@ -285,6 +306,21 @@ inline size_t max_shared_memory_per_block() {
   if (cudaGetDevice(&device) == cudaSuccess)
     cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   return static_cast<size_t>(bytes);
+}
+
+// Launches kernel(p) with `bytes` of dynamic shared memory. Above 48 KiB a kernel must opt in, and several such
+// blocks an SM need the largest shared-memory carveout of L1; both are harmless to repeat, so nothing is cached.
+template <typename Kernel, typename Params>
+cudaError_t launch_with_shared(Kernel kernel, dim3 grid, int threads, size_t bytes, cudaStream_t stream,
+                               const Params& p) {
+  if (bytes > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (err != cudaSuccess) return err;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, threads, bytes, stream>>>(p);
+  return cudaGetLastError();
 }
 
 // Head-dim buckets compiled: the smallest of 32, 64, 96, 128, 256 that holds `dim`.
