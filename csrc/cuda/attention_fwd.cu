@@ -230,24 +230,14 @@ cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, c
       return dispatch_scalar(kind, [&](auto tag) {
         using T = decltype(tag);
         // Pascal's tiles never keep Q resident: their budget is 12 KiB a block.
+        const dim3 grid(static_cast<unsigned>(blocks));
         if constexpr (!Tiles::kPascal) {
           constexpr size_t kResident = Tiles::template smem_floats<true>() * sizeof(float);
-          if (kResident <= max_shared_memory_per_block()) {
-            const auto kernel = forward_kernel<T, DMAX, TILES, true>;
-            // Above 48 KiB a kernel must opt in; harmless to repeat, so no caching per device needed.
-            cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kResident);
-            if (err != cudaSuccess) return err;
-            // Three blocks of ~70 KiB per SM need the largest shared-memory carveout of L1.
-            err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       cudaSharedmemCarveoutMaxShared);
-            if (err != cudaSuccess) return err;
-            kernel<<<static_cast<unsigned>(blocks), kThreads, kResident, stream>>>(p);
-            return cudaGetLastError();
-          }
+          if (kResident <= max_shared_memory_per_block())
+            return launch_with_shared(forward_kernel<T, DMAX, TILES, true>, grid, kThreads, kResident, stream, p);
         }
         constexpr size_t kStreamed = Tiles::template smem_floats<false>() * sizeof(float);
-        forward_kernel<T, DMAX, TILES, false><<<static_cast<unsigned>(blocks), kThreads, kStreamed, stream>>>(p);
-        return cudaGetLastError();
+        return launch_with_shared(forward_kernel<T, DMAX, TILES, false>, grid, kThreads, kStreamed, stream, p);
       });
     });
   });

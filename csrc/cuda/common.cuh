@@ -308,17 +308,17 @@ inline size_t max_shared_memory_per_block() {
   return static_cast<size_t>(bytes);
 }
 
-// Launches kernel(p) with `bytes` of dynamic shared memory. Above 48 KiB a kernel must opt in, and several such
-// blocks an SM need the largest shared-memory carveout of L1; both are harmless to repeat, so nothing is cached.
+// Launches kernel(p) with `bytes` of dynamic shared memory. Above 48 KiB a kernel must opt in, and several blocks of
+// tens of KiB an SM need the largest shared-memory carveout of L1; both are harmless to repeat, so nothing is
+// cached per device.
 template <typename Kernel, typename Params>
 cudaError_t launch_with_shared(Kernel kernel, dim3 grid, int threads, size_t bytes, cudaStream_t stream,
                                const Params& p) {
-  if (bytes > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-    if (err != cudaSuccess) return err;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    if (err != cudaSuccess) return err;
-  }
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared);
+  if (err == cudaSuccess && bytes > 48 * 1024)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err != cudaSuccess) return err;
   kernel<<<grid, threads, bytes, stream>>>(p);
   return cudaGetLastError();
 }
