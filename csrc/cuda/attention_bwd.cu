@@ -18,6 +18,8 @@
 // role 1 reduces dP and turns P into dS; in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of
 // dQ's dims. A thread so holds one score tile and one accumulator tile, half the registers of holding both, and
 // an SM runs twice the warps to hide the gathers' memory latency.
+// From Volta on, each gather's global loads are issued into registers before the computation on the previous
+// gather's tile and stored after it (common.cuh: split gathers); Pascal's 64 registers a thread leave no room for that.
 // The tile structs hold the sizes per tile table (launch.h): Volta and newer, within 128 registers a thread (two
 // blocks an SM), 64 x 64 for dq (32 queries at head dim 256) and 64 keys x 32 queries for dK/dV; Pascal, within 64
 // (four blocks), 16 x 32 (8 queries at head dim 256) and 8 x 16. dK/dV's output dims split over blocks at head dim
@@ -44,6 +46,41 @@ __device__ __forceinline__ Role backward_role() {
   return Role{static_cast<int>(threadIdx.x / kThreads), t / kColsX, t % kColsX};
 }
 
+// The four head-dim chunks (d0 .. d0 + kChunkD) of the two score products, Q^T and dO^T (BM rows, LDM) and K^T and
+// V^T (BN rows, LDN), as one split gather (common.cuh) of kRegs registers a thread.
+template <typename T, int BM, int LDM, int BN, int LDN>
+struct ScoreChunks {
+  using QueryTile = TransposedTile<T, BM, kChunkD, LDM, kBackwardThreads>;
+  using KeyTile = TransposedTile<T, BN, kChunkD, LDN, kBackwardThreads>;
+  static constexpr int kRegs = 2 * QueryTile::kRegs + 2 * KeyTile::kRegs;
+
+  // rows: q, dO, k, v (set_block_rows)
+  __device__ __forceinline__ static void load(T* x, const volatile DilatedRows<T> (&rows)[4], int start_m,
+                                              int start_n, int d0, int dim) {
+    QueryTile::load(x, rows[0], start_m, d0, dim);
+    QueryTile::load(x + QueryTile::kRegs, rows[1], start_m, d0, dim);
+    KeyTile::load(x + 2 * QueryTile::kRegs, rows[2], start_n, d0, dim);
+    KeyTile::load(x + 2 * QueryTile::kRegs + KeyTile::kRegs, rows[3], start_n, d0, dim);
+  }
+
+  // Loads and stores one tile at a time (one tile's registers): without prefetching.
+  __device__ __forceinline__ static void gather(float* q_t, float* do_t, float* k_t, float* v_t,
+                                                const volatile DilatedRows<T> (&rows)[4], int start_m, int start_n,
+                                                int d0, int dim) {
+    gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(q_t, rows[0], start_m, d0, dim);
+    gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(do_t, rows[1], start_m, d0, dim);
+    gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(k_t, rows[2], start_n, d0, dim);
+    gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(v_t, rows[3], start_n, d0, dim);
+  }
+
+  __device__ __forceinline__ static void store(float* q_t, float* do_t, float* k_t, float* v_t, const T* x) {
+    QueryTile::store(q_t, x);
+    QueryTile::store(do_t, x + QueryTile::kRegs);
+    KeyTile::store(k_t, x + 2 * QueryTile::kRegs);
+    KeyTile::store(v_t, x + 2 * QueryTile::kRegs + KeyTile::kRegs);
+  }
+};
+
 // Rows of a [rows][DMAX] tile, at most ROWS_MAX (halving), that fit `floats`.
 template <int ROWS_MAX, int DMAX>
 __host__ __device__ constexpr int row_chunk(int floats) {
@@ -64,7 +101,13 @@ struct DqTiles {
   static constexpr int kBlockN = kPascal ? 32 : 64;
   static constexpr int kLdM = transposed_ld(kBlockM), kLdN = transposed_ld(kBlockN);
   static constexpr int kTileFloats = 2 * kChunkD * (kLdM + kLdN);
-  static constexpr int kKeyChunk = row_chunk<kBlockN, DMAX>(kTileFloats);  // K rows per chunk of dQ += dS K
+  static constexpr bool kPrefetch = !kPascal;
+  template <typename T>
+  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN>;
+  // K rows per chunk of dQ += dS K: no more registers a thread than the score chunks, so one stage holds either
+  static constexpr int kKeyChunk = row_chunk<kBlockN, DMAX>(Scores<float>::kRegs * kBackwardThreads);
+  template <typename T>
+  using KeyRows = RowTile<T, kKeyChunk, DMAX, kBackwardThreads>;
   // Blocks of 256 threads per SM for __launch_bounds__: Pascal 4 (64 registers a thread), else 2 (128).
   static constexpr int kMinBlocks = kPascal ? 4 : 2;
 };
@@ -89,7 +132,20 @@ struct DkdvTiles {
   static constexpr int kScoreFloats = 2 * kChunkD * (kLdN + kLdM);
   static constexpr int kRowFloats = 2 * (kPascal ? kBlockM : 16) * kOutDims;
   static constexpr int kTileFloats = kScoreFloats > kRowFloats ? kScoreFloats : kRowFloats;
-  static constexpr int kQueryChunk = row_chunk<kBlockM, kOutDims>(kTileFloats) / 2;  // Q and dO rows side by side
+  static constexpr bool kPrefetch = !kPascal;
+  template <typename T>
+  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN>;
+  // Q and dO rows side by side, in the tiles' space and in no more registers a thread than the score chunks (so one
+  // stage holds either; Pascal's dK/dV at head dim 128 spill otherwise)
+  static constexpr int kRowBudget = Scores<float>::kRegs * kBackwardThreads;
+  static constexpr int kQueryChunk =
+      row_chunk<kBlockM, kOutDims>(kRowBudget < kTileFloats ? kRowBudget : kTileFloats) / 2;
+  template <typename T>
+  using QueryRows = RowTile<T, kQueryChunk, kOutDims, kBackwardThreads>;  // of Q, and of dO
+  template <typename T>
+  static constexpr int stage_regs() {
+    return Scores<T>::kRegs > 2 * QueryRows<T>::kRegs ? Scores<T>::kRegs : 2 * QueryRows<T>::kRegs;
+  }
   static constexpr int kMinBlocks = kPascal ? 4 : 2;
   static constexpr int smem_floats() { return kTileFloats + 2 * kBlockM * kLdN; }
 };
@@ -122,18 +178,6 @@ __device__ __forceinline__ void set_block_rows(DilatedRows<T> (&rows)[4], const 
   rows[3] = rows_of<T>(p.v, p.sv, b, kvh, mem, dilation);
 }
 
-// Gathers the four head-dim chunks (d0 .. d0 + kChunkD) of the two score products: Q^T and dO^T (BM rows, LDM)
-// and K^T and V^T (BN rows, LDN) at q_t, do_t, k_t and v_t.
-template <typename T, int BM, int LDM, int BN, int LDN>
-__device__ __forceinline__ void gather_score_chunks(float* q_t, float* do_t, float* k_t, float* v_t,
-                                                    SharedRows<T> q_rows, SharedRows<T> do_rows, SharedRows<T> k_rows,
-                                                    SharedRows<T> v_rows, int start_m, int start_n, int d0, int dim) {
-  gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(q_t, q_rows, start_m, d0, dim);
-  gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(do_t, do_rows, start_m, d0, dim);
-  gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(k_t, k_rows, start_n, d0, dim);
-  gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(v_t, v_rows, start_n, d0, dim);
-}
-
 template <typename T, int DMAX, int TILES>
 __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBlocks)
     dq_kernel(const BackwardParams p) {
@@ -159,10 +203,10 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   const int start_m = tile * BM;
   if (start_m >= mem.count) return;
   const int kvh = static_cast<int>(sh.kv_head(head));
-  // q, dO, k, v (common.cuh: why in shared memory); read after the score loop's first barrier
+  // q, dO, k, v (common.cuh: why in shared memory); read after a barrier
   __shared__ DilatedRows<T> block_rows[4];
   if (threadIdx.x == 0) set_block_rows(block_rows, p, b, head, kvh, mem, br.dilation);
-  SharedRows<T> q_rows = block_rows[0], do_rows = block_rows[1], k_rows = block_rows[2], v_rows = block_rows[3];
+  SharedRows<T> k_rows = block_rows[2];
   const auto [role, ty, tx] = backward_role();
   // Role 0 reduces S = Q K^T, role 1 dP = dO V^T; each then accumulates its half of dQ's dims.
   const float* rows_t = role == 0 ? q_t : do_t;
@@ -186,6 +230,15 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
     for (int j = 0; j < J; ++j) dq[r][j] = 0.f;
 
   const int key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
+  // A key step gathers the score chunks d0 = 0, kChunkD, ..., then K's row chunks k0 = 0, KC, ...; with kPrefetch
+  // each one's loads are issued into `stage` right after the barrier that publishes the one before.
+  using Scores = typename Tiles::template Scores<T>;
+  using KeyRows = typename Tiles::template KeyRows<T>;
+  T stage[Scores::kRegs > KeyRows::kRegs ? Scores::kRegs : KeyRows::kRegs];
+  if constexpr (Tiles::kPrefetch) {
+    __syncthreads();  // block_rows written
+    Scores::load(stage, block_rows, start_m, 0, 0, dim);
+  }
   for (int start_n = 0; start_n < key_end; start_n += BN) {
     float acc[R][C];  // role 0: S, role 1: dP
 #pragma unroll
@@ -194,9 +247,18 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
       for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
     for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
       __syncthreads();
-      gather_score_chunks<T, BM, LDM, BN, LDN>(q_t, do_t, k_t, v_t, q_rows, do_rows, k_rows, v_rows, start_m, start_n,
-                                               d0, dim);
+      if constexpr (Tiles::kPrefetch)
+        Scores::store(q_t, do_t, k_t, v_t, stage);
+      else
+        Scores::gather(q_t, do_t, k_t, v_t, block_rows, start_m, start_n, d0, dim);
       __syncthreads();
+      if constexpr (Tiles::kPrefetch) {  // the next gather's loads
+        if (d0 + kChunkD < DMAX) {
+          Scores::load(stage, block_rows, start_m, start_n, d0 + kChunkD, dim);
+        } else {
+          KeyRows::load(stage, k_rows, start_n, 0, dim);
+        }
+      }
 #pragma unroll 4
       for (int d = 0; d < kChunkD; ++d) {
         float a[R], x[C];
@@ -240,8 +302,16 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
     }
     for (int k0 = 0; k0 < BN; k0 += KC) {
       __syncthreads();
-      gather_rows<T, KC, DMAX, kBackwardThreads>(tiles, k_rows, start_n + k0, 0, dim);
+      if constexpr (!Tiles::kPrefetch) KeyRows::load(stage, k_rows, start_n + k0, 0, dim);
+      KeyRows::store(tiles, stage);
       __syncthreads();
+      if constexpr (Tiles::kPrefetch) {  // the next gather's loads
+        if (k0 + KC < BN) {
+          KeyRows::load(stage, k_rows, start_n + k0 + KC, 0, dim);
+        } else if (start_n + BN < key_end) {
+          Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
+        }
+      }
 #pragma unroll 4
       for (int kk = 0; kk < KC; ++kk) {
         float dsr[R], kv[J];
@@ -301,10 +371,13 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
   const float* cols_t = role == 0 ? q_t : do_t;
   const float* weights = p_s + role * (BM * LDN);                 // P or dS
   const float* values = tiles + (1 - role) * (QC * OUT_DIMS);     // the dO or Q row chunk
+  using Scores = typename Tiles::template Scores<T>;
+  using QueryRows = typename Tiles::template QueryRows<T>;
+  T stage[Tiles::template stage_regs<T>()];
   const int dim = static_cast<int>(sh.head_dim);
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
   __shared__ DilatedRows<T> block_rows[4];  // q, dO, k, v of the current head (common.cuh: why in shared memory)
-  SharedRows<T> q_rows = block_rows[0], do_rows = block_rows[1], k_rows = block_rows[2], v_rows = block_rows[3];
+  SharedRows<T> q_rows = block_rows[0], do_rows = block_rows[1];
 
   // The current head's members and LSE/delta row offset, in shared memory like block_rows
   __shared__ Members head_members;
@@ -329,8 +402,11 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
 #pragma unroll
       for (int j = 0; j < J; ++j) grad[r][j] = 0.f;
 
+    // A query step gathers the score chunks, then the Q and dO row chunks, prefetched as in dq_kernel.
     // Causal: queries before the block's first key never see it.
-    for (int start_m = sh.causal ? start_n / BM * BM : 0; start_m < mem.count; start_m += BM) {
+    const int first_m = sh.causal ? start_n / BM * BM : 0;
+    if constexpr (Tiles::kPrefetch) Scores::load(stage, block_rows, first_m, start_n, 0, dim);
+    for (int start_m = first_m; start_m < mem.count; start_m += BM) {
       float acc[R][C];  // role 0: S^T, role 1: dP^T
 #pragma unroll
       for (int r = 0; r < R; ++r)
@@ -338,9 +414,19 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
         for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
       for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
         __syncthreads();
-        gather_score_chunks<T, BM, LDM, BN, LDN>(q_t, do_t, k_t, v_t, q_rows, do_rows, k_rows, v_rows, start_m,
-                                                 start_n, d0, dim);
+        if constexpr (Tiles::kPrefetch)
+          Scores::store(q_t, do_t, k_t, v_t, stage);
+        else
+          Scores::gather(q_t, do_t, k_t, v_t, block_rows, start_m, start_n, d0, dim);
         __syncthreads();
+        if constexpr (Tiles::kPrefetch) {  // the next gather's loads
+          if (d0 + kChunkD < DMAX) {
+            Scores::load(stage, block_rows, start_m, start_n, d0 + kChunkD, dim);
+          } else {
+            QueryRows::load(stage, q_rows, start_m, d_out, dim);
+            QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m, d_out, dim);
+          }
+        }
 #pragma unroll (Tiles::kPascal ? 1 : 4)
         for (int d = 0; d < kChunkD; ++d) {
           float a[R], x[C];
@@ -384,9 +470,24 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
       }
       for (int q0 = 0; q0 < BM; q0 += QC) {
         __syncthreads();
-        gather_rows<T, QC, OUT_DIMS, kBackwardThreads>(tiles, q_rows, start_m + q0, d_out, dim);
-        gather_rows<T, QC, OUT_DIMS, kBackwardThreads>(tiles + QC * OUT_DIMS, do_rows, start_m + q0, d_out, dim);
+        if constexpr (Tiles::kPrefetch) {
+          QueryRows::store(tiles, stage);
+          QueryRows::store(tiles + QC * OUT_DIMS, stage + QueryRows::kRegs);
+        } else {  // one tile's registers at a time
+          QueryRows::load(stage, q_rows, start_m + q0, d_out, dim);
+          QueryRows::store(tiles, stage);
+          QueryRows::load(stage, do_rows, start_m + q0, d_out, dim);
+          QueryRows::store(tiles + QC * OUT_DIMS, stage);
+        }
         __syncthreads();
+        if constexpr (Tiles::kPrefetch) {  // the next gather's loads
+          if (q0 + QC < BM) {
+            QueryRows::load(stage, q_rows, start_m + q0 + QC, d_out, dim);
+            QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m + q0 + QC, d_out, dim);
+          } else if (start_m + BM < mem.count) {
+            Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
+          }
+        }
 #pragma unroll (Tiles::kPascal ? 1 : 2)
         for (int qq = 0; qq < QC; ++qq) {
           float w[R], x[J];

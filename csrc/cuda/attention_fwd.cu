@@ -5,7 +5,9 @@
 // head dim in chunks: each chunk of the dilated Q and K rows is gathered straight from global memory
 // (positions first + r * j) into transposed fp32 shared tiles, and every thread accumulates an R x 4 block of
 // S with FMAs (its 4 keys and its output columns contiguous: vector loads, common.cuh's thread_col). The
-// probabilities go through shared memory (transposed) and O += P V streams the key rows of V in chunks. All
+// probabilities go through shared memory (transposed) and O += P V streams the key rows of V in chunks. Each
+// chunk's global loads are issued into registers before the computation on the chunk before it and stored after it
+// (common.cuh: split gathers), so that memory latency overlaps the FMAs. All
 // math is fp32; inputs may be fp16, bf16 or fp32. No tensor cores, so the same code runs from Pascal up.
 // ForwardTiles holds the sizes of each tile table: 64 queries and 32-dim chunks from Volta on, 16 queries (8
 // at head dim 256) and 16-dim chunks on Pascal.
@@ -29,14 +31,28 @@ struct ForwardTiles {
   static constexpr int kLdN = transposed_ld(kBlockN);  // K^T (indexed by key)
   static constexpr int kScoreTiles = kChunkD * (kLdM + kLdN);  // Q and K chunks (floats)
   // Blocks per SM the register budget is sized for (__launch_bounds__). Pascal: 8 (64 registers a thread).
-  // Volta and newer: 3 (168 registers) up to head dim 128, 2 (255) for 256.
-  static constexpr int kMinBlocks = kPascal ? 8 : (DMAX > 128 ? 2 : 3);
+  // Volta and newer: 4 (128 registers) up to head dim 64, 3 (168) up to 128, 2 (255) for 256. At 64 and 128 a few
+  // registers spill on sm_90, and the kernel still runs faster than with fewer warps or 16-dim chunks.
+  static constexpr int kMinBlocks = kPascal ? 8 : (DMAX > 128 ? 2 : (DMAX <= 64 ? 4 : 3));
 
-  // Key rows of V per chunk of the O += P V product: as many as fit in the score tiles' space.
-  static constexpr int value_chunk() {
+  // The block's gathers: K^T chunks, then V row chunks of kValueRows keys, each no more elements than a K^T chunk
+  // (half as many on Pascal), so that one register stage a thread (stage_regs) holds either (common.cuh: split
+  // gathers). kPrefetch: the next gather's loads are issued before the computation on the current one; Pascal's tiles
+  // at head dim 128 have no registers left for that within 64 and load right before storing.
+  static constexpr int value_rows() {
     int rows = kBlockN;
-    while (rows * DMAX > kScoreTiles) rows /= 2;
+    while (rows * DMAX > kBlockN * kChunkD / (kPascal ? 2 : 1)) rows /= 2;
     return rows;
+  }
+  static constexpr int kValueRows = value_rows();
+  static constexpr bool kPrefetch = !(kPascal && DMAX == 128);
+  template <typename T>
+  using KeyTile = TransposedTile<T, kBlockN, kChunkD, kLdN, kThreads>;
+  template <typename T>
+  using ValueTile = RowTile<T, kValueRows, DMAX, kThreads>;
+  template <typename T>
+  static constexpr int stage_regs() {
+    return KeyTile<T>::kRegs > ValueTile<T>::kRegs ? KeyTile<T>::kRegs : ValueTile<T>::kRegs;
   }
 
   // Shared memory of a block (floats): with RESIDENT_Q the block's whole Q^T tile stays in shared memory and
@@ -55,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
   constexpr int kBlockM = Tiles::kBlockM, kBlockN = Tiles::kBlockN, kChunkD = Tiles::kChunkD;
   constexpr int kRows = Tiles::kRows, kCols = Tiles::kCols, kLdM = Tiles::kLdM, kLdN = Tiles::kLdN;
   constexpr int J = DMAX / kColsX;  // output columns per thread
-  constexpr int KC = Tiles::value_chunk();
+  constexpr int KC = Tiles::kValueRows;
   extern __shared__ __align__(16) float smem[];
   float* q_resident = smem;                                   // RESIDENT_Q: Q^T, [DMAX][kLdM]
   float* tiles = smem + (RESIDENT_Q ? DMAX * kLdM : 0);       // Q^T and K^T chunks, then V chunks
@@ -98,6 +114,12 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
 
   // Causal: keys after the block's last query are never seen.
   const int key_end = sh.causal ? min(mem.count, start_m + kBlockM) : mem.count;
+  // A key step gathers the K^T chunks d0 = 0, kChunkD, ..., then the V row chunks k0 = 0, KC, ...; with kPrefetch
+  // each one's loads are issued into `stage` right after the barrier that publishes the one before.
+  using KeyTile = typename Tiles::template KeyTile<T>;
+  using ValueTile = typename Tiles::template ValueTile<T>;
+  T stage[Tiles::template stage_regs<T>()];
+  if constexpr (Tiles::kPrefetch) KeyTile::load(stage, k_rows, 0, 0, dim);
   for (int start_n = 0; start_n < key_end; start_n += kBlockN) {
     float s[kRows][kCols];
 #pragma unroll
@@ -109,8 +131,15 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
       __syncthreads();  // the previous chunk (or P V step) is done with the tiles
       const float* q_t = RESIDENT_Q ? q_resident + d0 * kLdM : tiles;
       if constexpr (!RESIDENT_Q) gather_transposed<T, kBlockM, kChunkD, kLdM>(tiles, q_rows, start_m, d0, dim);
-      gather_transposed<T, kBlockN, kChunkD, kLdN>(k_t, k_rows, start_n, d0, dim);
+      if constexpr (!Tiles::kPrefetch) KeyTile::load(stage, k_rows, start_n, d0, dim);
+      KeyTile::store(k_t, stage);
       __syncthreads();
+      if constexpr (Tiles::kPrefetch) {  // the next gather's loads
+        if (d0 + kChunkD < DMAX)
+          KeyTile::load(stage, k_rows, start_n, d0 + kChunkD, dim);
+        else
+          ValueTile::load(stage, v_rows, start_n, 0, dim);
+      }
 #pragma unroll 8
       for (int d = 0; d < kChunkD; ++d) {
         float a[kRows], kv[kCols];
@@ -144,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
         s[r][c] = exp2f(s[r][c] - m_new);
         row_sum += s[r][c];
       }
-      l_i[r] = l_i[r] * alpha + half_warp_sum(row_sum);
+      l_i[r] = l_i[r] * alpha + row_sum;  // this thread's share of the row sum (reduced after the last step)
       m_i[r] = m_new;
 #pragma unroll
       for (int j = 0; j < J; ++j) o[r][j] *= alpha;
@@ -160,8 +189,15 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
     // O += P V, streaming KC key rows of V at a time through the tiles' space.
     for (int k0 = 0; k0 < kBlockN; k0 += KC) {
       __syncthreads();  // probs written; tiles free
-      gather_rows<T, KC, DMAX>(tiles, v_rows, start_n + k0, 0, dim);
+      if constexpr (!Tiles::kPrefetch) ValueTile::load(stage, v_rows, start_n + k0, 0, dim);
+      ValueTile::store(tiles, stage);
       __syncthreads();
+      if constexpr (Tiles::kPrefetch) {  // the next gather's loads
+        if (k0 + KC < kBlockN)
+          ValueTile::load(stage, v_rows, start_n + k0 + KC, 0, dim);
+        else if (start_n + kBlockN < key_end)
+          KeyTile::load(stage, k_rows, start_n + kBlockN, 0, dim);
+      }
 #pragma unroll 4
       for (int kk = 0; kk < KC; ++kk) {
         float pr[kRows], vv[J];
@@ -180,6 +216,8 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
   T* out_base = static_cast<T*>(p.out) + b * p.so.batch + head * p.so.head;
   float* lse_base = p.lse + (b * sh.num_heads + head) * sh.seq_len;
   float old_lse[kRows], new_lse[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) l_i[r] = half_warp_sum(l_i[r]);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int qi = start_m + ty * kRows + r;

@@ -145,11 +145,22 @@ __device__ __forceinline__ DilatedRows<T> read_rows(SharedRows<T> rows) {
   return DilatedRows<T>{rows.first, rows.step, rows.count};
 }
 
-// One element of a (read-only during the kernel) input through the non-coherent global load path.
+// One element of a (read-only during the kernel) input through the non-coherent global load path, in its own dtype:
+// the split gathers below convert at the store, so that no instruction waits on the load until then.
 template <typename T>
-__device__ __forceinline__ float load_input(const T* x) {
-  return to_float(__ldg(x));
+__device__ __forceinline__ T load_input(const T* x) {
+  return __ldg(x);
 }
+
+// Zero in a storage type (for members past the end and dims past the head dim).
+template <typename T>
+__device__ __forceinline__ T zero_of();
+template <>
+__device__ __forceinline__ float zero_of<float>() { return 0.f; }
+template <>
+__device__ __forceinline__ __half zero_of<__half>() { return __ushort_as_half(0); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 zero_of<__nv_bfloat16>() { return __ushort_as_bfloat16(0); }
 
 // The rows of tensor x (strides s) for batch b and head `head` at one segment's members.
 template <typename T>
@@ -164,79 +175,98 @@ __device__ __forceinline__ DilatedRows<T> rows_of(const void* x, const Strides& 
 // multiples of 4 for d < 8).
 __host__ __device__ constexpr int transposed_ld(int rows) { return rows + 4; }
 
-// Transposed gather: dst[d * LD + i] = rows.row(start + i)[d0 + d] for i < ROWS, d < DC; zero for members
-// past the end and dims past `dim`, by all THREADS threads of the block. A warp covers 4 rows x 8 dims per step:
-// short coalesced runs in global memory, and 32 distinct banks in shared memory with transposed_ld. Each thread
-// keeps one dim and steps one row pointer (few registers, so the loads of a few steps can be in flight at
-// once); a tile of fewer rows than the block covers in one step leaves the other warps idle.
-template <typename T, int ROWS, int DC, int LD, int THREADS = kThreads>
-__device__ __forceinline__ void gather_transposed(float* dst, SharedRows<T> shared_rows, int start, int d0,
-                                                  int dim) {
-  constexpr int kWarps = THREADS / 32, kDimGroups = DC / 8, kRowStep = 4 * kWarps / kDimGroups;
-  constexpr int kSteps = (ROWS + kRowStep - 1) / kRowStep;
-  static_assert(DC % 8 == 0 && kWarps % kDimGroups == 0 && ROWS % 4 == 0, "tile shape");
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int d = (warp % kDimGroups) * 8 + lane % 8;
-  const int r = (warp / kDimGroups) * 4 + lane / 8;
-  if (ROWS % kRowStep != 0 && r >= ROWS) return;  // warp-uniform
-  const DilatedRows<T> rows = read_rows(shared_rows);
-  const int j = start + r;
-  const T* src = rows.row(j) + d0 + d;
-  const int64_t step = kRowStep * rows.step;
-  const bool dim_ok = d0 + d < dim;
-  // All loads first, then all stores: the loads are in flight together (one memory latency per call).
-  float x[kSteps];
-#pragma unroll
-  for (int it = 0; it < kSteps; ++it) {
-    const bool in_tile = ROWS % kRowStep == 0 || r + it * kRowStep < ROWS;
-    x[it] = (j + it * kRowStep < rows.count && dim_ok && in_tile) ? load_input(src) : 0.f;
-    src += step;
-  }
-#pragma unroll
-  for (int it = 0; it < kSteps; ++it)
-    if (ROWS % kRowStep == 0 || r + it * kRowStep < ROWS) dst[d * LD + r + it * kRowStep] = x[it];
-}
+// The gathers below are split in two: load() issues one tile's global loads into kRegs registers a thread (values of
+// the input dtype T), store() converts them to fp32 and writes them to shared memory. A kernel issues the next
+// tile's loads right after the barrier that publishes the current tile and stores them after computing on it, so
+// the loads are in flight during the computation (double buffering through registers: one shared tile, kRegs
+// registers). The gather_* functions load and store at once.
 
-// Row-major gather: dst[i * DIMS + d] = rows.row(start + i)[d0 + d] for i < ROWS, d < DIMS; zero for members past
-// the end and dims past `dim`, by all THREADS threads of the block.
-template <typename T, int ROWS, int DIMS, int THREADS = kThreads>
-__device__ __forceinline__ void gather_rows(float* dst, SharedRows<T> shared_rows, int start, int d0, int dim) {
-  const DilatedRows<T> rows = read_rows(shared_rows);
-  if constexpr ((THREADS % DIMS != 0 && DIMS % THREADS != 0) || ROWS * DIMS % THREADS != 0) {  // e.g. 96
-#pragma unroll 2
-    for (int i = threadIdx.x; i < ROWS * DIMS; i += THREADS) {
-      const int r = i / DIMS, d = d0 + i % DIMS;
-      const int j = start + r;
-      dst[i] = (j < rows.count && d < dim) ? load_input(rows.row(j) + d) : 0.f;
-    }
-  } else {
-    // A block step covers THREADS / DIMS rows (or a row takes DIMS / THREADS steps). Loads are issued
-    // 8 at a time before their stores, so memory latency is paid ROWS * DIMS / (8 * THREADS) times.
-    constexpr int kStepRows = DIMS >= THREADS ? 1 : THREADS / DIMS;
-    constexpr int kRowSteps = DIMS >= THREADS ? DIMS / THREADS : 1;  // steps a row takes
-    constexpr int kSteps = ROWS * DIMS / THREADS, kBatch = kSteps < 8 ? kSteps : 8;
-    static_assert(kSteps % kBatch == 0, "batches");
-    const int c0 = DIMS >= THREADS ? threadIdx.x : threadIdx.x % DIMS;
-    const int r0 = DIMS >= THREADS ? 0 : threadIdx.x / DIMS;
-    // Step s reads row r0 + (s / kRowSteps) * kStepRows at column c0 + (s % kRowSteps) * THREADS.
-    const T* src = rows.row(start + r0) + d0 + c0;
-    const int64_t step = kStepRows * rows.step;
-#pragma unroll 1
-    for (int b = 0; b < kSteps; b += kBatch) {
-      float x[kBatch];
+// Transposed tile: dst[d * LD + i] = rows.row(start + i)[d0 + d] for i < ROWS, d < DC; zero for members past the
+// end and dims past `dim`, by all THREADS threads of the block. A warp covers 4 rows x 8 dims per step: short
+// coalesced runs in global memory, and 32 distinct banks in shared memory with transposed_ld. Each thread keeps one
+// dim and steps one row pointer; a tile of fewer rows than the block covers in one step leaves the other warps
+// idle.
+template <typename T, int ROWS, int DC, int LD, int THREADS>
+struct TransposedTile {
+  static constexpr int kWarps = THREADS / 32, kDimGroups = DC / 8, kRowStep = 4 * kWarps / kDimGroups;
+  static constexpr int kRegs = (ROWS + kRowStep - 1) / kRowStep;
+  static_assert(DC % 8 == 0 && kWarps % kDimGroups == 0 && ROWS % 4 == 0, "tile shape");
+
+  __device__ static int dim_of_thread() { return (threadIdx.x / 32 % kDimGroups) * 8 + threadIdx.x % 8; }
+  __device__ static int row_of_thread() { return (threadIdx.x / 32 / kDimGroups) * 4 + threadIdx.x % 32 / 8; }
+  __device__ static bool in_tile(int r, int it) { return ROWS % kRowStep == 0 || r + it * kRowStep < ROWS; }
+
+  __device__ __forceinline__ static void load(T* x, SharedRows<T> shared_rows, int start, int d0, int dim) {
+    const DilatedRows<T> rows = read_rows(shared_rows);
+    const int d = dim_of_thread(), r = row_of_thread(), j = start + r;
+    const T* src = rows.row(j) + d0 + d;
+    const int64_t step = kRowStep * rows.step;
+    const bool dim_ok = d0 + d < dim;
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int s = b + i, r = r0 + (s / kRowSteps) * kStepRows, c = c0 + (s % kRowSteps) * THREADS;
-        x[i] = (start + r < rows.count && d0 + c < dim) ? load_input(src + (s % kRowSteps) * THREADS) : 0.f;
-        if (s % kRowSteps == kRowSteps - 1) src += step;
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int s = b + i, r = r0 + (s / kRowSteps) * kStepRows, c = c0 + (s % kRowSteps) * THREADS;
-        dst[r * DIMS + c] = x[i];
-      }
+    for (int it = 0; it < kRegs; ++it) {
+      x[it] = (j + it * kRowStep < rows.count && dim_ok && in_tile(r, it)) ? load_input(src) : zero_of<T>();
+      src += step;
     }
   }
+
+  __device__ __forceinline__ static void store(float* dst, const T* x) {
+    const int d = dim_of_thread(), r = row_of_thread();
+#pragma unroll
+    for (int it = 0; it < kRegs; ++it)
+      if (in_tile(r, it)) dst[d * LD + r + it * kRowStep] = to_float(x[it]);
+  }
+};
+
+// Row-major tile: dst[i * DIMS + d] = rows.row(start + i)[d0 + d] for i < ROWS, d < DIMS; zero for members past the
+// end and dims past `dim`, by all THREADS threads of the block. Groups of G threads (G = the largest power of two
+// dividing DIMS, at most THREADS) read G contiguous elements of one row; a thread takes the columns c + G * k of
+// its row and steps one row pointer THREADS / G rows at a time. Every load instruction of a warp reads runs of
+// contiguous elements, every store writes one contiguous span (no bank conflicts), and DIMS need not be a power of
+// two (96, 48).
+// A tile of fewer rows than the block covers in one step leaves the other threads idle.
+template <typename T, int ROWS, int DIMS, int THREADS>
+struct RowTile {
+  static constexpr int kGroup = (DIMS & -DIMS) < THREADS ? (DIMS & -DIMS) : THREADS;
+  static constexpr int kRowStep = THREADS / kGroup, kCols = DIMS / kGroup;
+  static constexpr int kSteps = (ROWS + kRowStep - 1) / kRowStep;
+  static constexpr int kRegs = kSteps * kCols;
+
+  __device__ static int row_of_thread() { return threadIdx.x / kGroup; }
+  __device__ static int col_of_thread() { return threadIdx.x % kGroup; }
+  __device__ static bool in_tile(int r, int it) { return ROWS % kRowStep == 0 || r + it * kRowStep < ROWS; }
+
+  __device__ __forceinline__ static void load(T* x, SharedRows<T> shared_rows, int start, int d0, int dim) {
+    const DilatedRows<T> rows = read_rows(shared_rows);
+    const int r = row_of_thread(), c = col_of_thread(), j = start + r;
+    const T* src = rows.row(j) + d0 + c;
+    const int64_t step = kRowStep * rows.step;
+#pragma unroll
+    for (int it = 0; it < kSteps; ++it) {
+      const bool row_ok = j + it * kRowStep < rows.count && in_tile(r, it);
+#pragma unroll
+      for (int k = 0; k < kCols; ++k)
+        x[it * kCols + k] = (row_ok && d0 + c + k * kGroup < dim) ? load_input(src + k * kGroup) : zero_of<T>();
+      src += step;
+    }
+  }
+
+  __device__ __forceinline__ static void store(float* dst, const T* x) {
+    const int r = row_of_thread(), c = col_of_thread();
+#pragma unroll
+    for (int it = 0; it < kSteps; ++it)
+      if (in_tile(r, it)) {
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) dst[(r + it * kRowStep) * DIMS + c + k * kGroup] = to_float(x[it * kCols + k]);
+      }
+  }
+};
+
+template <typename T, int ROWS, int DC, int LD, int THREADS = kThreads>
+__device__ __forceinline__ void gather_transposed(float* dst, SharedRows<T> rows, int start, int d0, int dim) {
+  using Tile = TransposedTile<T, ROWS, DC, LD, THREADS>;
+  T x[Tile::kRegs];
+  Tile::load(x, rows, start, d0, dim);
+  Tile::store(dst, x);
 }
 
 // The N columns a thread (column index tx of kColsX) owns of a row of kColsX * N: groups of V floats (the widest

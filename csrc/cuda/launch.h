@@ -17,7 +17,8 @@ enum class ScalarKind { kHalf, kBFloat16, kFloat };
 // sizes:
 // - kPascalTiles, below sm_70 (Pascal: 64K registers, 96 KiB of shared memory an SM, no tensor cores): small tiles,
 //   at most 64 registers a thread and 12 KiB (forward, 128 threads) or 24 KiB (backward, 256 threads) of shared
-//   memory a block, so that 32 warps (50% occupancy) are resident and hide latency. tools/check_cuda_kernels.sh fails when a Pascal variant spills or needs more.
+//   memory a block, so that 32 warps (50% occupancy) are resident and hide latency. tools/check_cuda_kernels.sh
+//   fails when a Pascal variant spills or needs more.
 // - kVoltaTiles, sm_70 and newer (up to 255 registers and 227 KiB of shared memory a block): larger tiles, more
 //   products per load, 2-3 blocks an SM.
 constexpr int kPascalTiles = 61;
