@@ -31,8 +31,9 @@ struct ForwardTiles {
   static constexpr int kLdN = transposed_ld(kBlockN);  // K^T (indexed by key)
   static constexpr int kScoreTiles = kChunkD * (kLdM + kLdN);  // Q and K chunks (floats)
   // Blocks per SM the register budget is sized for (__launch_bounds__). Pascal: 8 (64 registers a thread).
-  // Volta and newer: 4 (128 registers) up to head dim 64, 3 (168) up to 128, 2 (255) for 256. At 64 and 128 a few
-  // registers spill on sm_90, and the kernel still runs faster than with fewer warps or 16-dim chunks.
+  // Volta and newer: 4 (128 registers) up to head dim 64, 3 (168) up to 128, 2 (255) for 256. At 64 and 128 some
+  // registers spill on sm_90 (up to 148 bytes a thread), and the kernel still runs faster than with fewer warps or
+  // 16-dim chunks.
   static constexpr int kMinBlocks = kPascal ? 8 : (DMAX > 128 ? 2 : (DMAX <= 64 ? 4 : 3));
 
   // The block's gathers: K^T chunks, then V row chunks of kValueRows keys, each no more elements than a K^T chunk
