@@ -108,6 +108,10 @@ struct DqTiles {
   static constexpr int kKeyChunk = row_chunk<kBlockN, DMAX>(Scores<float>::kRegs * kBackwardThreads);
   template <typename T>
   using KeyRows = RowTile<T, kKeyChunk, DMAX, kBackwardThreads>;
+  template <typename T>
+  static constexpr int stage_regs() {
+    return Scores<T>::kRegs > KeyRows<T>::kRegs ? Scores<T>::kRegs : KeyRows<T>::kRegs;
+  }
   // Blocks of 256 threads per SM for __launch_bounds__: Pascal 4 (64 registers a thread), else 2 (128).
   static constexpr int kMinBlocks = kPascal ? 4 : 2;
 };
@@ -234,7 +238,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   // each one's loads are issued into `stage` right after the barrier that publishes the one before.
   using Scores = typename Tiles::template Scores<T>;
   using KeyRows = typename Tiles::template KeyRows<T>;
-  T stage[Scores::kRegs > KeyRows::kRegs ? Scores::kRegs : KeyRows::kRegs];
+  T stage[Tiles::template stage_regs<T>()];
   if constexpr (Tiles::kPrefetch) {
     __syncthreads();  // block_rows written
     Scores::load(stage, block_rows, start_m, 0, 0, dim);

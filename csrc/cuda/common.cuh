@@ -179,7 +179,7 @@ __host__ __device__ constexpr int transposed_ld(int rows) { return rows + 4; }
 // the input dtype T), store() converts them to fp32 and writes them to shared memory. A kernel issues the next
 // tile's loads right after the barrier that publishes the current tile and stores them after computing on it, so
 // the loads are in flight during the computation (double buffering through registers: one shared tile, kRegs
-// registers). The gather_* functions load and store at once.
+// registers). gather_transposed loads and stores at once.
 
 // Transposed tile: dst[d * LD + i] = rows.row(start + i)[d0 + d] for i < ROWS, d < DC; zero for members past the
 // end and dims past `dim`, by all THREADS threads of the block. A warp covers 4 rows x 8 dims per step: short
@@ -222,8 +222,7 @@ struct TransposedTile {
 // dividing DIMS, at most THREADS) read G contiguous elements of one row; a thread takes the columns c + G * k of
 // its row and steps one row pointer THREADS / G rows at a time. Every load instruction of a warp reads runs of
 // contiguous elements, every store writes one contiguous span (no bank conflicts), and DIMS need not be a power of
-// two (96, 48).
-// A tile of fewer rows than the block covers in one step leaves the other threads idle.
+// two (96, 48). A tile of fewer rows than the block covers in one step leaves the other threads idle.
 template <typename T, int ROWS, int DIMS, int THREADS>
 struct RowTile {
   static constexpr int kGroup = (DIMS & -DIMS) < THREADS ? (DIMS & -DIMS) : THREADS;
