@@ -110,4 +110,3 @@ def test_tile_table_override_is_checked(monkeypatch):
     monkeypatch.setenv("DILATED_ATTN_CUDA_TILES", "75")
     with pytest.raises(ValueError, match="DILATED_ATTN_CUDA_TILES must be 61"):
         dilated_attn.dilated_attention(q, q, q, [8], [1], backend="cuda")
-

@@ -20,7 +20,7 @@ enum class ScalarKind { kHalf, kBFloat16, kFloat };
 //   memory a block, so that 32 warps (50% occupancy) are resident and hide latency. tools/check_cuda_kernels.sh
 //   fails when a Pascal variant spills or needs more.
 // - kVoltaTiles, sm_70 and newer (up to 255 registers and 227 KiB of shared memory a block): larger tiles, more
-//   products per load, 2-3 blocks an SM.
+//   products per load, 2-4 blocks an SM.
 constexpr int kPascalTiles = 61;
 constexpr int kVoltaTiles = 70;
 
