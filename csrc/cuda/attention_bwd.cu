@@ -19,7 +19,11 @@
 // dQ's dims. A thread so holds one score tile and one accumulator tile, half the registers of holding both, and
 // an SM runs twice the warps to hide the gathers' memory latency.
 // From Volta on, each gather's global loads are issued into registers before the computation on the previous
-// gather's tile and stored after it (common.cuh: split gathers); Pascal's 64 registers a thread leave no room for that.
+// gather's tile and stored after it (common.cuh: split gathers), each product step's shared operands are loaded a
+// step ahead (accumulate_products), and, up to head dim 128 where two blocks an SM fit, the block's own pair stays
+// resident in shared memory for all its steps (dQ: Q^T and dO^T; dK/dV: K^T and V^T of the current head), so that the
+// steps gather only the other pair. Pascal's 64 registers a thread leave no room for the first two, nor its shared
+// memory for the third.
 // The tile structs hold the sizes per tile table (launch.h): Volta and newer, within 128 registers a thread (two
 // blocks an SM), 64 x 64 for dq (32 queries at head dim 256) and 64 keys x 32 queries for dK/dV; Pascal, within 64
 // (four blocks), 16 x 32 (8 queries at head dim 256) and 8 x 16. dK/dV's output dims split over blocks at head dim
@@ -46,40 +50,65 @@ __device__ __forceinline__ Role backward_role() {
   return Role{static_cast<int>(threadIdx.x / kThreads), t / kColsX, t % kColsX};
 }
 
-// The four head-dim chunks (d0 .. d0 + kChunkD) of the two score products, Q^T and dO^T (BM rows, LDM) and K^T and
-// V^T (BN rows, LDN), as one split gather (common.cuh) of kRegs registers a thread.
-template <typename T, int BM, int LDM, int BN, int LDN>
+// The head-dim chunks (d0 .. d0 + kChunkD) of the two score products that a step gathers, Q^T and dO^T (BM rows, LDM;
+// with QUERIES) and K^T and V^T (BN rows, LDN; with KEYS), as one split gather (common.cuh) of kRegs registers a
+// thread. A kernel whose block keeps one pair resident in shared memory for all its steps streams only the other.
+template <typename T, int BM, int LDM, int BN, int LDN, bool QUERIES = true, bool KEYS = true>
 struct ScoreChunks {
   using QueryTile = TransposedTile<T, BM, kChunkD, LDM, kBackwardThreads>;
   using KeyTile = TransposedTile<T, BN, kChunkD, LDN, kBackwardThreads>;
-  static constexpr int kRegs = 2 * QueryTile::kRegs + 2 * KeyTile::kRegs;
+  static constexpr int kQueryRegs = QUERIES ? 2 * QueryTile::kRegs : 0;
+  static constexpr int kRegs = kQueryRegs + (KEYS ? 2 * KeyTile::kRegs : 0);
 
   // rows: q, dO, k, v (set_block_rows)
   __device__ __forceinline__ static void load(T* x, const volatile DilatedRows<T> (&rows)[4], int start_m,
                                               int start_n, int d0, int dim) {
-    QueryTile::load(x, rows[0], start_m, d0, dim);
-    QueryTile::load(x + QueryTile::kRegs, rows[1], start_m, d0, dim);
-    KeyTile::load(x + 2 * QueryTile::kRegs, rows[2], start_n, d0, dim);
-    KeyTile::load(x + 2 * QueryTile::kRegs + KeyTile::kRegs, rows[3], start_n, d0, dim);
+    if constexpr (QUERIES) {
+      QueryTile::load(x, rows[0], start_m, d0, dim);
+      QueryTile::load(x + QueryTile::kRegs, rows[1], start_m, d0, dim);
+    }
+    if constexpr (KEYS) {
+      KeyTile::load(x + kQueryRegs, rows[2], start_n, d0, dim);
+      KeyTile::load(x + kQueryRegs + KeyTile::kRegs, rows[3], start_n, d0, dim);
+    }
   }
 
   // Loads and stores one tile at a time (one tile's registers): without prefetching.
   __device__ __forceinline__ static void gather(float* q_t, float* do_t, float* k_t, float* v_t,
                                                 const volatile DilatedRows<T> (&rows)[4], int start_m, int start_n,
                                                 int d0, int dim) {
-    gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(q_t, rows[0], start_m, d0, dim);
-    gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(do_t, rows[1], start_m, d0, dim);
-    gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(k_t, rows[2], start_n, d0, dim);
-    gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(v_t, rows[3], start_n, d0, dim);
+    if constexpr (QUERIES) {
+      gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(q_t, rows[0], start_m, d0, dim);
+      gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(do_t, rows[1], start_m, d0, dim);
+    }
+    if constexpr (KEYS) {
+      gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(k_t, rows[2], start_n, d0, dim);
+      gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(v_t, rows[3], start_n, d0, dim);
+    }
   }
 
   __device__ __forceinline__ static void store(float* q_t, float* do_t, float* k_t, float* v_t, const T* x) {
-    QueryTile::store(q_t, x);
-    QueryTile::store(do_t, x + QueryTile::kRegs);
-    KeyTile::store(k_t, x + 2 * QueryTile::kRegs);
-    KeyTile::store(v_t, x + 2 * QueryTile::kRegs + KeyTile::kRegs);
+    if constexpr (QUERIES) {
+      QueryTile::store(q_t, x);
+      QueryTile::store(do_t, x + QueryTile::kRegs);
+    }
+    if constexpr (KEYS) {
+      KeyTile::store(k_t, x + kQueryRegs);
+      KeyTile::store(v_t, x + kQueryRegs + KeyTile::kRegs);
+    }
   }
 };
+
+// Every head-dim chunk of two transposed tiles of ROWS rows (LD), rows[i] and rows[i + 1] from member `start`, into
+// [DMAX][LD] each at dst and dst + DMAX * LD: a block's resident pair, gathered once per head.
+template <typename T, int ROWS, int LD, int DMAX>
+__device__ __forceinline__ void gather_resident_pair(float* dst, SharedRows<T> first, SharedRows<T> second,
+                                                     int start, int dim) {
+  for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
+    gather_transposed<T, ROWS, kChunkD, LD, kBackwardThreads>(dst + d0 * LD, first, start, d0, dim);
+    gather_transposed<T, ROWS, kChunkD, LD, kBackwardThreads>(dst + (DMAX + d0) * LD, second, start, d0, dim);
+  }
+}
 
 // Rows of a [rows][DMAX] tile, at most ROWS_MAX (halving), that fit `floats`.
 template <int ROWS_MAX, int DMAX>
@@ -91,7 +120,8 @@ __host__ __device__ constexpr int row_chunk(int floats) {
 
 // dq_kernel's tiles per tile table (launch.h) and head dim: kBlockM queries per block against kBlockN keys per
 // step. Q^T and dO^T (kLdM), K^T and V^T (kLdN) chunks, then K row chunks, share kTileFloats; P^T, then dS^T in
-// place, is [key][query].
+// place, is [key][query]. All in dynamic shared memory (smem_floats), after Q^T and dO^T whole where they are
+// resident.
 template <int TILES, int DMAX>
 struct DqTiles {
   static constexpr bool kPascal = TILES == kPascalTiles;
@@ -101,24 +131,36 @@ struct DqTiles {
   static constexpr int kBlockN = kPascal ? 32 : 64;
   static constexpr int kLdM = transposed_ld(kBlockM), kLdN = transposed_ld(kBlockN);
   static constexpr int kTileFloats = 2 * kChunkD * (kLdM + kLdN);
+  // From Volta on: split gathers (common.cuh) and the products' operands loaded a step ahead (accumulate_products);
+  // Pascal's 64 registers a thread have room for neither.
   static constexpr bool kPrefetch = !kPascal;
-  template <typename T>
-  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN>;
-  // K rows per chunk of dQ += dS K: no more registers a thread than the score chunks, so one stage holds either
+  // RESIDENT: the block's Q^T and dO^T, whole, stay in shared memory for all its key steps, which then gather only
+  // K^T and V^T: half the gathers. Volta's tiles up to head dim 128, where two blocks an SM still fit
+  // (launch_backward; an H100 yes, a V100 or a T4 no).
+  static constexpr bool kMayReside = !kPascal && DMAX <= 128;
+  template <typename T, bool RESIDENT = false>
+  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, !RESIDENT, true>;
+  // K rows per chunk of dQ += dS K: no more registers a thread than the score chunks of both pairs
   static constexpr int kKeyChunk = row_chunk<kBlockN, DMAX>(Scores<float>::kRegs * kBackwardThreads);
   template <typename T>
   using KeyRows = RowTile<T, kKeyChunk, DMAX, kBackwardThreads>;
-  template <typename T>
+  // One stage holds either gather.
+  template <typename T, bool RESIDENT>
   static constexpr int stage_regs() {
-    return Scores<T>::kRegs > KeyRows<T>::kRegs ? Scores<T>::kRegs : KeyRows<T>::kRegs;
+    constexpr int scores = Scores<T, RESIDENT>::kRegs;
+    return scores > KeyRows<T>::kRegs ? scores : KeyRows<T>::kRegs;
   }
   // Blocks of 256 threads per SM for __launch_bounds__: Pascal 4 (64 registers a thread), else 2 (128).
   static constexpr int kMinBlocks = kPascal ? 4 : 2;
+  template <bool RESIDENT>
+  static constexpr int smem_floats() {
+    return (RESIDENT ? 2 * DMAX * kLdM : 0) + kTileFloats + kBlockN * kLdM;
+  }
 };
 
 // dkdv_kernel's tiles: kBlockN keys per block against kBlockM queries per step. K^T, V^T (kLdN), Q^T and dO^T
 // (kLdM) chunks, then Q and dO row chunks, share kTileFloats; P and dS are [query][key]. All in dynamic shared
-// memory (smem_floats).
+// memory (smem_floats), after K^T and V^T whole where they are resident.
 template <int TILES, int DMAX>
 struct DkdvTiles {
   static constexpr bool kPascal = TILES == kPascalTiles;
@@ -136,22 +178,33 @@ struct DkdvTiles {
   static constexpr int kScoreFloats = 2 * kChunkD * (kLdN + kLdM);
   static constexpr int kRowFloats = 2 * (kPascal ? kBlockM : 16) * kOutDims;
   static constexpr int kTileFloats = kScoreFloats > kRowFloats ? kScoreFloats : kRowFloats;
+  // From Volta on: split gathers (common.cuh) and the products' operands loaded a step ahead (accumulate_products);
+  // Pascal's 64 registers a thread have room for neither.
   static constexpr bool kPrefetch = !kPascal;
-  template <typename T>
-  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN>;
-  // Q and dO rows side by side, in the tiles' space and in no more registers a thread than the score chunks (so one
-  // stage holds either; Pascal's dK/dV at head dim 128 spill otherwise)
+  // RESIDENT: the block's K^T and V^T, whole, stay in shared memory for all the query steps of a head, which then
+  // gather only Q^T and dO^T chunks. Volta's tiles up to head dim 128 (one dim part), where two blocks an SM still
+  // fit (launch_backward).
+  static constexpr bool kMayReside = !kPascal && DMAX <= 128;
+  static_assert(!kMayReside || kDimParts == 1, "resident K^T and V^T hold every dim");
+  template <typename T, bool RESIDENT = false>
+  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, true, !RESIDENT>;
+  // Q and dO rows side by side, in the tiles' space and in no more registers a thread than the score chunks of both
+  // pairs (so one stage holds either; Pascal's dK/dV at head dim 128 spill otherwise)
   static constexpr int kRowBudget = Scores<float>::kRegs * kBackwardThreads;
   static constexpr int kQueryChunk =
       row_chunk<kBlockM, kOutDims>(kRowBudget < kTileFloats ? kRowBudget : kTileFloats) / 2;
   template <typename T>
   using QueryRows = RowTile<T, kQueryChunk, kOutDims, kBackwardThreads>;  // of Q, and of dO
-  template <typename T>
+  template <typename T, bool RESIDENT>
   static constexpr int stage_regs() {
-    return Scores<T>::kRegs > 2 * QueryRows<T>::kRegs ? Scores<T>::kRegs : 2 * QueryRows<T>::kRegs;
+    constexpr int scores = Scores<T, RESIDENT>::kRegs;
+    return scores > 2 * QueryRows<T>::kRegs ? scores : 2 * QueryRows<T>::kRegs;
   }
   static constexpr int kMinBlocks = kPascal ? 4 : 2;
-  static constexpr int smem_floats() { return kTileFloats + 2 * kBlockM * kLdN; }
+  template <bool RESIDENT>
+  static constexpr int smem_floats() {
+    return (RESIDENT ? 2 * DMAX * kLdN : 0) + kTileFloats + 2 * kBlockM * kLdN;
+  }
 };
 
 template <typename T>
@@ -182,7 +235,7 @@ __device__ __forceinline__ void set_block_rows(DilatedRows<T> (&rows)[4], const 
   rows[3] = rows_of<T>(p.v, p.sv, b, kvh, mem, dilation);
 }
 
-template <typename T, int DMAX, int TILES>
+template <typename T, int DMAX, int TILES, bool RESIDENT>
 __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBlocks)
     dq_kernel(const BackwardParams p) {
   using Tiles = DqTiles<TILES, DMAX>;
@@ -190,15 +243,17 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   // query rows, key columns and dims of the role's half of dQ per thread
   constexpr int R = BM / kRowsY, C = BN / kColsX, J = DMAX / 2 / kColsX;
   constexpr int KC = Tiles::kKeyChunk;
-  __shared__ __align__(16) float tiles[Tiles::kTileFloats];  // Q^T, dO^T, K^T, V^T chunks; then K row chunks
-  __shared__ __align__(16) float ps_t[BN * LDM];              // P^T, then dS^T: [key][query]
+  extern __shared__ __align__(16) float smem[];
+  float* resident = smem;  // RESIDENT: Q^T and dO^T, [DMAX][LDM] each
+  float* tiles = smem + (RESIDENT ? 2 * DMAX * LDM : 0);  // Q^T, dO^T (unless resident), K^T, V^T chunks; K rows
+  float* ps_t = tiles + Tiles::kTileFloats;                 // P^T, then dS^T: [key][query]
   // lse * log2(e) and delta of the block's queries: in shared memory rather than registers, which the score loop
   // needs
   __shared__ __align__(16) float row_stats[2 * BM];
   float* q_t = tiles;
   float* do_t = tiles + kChunkD * LDM;
-  float* k_t = tiles + 2 * kChunkD * LDM;
-  float* v_t = tiles + 2 * kChunkD * LDM + kChunkD * LDN;
+  float* k_t = tiles + (RESIDENT ? 0 : 2 * kChunkD * LDM);
+  float* v_t = k_t + kChunkD * LDN;
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
@@ -213,7 +268,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   SharedRows<T> k_rows = block_rows[2];
   const auto [role, ty, tx] = backward_role();
   // Role 0 reduces S = Q K^T, role 1 dP = dO V^T; each then accumulates its half of dQ's dims.
-  const float* rows_t = role == 0 ? q_t : do_t;
+  const float* rows_t = RESIDENT ? resident + role * (DMAX * LDM) : (role == 0 ? q_t : do_t);  // chunk d0: + d0 * LDM
   const float* cols_t = role == 0 ? k_t : v_t;
   const int d_half = role * (DMAX / 2);
   const int dim = static_cast<int>(sh.head_dim);
@@ -236,13 +291,13 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   const int key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
   // A key step gathers the score chunks d0 = 0, kChunkD, ..., then K's row chunks k0 = 0, KC, ...; with kPrefetch
   // each one's loads are issued into `stage` right after the barrier that publishes the one before.
-  using Scores = typename Tiles::template Scores<T>;
+  using Scores = typename Tiles::template Scores<T, RESIDENT>;
   using KeyRows = typename Tiles::template KeyRows<T>;
-  T stage[Tiles::template stage_regs<T>()];
-  if constexpr (Tiles::kPrefetch) {
-    __syncthreads();  // block_rows written
-    Scores::load(stage, block_rows, start_m, 0, 0, dim);
-  }
+  T stage[Tiles::template stage_regs<T, RESIDENT>()];
+  if constexpr (Tiles::kPrefetch || RESIDENT) __syncthreads();  // block_rows written
+  if constexpr (Tiles::kPrefetch) Scores::load(stage, block_rows, start_m, 0, 0, dim);
+  if constexpr (RESIDENT)  // published by the first chunk's barrier
+    gather_resident_pair<T, BM, LDM, DMAX>(resident, block_rows[0], block_rows[1], start_m, dim);
   for (int start_n = 0; start_n < key_end; start_n += BN) {
     float acc[R][C];  // role 0: S, role 1: dP
 #pragma unroll
@@ -263,16 +318,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
           KeyRows::load(stage, k_rows, start_n, 0, dim);
         }
       }
-#pragma unroll 4
-      for (int d = 0; d < kChunkD; ++d) {
-        float a[R], x[C];
-        load_row_values(a, rows_t + d * LDM + ty * R);
-        load_thread_cols(x, cols_t + d * LDN, tx);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int c = 0; c < C; ++c) acc[r][c] = fmaf(a[r], x[c], acc[r][c]);
-      }
+      accumulate_products<kChunkD, LDM, LDN, 4, Tiles::kPrefetch>(
+          acc, rows_t + (RESIDENT ? d0 * LDM : 0) + ty * R, cols_t, tx);
     }
     if (role == 0) {  // P^T
       float lse2[R];
@@ -316,16 +363,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
           Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
         }
       }
-#pragma unroll 4
-      for (int kk = 0; kk < KC; ++kk) {
-        float dsr[R], kv[J];
-        load_row_values(dsr, ps_t + (k0 + kk) * LDM + ty * R);
-        load_thread_cols(kv, tiles + kk * DMAX + d_half, tx);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int j = 0; j < J; ++j) dq[r][j] = fmaf(dsr[r], kv[j], dq[r][j]);
-      }
+      accumulate_products<KC, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + k0 * LDM + ty * R, tiles + d_half, tx);
     }
   }
 
@@ -344,7 +382,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   }
 }
 
-template <typename T, int DMAX, int TILES>
+template <typename T, int DMAX, int TILES, bool RESIDENT>
 __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMinBlocks)
     dkdv_kernel(const BackwardParams p) {
   using Tiles = DkdvTiles<TILES, DMAX>;
@@ -353,13 +391,14 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
   constexpr int R = BN / kRowsY, C = BM / kColsX, J = OUT_DIMS / kColsX;  // key rows, query columns, dims a thread
   constexpr int QC = Tiles::kQueryChunk;
   extern __shared__ __align__(16) float smem[];
-  float* tiles = smem;                      // K^T, V^T, Q^T, dO^T chunks; then Q, dO row chunks
-  float* p_s = smem + Tiles::kTileFloats;  // P: [query][key]
-  float* ds_s = p_s + BM * LDN;             // dS: [query][key]
+  float* resident = smem;  // RESIDENT: K^T and V^T, [DMAX][LDN] each
+  float* tiles = smem + (RESIDENT ? 2 * DMAX * LDN : 0);  // K^T, V^T (unless resident), Q^T, dO^T chunks; Q, dO rows
+  float* p_s = tiles + Tiles::kTileFloats;                  // P: [query][key]
+  float* ds_s = p_s + BM * LDN;                             // dS: [query][key]
   float* k_t = tiles;
   float* v_t = tiles + kChunkD * LDN;
-  float* q_t = tiles + 2 * kChunkD * LDN;
-  float* do_t = tiles + 2 * kChunkD * LDN + kChunkD * LDM;
+  float* q_t = tiles + (RESIDENT ? 0 : 2 * kChunkD * LDN);
+  float* do_t = q_t + kChunkD * LDM;
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
@@ -371,13 +410,13 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
   const int d_out = Tiles::kDimParts > 1 ? blockIdx.y * OUT_DIMS : 0;  // the block's dims of dK and dV
   const auto [role, ty, tx] = backward_role();
   // Role 0: S^T = K Q^T, P, dV += P^T dO. Role 1: dP^T = V dO^T, dS, dK += dS^T Q.
-  const float* rows_t = role == 0 ? k_t : v_t;
+  const float* rows_t = RESIDENT ? resident + role * (DMAX * LDN) : (role == 0 ? k_t : v_t);  // chunk d0: + d0 * LDN
   const float* cols_t = role == 0 ? q_t : do_t;
   const float* weights = p_s + role * (BM * LDN);                 // P or dS
   const float* values = tiles + (1 - role) * (QC * OUT_DIMS);     // the dO or Q row chunk
-  using Scores = typename Tiles::template Scores<T>;
+  using Scores = typename Tiles::template Scores<T, RESIDENT>;
   using QueryRows = typename Tiles::template QueryRows<T>;
-  T stage[Tiles::template stage_regs<T>()];
+  T stage[Tiles::template stage_regs<T, RESIDENT>()];
   const int dim = static_cast<int>(sh.head_dim);
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
   __shared__ DilatedRows<T> block_rows[4];  // q, dO, k, v of the current head (common.cuh: why in shared memory)
@@ -410,6 +449,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
     // Causal: queries before the block's first key never see it.
     const int first_m = sh.causal ? start_n / BM * BM : 0;
     if constexpr (Tiles::kPrefetch) Scores::load(stage, block_rows, first_m, start_n, 0, dim);
+    if constexpr (RESIDENT)  // published by the first chunk's barrier
+      gather_resident_pair<T, BN, LDN, DMAX>(resident, block_rows[2], block_rows[3], start_n, dim);
     for (int start_m = first_m; start_m < mem.count; start_m += BM) {
       float acc[R][C];  // role 0: S^T, role 1: dP^T
 #pragma unroll
@@ -431,16 +472,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
             QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m, d_out, dim);
           }
         }
-#pragma unroll (Tiles::kPascal ? 1 : 4)
-        for (int d = 0; d < kChunkD; ++d) {
-          float a[R], x[C];
-          load_row_values(a, rows_t + d * LDN + ty * R);
-          load_thread_cols(x, cols_t + d * LDM, tx);
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int c = 0; c < C; ++c) acc[r][c] = fmaf(a[r], x[c], acc[r][c]);
-        }
+        accumulate_products<kChunkD, LDN, LDM, Tiles::kPascal ? 1 : 4, Tiles::kPrefetch>(
+            acc, rows_t + (RESIDENT ? d0 * LDN : 0) + ty * R, cols_t, tx);
       }
       if (role == 0) {  // P
 #pragma unroll
@@ -492,16 +525,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
             Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
           }
         }
-#pragma unroll (Tiles::kPascal ? 1 : 2)
-        for (int qq = 0; qq < QC; ++qq) {
-          float w[R], x[J];
-          load_row_values(w, weights + (q0 + qq) * LDN + ty * R);
-          load_thread_cols(x, values + qq * OUT_DIMS, tx);
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int j = 0; j < J; ++j) grad[r][j] = fmaf(w[r], x[j], grad[r][j]);
-        }
+        accumulate_products<QC, LDN, OUT_DIMS, Tiles::kPascal ? 1 : 2, Tiles::kPrefetch>(
+            grad, weights + q0 * LDN + ty * R, values, tx);
       }
     }
 
@@ -535,6 +560,18 @@ cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t str
   });
 }
 
+// Calls launch(std::true_type, bytes) (the kernel with resident tiles and its shared memory) where the tiles allow
+// residency and Tiles::kMinBlocks blocks an SM still fit it (with fewer blocks an SM the gathers' latency would cost
+// more than residency saves), else launch(std::false_type, bytes).
+template <typename Tiles, typename Launch>
+cudaError_t launch_maybe_resident(Launch&& launch) {
+  if constexpr (Tiles::kMayReside) {
+    constexpr size_t kBytes = Tiles::template smem_floats<true>() * sizeof(float);
+    if (blocks_fit_shared_memory(kBytes, Tiles::kMinBlocks)) return launch(std::true_type{}, kBytes);
+  }
+  return launch(std::false_type{}, Tiles::template smem_floats<false>() * sizeof(float));
+}
+
 cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
@@ -543,18 +580,23 @@ cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles,
     return dispatch_head_dim(sh.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
       using KvTiles = DkdvTiles<TILES, DMAX>;
+      using QTiles = DqTiles<TILES, DMAX>;
       const int64_t kv_blocks = kv_grid(br, sh, KvTiles::kBlockN).blocks();
-      const int64_t q_blocks = query_grid(br, sh, DqTiles<TILES, DMAX>::kBlockM).blocks();
+      const int64_t q_blocks = query_grid(br, sh, QTiles::kBlockM).blocks();
       if (kv_blocks > kMaxGridBlocks || q_blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
       if (kv_blocks == 0 || q_blocks == 0) return cudaSuccess;
       return dispatch_scalar(kind, [&](auto tag) {
         using T = decltype(tag);
         const dim3 kv_grid_dims(static_cast<unsigned>(kv_blocks), KvTiles::kDimParts);
-        const cudaError_t err = launch_with_shared(dkdv_kernel<T, DMAX, TILES>, kv_grid_dims, kBackwardThreads,
-                                                   KvTiles::smem_floats() * sizeof(float), stream, p);
+        const cudaError_t err = launch_maybe_resident<KvTiles>([&](auto resident, size_t bytes) {
+          return launch_with_shared(dkdv_kernel<T, DMAX, TILES, decltype(resident)::value>, kv_grid_dims,
+                                    kBackwardThreads, bytes, stream, p);
+        });
         if (err != cudaSuccess) return err;
-        dq_kernel<T, DMAX, TILES><<<static_cast<unsigned>(q_blocks), kBackwardThreads, 0, stream>>>(p);
-        return cudaGetLastError();
+        return launch_maybe_resident<QTiles>([&](auto resident, size_t bytes) {
+          return launch_with_shared(dq_kernel<T, DMAX, TILES, decltype(resident)::value>,
+                                    dim3(static_cast<unsigned>(q_blocks)), kBackwardThreads, bytes, stream, p);
+        });
       });
     });
   });

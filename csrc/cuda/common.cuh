@@ -330,12 +330,58 @@ __device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]
   for (int i = 0; i < R; i += V) store_vector<V>(dst + i, x + i);
 }
 
+// The register-tiled products of every kernel: acc[r][c] += a[d * LDA + r] * b[d * LDB + thread_col<C>(tx, c)] for
+// d < STEPS, a thread's R rows read as vectors and its C columns of a row shared by kColsX threads. With PIPELINE
+// the operands of step d + 1 are loaded before the FMAs of step d (two register sets), so that the shared loads'
+// latency hides behind R x C FMAs instead of stalling the warp; without it, UNROLL steps are unrolled and the
+// compiler schedules them in the registers it has.
+template <int STEPS, int LDA, int LDB, int UNROLL, bool PIPELINE, int R, int C>
+__device__ __forceinline__ void accumulate_products(float (&acc)[R][C], const float* a, const float* b, int tx) {
+  if constexpr (PIPELINE) {
+    float a_reg[2][R], b_reg[2][C];
+    load_row_values(a_reg[0], a);
+    load_thread_cols(b_reg[0], b, tx);
+#pragma unroll
+    for (int d = 0; d < STEPS; ++d) {
+      if (d + 1 < STEPS) {
+        load_row_values(a_reg[(d + 1) % 2], a + (d + 1) * LDA);
+        load_thread_cols(b_reg[(d + 1) % 2], b + (d + 1) * LDB, tx);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = fmaf(a_reg[d % 2][r], b_reg[d % 2][c], acc[r][c]);
+    }
+  } else {
+#pragma unroll(UNROLL)
+    for (int d = 0; d < STEPS; ++d) {
+      float a_reg[R], b_reg[C];
+      load_row_values(a_reg, a + d * LDA);
+      load_thread_cols(b_reg, b + d * LDB, tx);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = fmaf(a_reg[r], b_reg[c], acc[r][c]);
+    }
+  }
+}
+
 // The current device's shared memory per block with opt-in (48 KiB without).
 inline size_t max_shared_memory_per_block() {
   int device = 0, bytes = 48 * 1024;
   if (cudaGetDevice(&device) == cudaSuccess)
     cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   return static_cast<size_t>(bytes);
+}
+
+// Whether `blocks` blocks of `bytes` dynamic shared memory each (plus 2 KiB for the static arrays and the
+// runtime's reserve) fit one SM of the current device, and one fits a block.
+inline bool blocks_fit_shared_memory(size_t bytes, int blocks) {
+  int device = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess)
+    return false;
+  return bytes <= max_shared_memory_per_block() && blocks * (bytes + 2048) <= static_cast<size_t>(per_sm);
 }
 
 // Launches kernel(p) with `bytes` of dynamic shared memory. Above 48 KiB a kernel must opt in, and several blocks of
