@@ -50,7 +50,10 @@ template <int D>
 void row() {
   std::printf("dynamic forward_kernel %d %zu\n", D,
               ForwardTiles<kPascalTiles, D>::template smem_floats<false>() * sizeof(float));
-  std::printf("dynamic dkdv_kernel %d %zu\n", D, DkdvTiles<kPascalTiles, D>::smem_floats() * sizeof(float));
+  std::printf("dynamic dq_kernel %d %zu\n", D,
+              DqTiles<kPascalTiles, D>::template smem_floats<false>() * sizeof(float));
+  std::printf("dynamic dkdv_kernel %d %zu\n", D,
+              DkdvTiles<kPascalTiles, D>::template smem_floats<false>() * sizeof(float));
 }
 int main() {
   std::printf("threads forward_kernel %d\nthreads delta_kernel %d\n", kThreads, kThreads);
@@ -97,8 +100,8 @@ for kernel, arch, regs, smem, spill in sorted(rows):
     if arch != "sm_61":
         continue
     regs, smem, spill = int(regs), int(smem), int(spill)
-    # Pascal runs the delta kernel and the variants of its own tile table (template argument 61), the forward
-    # with streamed Q
+    # Pascal runs the delta kernel and the variants of its own tile table (template argument 61), with streamed
+    # tiles (no resident Q, Q/dO or K/V)
     m = re.match(r"void \w+_kernel<[^,]+, (\d+), (\d+)(?:, (true|false))?>", kernel)
     if not kernel.startswith("void delta_kernel") and (not m or int(m.group(2)) != 61 or m.group(3) == "true"):
         continue
