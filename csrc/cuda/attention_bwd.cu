@@ -136,7 +136,7 @@ struct DqTiles {
   static constexpr bool kPrefetch = !kPascal;
   // RESIDENT: the block's Q^T and dO^T, whole, stay in shared memory for all its key steps, which then gather only
   // K^T and V^T: half the gathers. Volta's tiles up to head dim 128, where two blocks an SM still fit
-  // (launch_backward; an H100 yes, a V100 or a T4 no).
+  // (launch_backward: on an H100 up to head dim 128, an A100 up to 64, a V100 or an sm_8x GeForce never).
   static constexpr bool kMayReside = !kPascal && DMAX <= 128;
   template <typename T, bool RESIDENT = false>
   using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, !RESIDENT, true>;
@@ -561,8 +561,8 @@ cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t str
 }
 
 // Calls launch(std::true_type, bytes) (the kernel with resident tiles and its shared memory) where the tiles allow
-// residency and Tiles::kMinBlocks blocks an SM still fit it (with fewer blocks an SM the gathers' latency would cost
-// more than residency saves), else launch(std::false_type, bytes).
+// residency and Tiles::kMinBlocks blocks an SM still fit it (fewer blocks would leave fewer warps to hide the
+// gathers' latency than the tile tables are sized for), else launch(std::false_type, bytes).
 template <typename Tiles, typename Launch>
 cudaError_t launch_maybe_resident(Launch&& launch) {
   if constexpr (Tiles::kMayReside) {
