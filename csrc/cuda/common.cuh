@@ -181,6 +181,26 @@ __host__ __device__ constexpr int transposed_ld(int rows) { return rows + 4; }
 // the loads are in flight during the computation (double buffering through registers: one shared tile, kRegs
 // registers). gather_transposed loads and stores at once.
 
+// The loads of both split gathers below: x[it * COLS + k] = rows.row(start + r + it * ROW_STEP)[col + k * COL_STRIDE]
+// for it < STEPS, k < COLS, stepping one row pointer; zero for members past the end, columns past `dim` and rows past
+// the tile's ROWS.
+template <typename T, int ROWS, int STEPS, int ROW_STEP, int COLS, int COL_STRIDE>
+__device__ __forceinline__ void load_tile_elements(T* x, SharedRows<T> shared_rows, int start, int r, int col,
+                                                   int dim) {
+  const DilatedRows<T> rows = read_rows(shared_rows);
+  const int j = start + r;
+  const T* src = rows.row(j) + col;
+  const int64_t step = ROW_STEP * rows.step;
+#pragma unroll
+  for (int it = 0; it < STEPS; ++it) {
+    const bool row_ok = j + it * ROW_STEP < rows.count && (ROWS % ROW_STEP == 0 || r + it * ROW_STEP < ROWS);
+#pragma unroll
+    for (int k = 0; k < COLS; ++k)
+      x[it * COLS + k] = (row_ok && col + k * COL_STRIDE < dim) ? load_input(src + k * COL_STRIDE) : zero_of<T>();
+    src += step;
+  }
+}
+
 // Transposed tile: dst[d * LD + i] = rows.row(start + i)[d0 + d] for i < ROWS, d < DC; zero for members past the
 // end and dims past `dim`, by all THREADS threads of the block. A warp covers 4 rows x 8 dims per step: short
 // coalesced runs in global memory, and 32 distinct banks in shared memory with transposed_ld. Each thread keeps one
@@ -196,17 +216,8 @@ struct TransposedTile {
   __device__ static int row_of_thread() { return (threadIdx.x / 32 / kDimGroups) * 4 + threadIdx.x % 32 / 8; }
   __device__ static bool in_tile(int r, int it) { return ROWS % kRowStep == 0 || r + it * kRowStep < ROWS; }
 
-  __device__ __forceinline__ static void load(T* x, SharedRows<T> shared_rows, int start, int d0, int dim) {
-    const DilatedRows<T> rows = read_rows(shared_rows);
-    const int d = dim_of_thread(), r = row_of_thread(), j = start + r;
-    const T* src = rows.row(j) + d0 + d;
-    const int64_t step = kRowStep * rows.step;
-    const bool dim_ok = d0 + d < dim;
-#pragma unroll
-    for (int it = 0; it < kRegs; ++it) {
-      x[it] = (j + it * kRowStep < rows.count && dim_ok && in_tile(r, it)) ? load_input(src) : zero_of<T>();
-      src += step;
-    }
+  __device__ __forceinline__ static void load(T* x, SharedRows<T> rows, int start, int d0, int dim) {
+    load_tile_elements<T, ROWS, kRegs, kRowStep, 1, 1>(x, rows, start, row_of_thread(), d0 + dim_of_thread(), dim);
   }
 
   __device__ __forceinline__ static void store(float* dst, const T* x) {
@@ -234,19 +245,9 @@ struct RowTile {
   __device__ static int col_of_thread() { return threadIdx.x % kGroup; }
   __device__ static bool in_tile(int r, int it) { return ROWS % kRowStep == 0 || r + it * kRowStep < ROWS; }
 
-  __device__ __forceinline__ static void load(T* x, SharedRows<T> shared_rows, int start, int d0, int dim) {
-    const DilatedRows<T> rows = read_rows(shared_rows);
-    const int r = row_of_thread(), c = col_of_thread(), j = start + r;
-    const T* src = rows.row(j) + d0 + c;
-    const int64_t step = kRowStep * rows.step;
-#pragma unroll
-    for (int it = 0; it < kSteps; ++it) {
-      const bool row_ok = j + it * kRowStep < rows.count && in_tile(r, it);
-#pragma unroll
-      for (int k = 0; k < kCols; ++k)
-        x[it * kCols + k] = (row_ok && d0 + c + k * kGroup < dim) ? load_input(src + k * kGroup) : zero_of<T>();
-      src += step;
-    }
+  __device__ __forceinline__ static void load(T* x, SharedRows<T> rows, int start, int d0, int dim) {
+    load_tile_elements<T, ROWS, kSteps, kRowStep, kCols, kGroup>(x, rows, start, row_of_thread(),
+                                                                   d0 + col_of_thread(), dim);
   }
 
   __device__ __forceinline__ static void store(float* dst, const T* x) {
