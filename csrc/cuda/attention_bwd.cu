@@ -167,7 +167,9 @@ struct DkdvTiles {
   // A thread's dK or dV tile is (kBlockN / 8) x (kOutDims / 16) registers: Volta 64 keys (at most 64 registers),
   // Pascal 8 (a row a thread, at most 8).
   static constexpr int kBlockN = kPascal ? 8 : 64;
-  static constexpr int kBlockM = kPascal ? 16 : 32;
+  // Queries per step. From Volta on 64 up to head dim 64: a thread's 8 keys x 4 queries of S and dP take 3 shared
+  // loads per 32 FMAs (8 x 2: 3 per 16) and still fit 128 registers; at 96 and 128 they would spill.
+  static constexpr int kBlockM = kPascal ? 16 : (DMAX <= 64 ? 64 : 32);
   static constexpr int kLdN = transposed_ld(kBlockN), kLdM = transposed_ld(kBlockM);
   // The dims of dK and dV split over kDimParts blocks (grid y) of kOutDims each where a thread's accumulators and
   // operands would not fit its registers: at head dim 256 (2 parts on Volta, 4 on Pascal) and on Pascal at 96 (2).

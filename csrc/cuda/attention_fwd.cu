@@ -23,18 +23,19 @@ struct ForwardTiles {
   static constexpr bool kPascal = TILES == kPascalTiles;
   // Queries per block. Pascal: few, so that the output rows (R x J registers a thread) fit 64 registers.
   static constexpr int kBlockM = kPascal ? (DMAX > 128 ? 8 : 16) : 64;
-  static constexpr int kBlockN = 64;                  // keys per step
-  static constexpr int kChunkD = kPascal ? 16 : 32;   // head-dim chunk of the score reduction
+  // Keys per step: 128 from Volta on at head dims 65-128, where a thread's 8 x 8 score tile takes 4 shared loads per
+  // 64 FMAs (8 x 4: 3 per 32) at two blocks an SM; at 64 the four blocks an SM of 64 keys ran faster.
+  static constexpr int kBlockN = !kPascal && DMAX > 64 && DMAX <= 128 ? 128 : 64;
+  static constexpr int kChunkD = kPascal ? 16 : 32;  // head-dim chunk of the score reduction
   static constexpr int kRows = kBlockM / kRowsY;      // query rows per thread
   static constexpr int kCols = kBlockN / kColsX;      // key columns per thread
   static constexpr int kLdM = transposed_ld(kBlockM);  // Q^T and P^T (indexed by query)
   static constexpr int kLdN = transposed_ld(kBlockN);  // K^T (indexed by key)
   static constexpr int kScoreTiles = kChunkD * (kLdM + kLdN);  // Q and K chunks (floats)
   // Blocks per SM the register budget is sized for (__launch_bounds__). Pascal: 8 (64 registers a thread).
-  // Volta and newer: 4 (128 registers) up to head dim 64, 3 (168) up to 128, 2 (255) for 256. At 64 and 128 some
-  // registers spill on sm_90 (up to 148 bytes a thread), and the kernel still runs faster than with fewer warps or
-  // 16-dim chunks.
-  static constexpr int kMinBlocks = kPascal ? 8 : (DMAX > 128 ? 2 : (DMAX <= 64 ? 4 : 3));
+  // Volta and newer: 4 (128 registers) up to head dim 64, 2 (255) above. At 64 some registers spill on sm_90 (about
+  // 92 bytes a thread), and the kernel still runs faster than at 3 blocks an SM without spills.
+  static constexpr int kMinBlocks = kPascal ? 8 : (DMAX <= 64 ? 4 : 2);
 
   // The block's gathers: K^T chunks, then V row chunks of kValueRows keys, each no more elements than a K^T chunk
   // (half as many on Pascal), so that one register stage a thread (stage_regs) holds either (common.cuh: split
@@ -146,29 +147,46 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
       accumulate_products<kChunkD, kLdM, kLdN, 8, false>(s, q_t + ty * kRows, k_t, tx);
     }
 
-    // Online softmax over this step's keys; masked keys get probability 0.
-    const bool needs_mask = start_n + kBlockN > mem.count || (sh.causal && start_n + kBlockN - 1 > start_m);
+    // Online softmax over this step's keys; masked keys get probability 0. Each phase covers all kRows rows (scale,
+    // mask, the half-warp max reductions, the exponentials), so that the rows' shuffle and exp2 latencies overlap
+    // rather than chain row after row; the mask is a block-uniform branch around its own phase.
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) s[r][c] *= scale2;
+    if (start_n + kBlockN > mem.count || (sh.causal && start_n + kBlockN - 1 > start_m)) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int qi = start_m + ty * kRows + r;
+        const int key_limit = sh.causal ? min(mem.count, qi + 1) : mem.count;
+#pragma unroll
+        for (int c = 0; c < kCols; ++c)
+          if (start_n + thread_col<kCols>(tx, c) >= key_limit) s[r][c] = -INFINITY;
+      }
+    }
+    float m_new[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const int qi = start_m + ty * kRows + r;
-      float row_max = kNoMax;
+      m_new[r] = s[r][0];
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int kj = start_n + thread_col<kCols>(tx, c);
-        const bool visible = !needs_mask || (kj < mem.count && (!sh.causal || kj <= qi));
-        s[r][c] = visible ? s[r][c] * scale2 : -INFINITY;
-        row_max = fmaxf(row_max, s[r][c]);
-      }
-      const float m_new = fmaxf(m_i[r], half_warp_max(row_max));
-      const float alpha = exp2f(m_i[r] - m_new);
+      for (int c = 1; c < kCols; ++c) m_new[r] = fmaxf(m_new[r], s[r][c]);
+    }
+#pragma unroll
+    for (int m = 1; m < kColsX; m <<= 1)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], m));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      m_new[r] = fmaxf(m_i[r], m_new[r]);
+      const float alpha = exp2f(m_i[r] - m_new[r]);
       float row_sum = 0.f;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        s[r][c] = exp2f(s[r][c] - m_new);
+        s[r][c] = exp2f(s[r][c] - m_new[r]);
         row_sum += s[r][c];
       }
       l_i[r] = l_i[r] * alpha + row_sum;  // this thread's share of the row sum (reduced after the last step)
-      m_i[r] = m_new;
+      m_i[r] = m_new[r];
 #pragma unroll
       for (int j = 0; j < J; ++j) o[r][j] *= alpha;
     }

@@ -51,12 +51,6 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-__device__ __forceinline__ float half_warp_max(float x) {
-#pragma unroll
-  for (int m = 1; m < kColsX; m <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
-  return x;
-}
-
 __device__ __forceinline__ float half_warp_sum(float x) {
 #pragma unroll
   for (int m = 1; m < kColsX; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
