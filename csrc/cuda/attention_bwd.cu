@@ -477,35 +477,38 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
         accumulate_products<kChunkD, LDN, LDM, Tiles::kPascal ? 1 : 4, Tiles::kPrefetch>(
             acc, rows_t + (RESIDENT ? d0 * LDN : 0) + ty * R, cols_t, tx);
       }
-      if (role == 0) {  // P
+      // S (role 0) and dP (role 1) to shared memory, then P = exp2(S * scale2 - lse2) (0 where the key is not
+      // visible) and dS = P (dP - delta) elementwise by all the block's threads, so that neither role waits while the
+      // other computes: kKeysPerThread consecutive keys of one query a thread (threads of a warp: consecutive
+      // queries, one row each, conflict-free), one lse and delta load each.
 #pragma unroll
-        for (int c = 0; c < C; ++c) {
-          const int qi = start_m + thread_col<C>(tx, c);
-          const int pos = mem.first + min(qi, mem.count - 1) * static_cast<int>(br.dilation);
-          const float lse2 = p.lse[row_base + pos] * kLog2e;
-          float pc[R];
+      for (int c = 0; c < C; ++c) {
+        float col[R];
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const int kj = start_n + ty * R + r;
-            const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
-            pc[r] = visible ? exp2f(acc[r][c] * scale2 - lse2) : 0.f;
-          }
-          store_row_values(p_s + thread_col<C>(tx, c) * LDN + ty * R, pc);
-        }
+        for (int r = 0; r < R; ++r) col[r] = acc[r][c];
+        store_row_values((role == 0 ? p_s : ds_s) + thread_col<C>(tx, c) * LDN + ty * R, col);
       }
       __syncthreads();
-      if (role == 1) {  // dS = P (dP - delta)
+      constexpr int kKeysPerThread = BM * BN >= kBackwardThreads ? BM * BN / kBackwardThreads : 1;
+      if (threadIdx.x < BM * BN / kKeysPerThread) {
+        const int q = threadIdx.x % BM, k0 = threadIdx.x / BM * kKeysPerThread;
+        const int qi = start_m + q;
+        const int pos = mem.first + min(qi, mem.count - 1) * static_cast<int>(br.dilation);
+        const float lse2 = p.lse[row_base + pos] * kLog2e;
+        const float delta = p.delta[row_base + pos];
+        // keys start_n + k0 + i visible for i < visible_keys
+        const int key_limit = qi >= mem.count ? 0 : (sh.causal ? min(mem.count, qi + 1) : mem.count);
+        const int visible_keys = key_limit - start_n - k0;
+        float sp[kKeysPerThread], dp[kKeysPerThread];
+        load_row_values(sp, p_s + q * LDN + k0);
+        load_row_values(dp, ds_s + q * LDN + k0);
 #pragma unroll
-        for (int c = 0; c < C; ++c) {
-          const int qi = start_m + thread_col<C>(tx, c);
-          const int pos = mem.first + min(qi, mem.count - 1) * static_cast<int>(br.dilation);
-          const float delta = p.delta[row_base + pos];
-          float dsc[R];
-          load_row_values(dsc, p_s + thread_col<C>(tx, c) * LDN + ty * R);
-#pragma unroll
-          for (int r = 0; r < R; ++r) dsc[r] *= acc[r][c] - delta;
-          store_row_values(ds_s + thread_col<C>(tx, c) * LDN + ty * R, dsc);
+        for (int i = 0; i < kKeysPerThread; ++i) {
+          sp[i] = i < visible_keys ? exp2f(sp[i] * scale2 - lse2) : 0.f;
+          dp[i] = sp[i] * (dp[i] - delta);
         }
+        store_row_values(p_s + q * LDN + k0, sp);
+        store_row_values(ds_s + q * LDN + k0, dp);
       }
       for (int q0 = 0; q0 < BM; q0 += QC) {
         __syncthreads();
