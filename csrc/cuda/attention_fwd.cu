@@ -1,16 +1,16 @@
 // CUDA forward: one branch of dilated attention, merged into the running (out, lse) in place.
 //
-// A block owns kBlockM query members of one (batch, head, segment) and walks the segment's key members
-// kBlockN (64) at a time (flash-attention's online softmax, base 2). Scores S = Q K^T are reduced over the
-// head dim in chunks: each chunk of the dilated Q and K rows is gathered straight from global memory
-// (positions first + r * j) into transposed fp32 shared tiles, and every thread accumulates an R x 4 block of
-// S with FMAs (its 4 keys and its output columns contiguous: vector loads, common.cuh's thread_col). The
-// probabilities go through shared memory (transposed) and O += P V streams the key rows of V in chunks. Each
-// chunk's global loads are issued into registers before the computation on the chunk before it and stored after it
-// (common.cuh: split gathers), so that memory latency overlaps the FMAs. All
-// math is fp32; inputs may be fp16, bf16 or fp32. No tensor cores, so the same code runs from Pascal up.
-// ForwardTiles holds the sizes of each tile table: 64 queries and 32-dim chunks from Volta on, 16 queries (8
-// at head dim 256) and 16-dim chunks on Pascal.
+// A block owns kBlockM query members of one (batch, head, segment) and walks the segment's key members kBlockN
+// (64, or 128 at head dims 65-128 from Volta on) at a time (flash-attention's online softmax, base 2). Scores
+// S = Q K^T are reduced over the head dim in chunks: each chunk of the dilated Q and K rows is gathered straight
+// from global memory (positions first + r * j) into transposed fp32 shared tiles, and every thread accumulates an
+// R x kBlockN / 16 block of S with FMAs (its keys and its output columns contiguous: vector loads, common.cuh's
+// thread_col). The probabilities go through shared memory (transposed) and O += P V streams the key rows of V in
+// chunks. Each chunk's global loads are issued into registers before the computation on the chunk before it and
+// stored after it (common.cuh: split gathers), so that memory latency overlaps the FMAs. All math is fp32; inputs
+// may be fp16, bf16 or fp32. No tensor cores, so the same code runs from Pascal up. ForwardTiles holds the sizes
+// of each tile table: 64 queries and 32-dim chunks from Volta on, 16 queries (8 at head dim 256) and 16-dim chunks
+// on Pascal.
 #include "common.cuh"
 
 namespace dilated_attn {
