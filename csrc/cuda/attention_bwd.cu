@@ -14,9 +14,9 @@
 //   query head of its group that takes part, walks the query members kBlockM at a time: S^T = K Q^T,
 //   dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
 // Both run two roles of 128 threads side by side (kBackwardThreads), each the 8 x 16 thread grid of common.cuh
-// over one of the two score products and one of the two accumulations: role 0 reduces S, role 1 dP; in dQ role 0
-// turns S into P and then role 1 P into dS, in dK/dV both tiles go to shared memory and all threads compute P and
-// dS elementwise; in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of dQ's dims. A thread so holds one score tile and one accumulator tile, half the registers of holding both, and
+// over one of the two score products and one of the two accumulations: role 0 reduces S, role 1 dP; both tiles go
+// to shared memory and all the threads compute P and dS elementwise (in dQ from Volta on; on Pascal role 0 turns S
+// into P, then role 1 P into dS); in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of dQ's dims. A thread so holds one score tile and one accumulator tile, half the registers of holding both, and
 // an SM runs twice the warps to hide the gathers' memory latency.
 // From Volta on, each gather's global loads are issued into registers before the computation on the previous
 // gather's tile and stored after it (common.cuh: split gathers), each product step's shared operands are loaded a
@@ -153,6 +153,11 @@ struct DqTiles {
   }
   // Blocks of 256 threads per SM for __launch_bounds__: Pascal 4 (64 registers a thread), else 2 (128).
   static constexpr int kMinBlocks = kPascal ? 4 : 2;
+  // kBalanced: S and dP go to shared memory and all the block's threads compute P and dS elementwise (as in
+  // dkdv_kernel), dP^T in the tiles' space, which holds a [key][query] tile. From Volta on (a thread's 16 queries of a
+  // key, 8 at head dim 256); Pascal's tiles give a thread 2, and there role 0 computes P, then role 1 dS.
+  static constexpr bool kBalanced = !kPascal;
+  static_assert(!kBalanced || kTileFloats >= kBlockN * kLdM, "dP^T fits the tiles' space");
   template <bool RESIDENT>
   static constexpr int smem_floats() {
     return (RESIDENT ? 2 * DMAX * kLdM : 0) + kTileFloats + kBlockN * kLdM;
@@ -249,7 +254,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   extern __shared__ __align__(16) float smem[];
   float* resident = smem;  // RESIDENT: Q^T and dO^T, [DMAX][LDM] each
   float* tiles = smem + (RESIDENT ? 2 * DMAX * LDM : 0);  // Q^T, dO^T (unless resident), K^T, V^T chunks; K rows
-  float* ps_t = tiles + Tiles::kTileFloats;                 // P^T, then dS^T: [key][query]
+  float* ps_t = tiles + Tiles::kTileFloats;                 // P^T (or S^T), then dS^T: [key][query]
+  float* dp_t = tiles;                                      // kBalanced: dP^T, [key][query], between the gathers
   // lse * log2(e) and delta of the block's queries: in shared memory rather than registers, which the score loop
   // needs
   __shared__ __align__(16) float row_stats[2 * BM];
@@ -324,34 +330,70 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
       accumulate_products<kChunkD, LDM, LDN, 4, Tiles::kPrefetch>(
           acc, rows_t + (RESIDENT ? d0 * LDM : 0) + ty * R, cols_t, tx);
     }
-    if (role == 0) {  // P^T
-      float lse2[R];
-      load_row_values(lse2, row_stats + ty * R);
+    if constexpr (Tiles::kBalanced) {
+      // S^T (role 0) and dP^T (role 1) to shared memory, then dS^T = P^T (dP^T - delta) elementwise by all the
+      // block's threads (dkdv_kernel's reason): kQueriesPerThread consecutive queries of one key a thread (threads
+      // of a warp: consecutive keys, one row each, conflict-free), in groups of 4. dP^T overwrites the last score
+      // chunk, hence the barrier first.
+      __syncthreads();
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        const int kj = start_n + thread_col<C>(tx, c);
         float col[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int qi = start_m + ty * R + r;
-          const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
-          col[r] = visible ? exp2f(acc[r][c] * scale2 - lse2[r]) : 0.f;
-        }
-        store_row_values(ps_t + thread_col<C>(tx, c) * LDM + ty * R, col);
+        for (int r = 0; r < R; ++r) col[r] = acc[r][c];
+        store_row_values((role == 0 ? ps_t : dp_t) + thread_col<C>(tx, c) * LDM + ty * R, col);
       }
-    }
-    __syncthreads();
-    if (role == 1) {  // dS^T = P^T (dP^T - delta), in place
-      float delta[R];
-      load_row_values(delta, row_stats + BM + ty * R);
+      __syncthreads();
+      constexpr int kQueriesPerThread = BM * BN / kBackwardThreads;
+      static_assert(kQueriesPerThread % 4 == 0, "groups of 4 queries");
+      const int key = threadIdx.x % BN, q0 = threadIdx.x / BN * kQueriesPerThread;
+      const int kj = start_n + key;
 #pragma unroll
-      for (int c = 0; c < C; ++c) {
-        float* at = ps_t + thread_col<C>(tx, c) * LDM + ty * R;
-        float col[R];
-        load_row_values(col, at);
+      for (int i0 = 0; i0 < kQueriesPerThread; i0 += 4) {
+        float sp[4], dp[4], lse2[4], delta[4];
+        load_row_values(sp, ps_t + key * LDM + q0 + i0);
+        load_row_values(dp, dp_t + key * LDM + q0 + i0);
+        load_row_values(lse2, row_stats + q0 + i0);
+        load_row_values(delta, row_stats + BM + q0 + i0);
 #pragma unroll
-        for (int r = 0; r < R; ++r) col[r] *= acc[r][c] - delta[r];
-        store_row_values(at, col);
+        for (int i = 0; i < 4; ++i) {
+          const int qi = start_m + q0 + i0 + i;
+          const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
+          const float prob = visible ? exp2f(sp[i] * scale2 - lse2[i]) : 0.f;
+          dp[i] = prob * (dp[i] - delta[i]);
+        }
+        store_row_values(ps_t + key * LDM + q0 + i0, dp);
+      }
+    } else {
+      if (role == 0) {  // P^T
+        float lse2[R];
+        load_row_values(lse2, row_stats + ty * R);
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          const int kj = start_n + thread_col<C>(tx, c);
+          float col[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const int qi = start_m + ty * R + r;
+            const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
+            col[r] = visible ? exp2f(acc[r][c] * scale2 - lse2[r]) : 0.f;
+          }
+          store_row_values(ps_t + thread_col<C>(tx, c) * LDM + ty * R, col);
+        }
+      }
+      __syncthreads();
+      if (role == 1) {  // dS^T = P^T (dP^T - delta), in place
+        float delta[R];
+        load_row_values(delta, row_stats + BM + ty * R);
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          float* at = ps_t + thread_col<C>(tx, c) * LDM + ty * R;
+          float col[R];
+          load_row_values(col, at);
+#pragma unroll
+          for (int r = 0; r < R; ++r) col[r] *= acc[r][c] - delta[r];
+          store_row_values(at, col);
+        }
       }
     }
     for (int k0 = 0; k0 < BN; k0 += KC) {

@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
         else if (start_n + kBlockN < key_end)
           KeyTile::load(stage, k_rows, start_n + kBlockN, 0, dim);
       }
-      accumulate_products<KC, kLdM, DMAX, 4, false>(o, probs + k0 * kLdM + ty * kRows, tiles, tx);
+      // 8 steps unrolled up to head dim 64 (4 above, where a thread's 8 x 8 outputs leave no registers for more)
+      accumulate_products<KC, kLdM, DMAX, DMAX <= 64 ? 8 : 4, false>(o, probs + k0 * kLdM + ty * kRows, tiles, tx);
     }
   }
 
