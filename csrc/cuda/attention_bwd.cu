@@ -16,8 +16,9 @@
 // Both run two roles of 128 threads side by side (kBackwardThreads), each the 8 x 16 thread grid of common.cuh
 // over one of the two score products and one of the two accumulations: role 0 reduces S, role 1 dP; both tiles go
 // to shared memory and all the threads compute P and dS elementwise (in dQ from Volta on; on Pascal role 0 turns S
-// into P, then role 1 P into dS); in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of dQ's dims. A thread so holds one score tile and one accumulator tile, half the registers of holding both, and
-// an SM runs twice the warps to hide the gathers' memory latency.
+// into P, then role 1 P into dS); in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of dQ's dims.
+// A thread so holds one score tile and one accumulator tile, half the registers of holding both, and an SM runs
+// twice the warps to hide the gathers' memory latency.
 // From Volta on, each gather's global loads are issued into registers before the computation on the previous
 // gather's tile and stored after it (common.cuh: split gathers), each product step's shared operands are loaded a
 // step ahead (accumulate_products), and, up to head dim 128 where two blocks an SM fit, the block's own pair stays
@@ -25,10 +26,9 @@
 // steps gather only the other pair. Pascal's 64 registers a thread leave no room for the first two, nor its shared
 // memory for the third.
 // The tile structs hold the sizes per tile table (launch.h): Volta and newer, within 128 registers a thread (two
-// blocks an SM), 64 x 64 for dq (32 queries at head dim 256) and 64 keys x 32 queries for dK/dV (64 up to head dim
-// 64); Pascal, within 64
-// (four blocks), 16 x 32 (8 queries at head dim 256) and 8 x 16. dK/dV's output dims split over blocks at head dim
-// 256 (2 on Volta, 4 on Pascal) and on Pascal at 96 (2).
+// blocks an SM), 64 x 64 for dq (32 queries at head dim 256) and 64 keys x 32 queries for dK/dV (64 queries up to
+// head dim 64); Pascal, within 64 (four blocks), 16 x 32 (8 queries at head dim 256) and 8 x 16. dK/dV's output
+// dims split over blocks at head dim 256 (2 on Volta, 4 on Pascal) and on Pascal at 96 (2).
 // Every block adds its fp32 sums into fp32 accumulators with a plain read-add-write: within one launch no
 // two blocks write the same position (the blocks of a segment own disjoint members, heads of one block
 // are visited by the same threads in turn), so there are no atomics and results are deterministic.
