@@ -336,13 +336,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
       // of a warp: consecutive keys, one row each, conflict-free), in groups of 4. dP^T overwrites the last score
       // chunk, hence the barrier first.
       __syncthreads();
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        float col[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) col[r] = acc[r][c];
-        store_row_values((role == 0 ? ps_t : dp_t) + thread_col<C>(tx, c) * LDM + ty * R, col);
-      }
+      store_tile_columns<LDM>(role == 0 ? ps_t : dp_t, acc, ty, tx);
       __syncthreads();
       constexpr int kQueriesPerThread = BM * BN / kBackwardThreads;
       static_assert(kQueriesPerThread % 4 == 0, "groups of 4 queries");
@@ -524,13 +518,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
       // visible) and dS = P (dP - delta) elementwise by all the block's threads, so that neither role waits while the
       // other computes: kKeysPerThread consecutive keys of one query a thread (threads of a warp: consecutive
       // queries, one row each, conflict-free), one lse and delta load each.
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        float col[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) col[r] = acc[r][c];
-        store_row_values((role == 0 ? p_s : ds_s) + thread_col<C>(tx, c) * LDN + ty * R, col);
-      }
+      store_tile_columns<LDN>(role == 0 ? p_s : ds_s, acc, ty, tx);
       __syncthreads();
       constexpr int kKeysPerThread = BM * BN >= kBackwardThreads ? BM * BN / kBackwardThreads : 1;
       if (threadIdx.x < BM * BN / kKeysPerThread) {

@@ -325,6 +325,19 @@ __device__ __forceinline__ void store_row_values(float* dst, const float (&x)[R]
   for (int i = 0; i < R; i += V) store_vector<V>(dst + i, x + i);
 }
 
+// A thread's R x C register tile into a shared [column][row] tile of leading dimension LD, column by column: the
+// thread's column c (thread_col<C>(tx, c)) at dst + column * LD + ty * R, its R rows contiguous.
+template <int LD, int R, int C>
+__device__ __forceinline__ void store_tile_columns(float* dst, const float (&tile)[R][C], int ty, int tx) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    float col[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) col[r] = tile[r][c];
+    store_row_values(dst + thread_col<C>(tx, c) * LD + ty * R, col);
+  }
+}
+
 // The register-tiled products of every kernel: acc[r][c] += a[d * LDA + r] * b[d * LDB + thread_col<C>(tx, c)] for
 // d < STEPS, a thread's R rows read as vectors and its C columns of a row shared by kColsX threads. With PIPELINE
 // the operands of step d + 1 are loaded before the FMAs of step d (two register sets), so that the shared loads'
