@@ -16,7 +16,8 @@
 // Both run two roles of 128 threads side by side (kBackwardThreads), each the 8 x 16 thread grid of common.cuh
 // over one of the two score products and one of the two accumulations: role 0 reduces S, role 1 dP; both tiles go
 // to shared memory and all the threads compute P and dS elementwise (in dQ from Volta on; on Pascal role 0 turns S
-// into P, then role 1 P into dS); in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of dQ's dims.
+// into P, then role 1 P into dS); in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of dQ's dims
+// (from Volta on up to head dim 64: all dims over half of each chunk's keys, DqTiles::kSplitKeys).
 // A thread so holds one score tile and one accumulator tile, half the registers of holding both, and an SM runs
 // twice the warps to hide the gathers' memory latency.
 // From Volta on, each gather's global loads are issued into registers before the computation on the previous
@@ -38,7 +39,7 @@ namespace dilated_attn {
 namespace cuda {
 namespace {
 
-constexpr int kChunkD = 16;  // head-dim chunk of the two score reductions (four tiles in flight)
+constexpr int kChunkD = 16;  // head-dim chunk of the score reductions (four tiles in flight) unless a kChunk says
 constexpr int kBackwardThreads = 2 * kThreads;  // two roles of the 8 x 16 thread grid
 
 // This thread's role (0 or 1, warp-uniform) and its place (ty, tx) in the role's 8 x 16 grid.
@@ -51,13 +52,13 @@ __device__ __forceinline__ Role backward_role() {
   return Role{static_cast<int>(threadIdx.x / kThreads), t / kColsX, t % kColsX};
 }
 
-// The head-dim chunks (d0 .. d0 + kChunkD) of the two score products that a step gathers, Q^T and dO^T (BM rows, LDM;
+// The head-dim chunks (d0 .. d0 + CHUNK) of the two score products that a step gathers, Q^T and dO^T (BM rows, LDM;
 // with QUERIES) and K^T and V^T (BN rows, LDN; with KEYS), as one split gather (common.cuh) of kRegs registers a
 // thread. A kernel whose block keeps one pair resident in shared memory for all its steps streams only the other.
-template <typename T, int BM, int LDM, int BN, int LDN, bool QUERIES = true, bool KEYS = true>
+template <typename T, int BM, int LDM, int BN, int LDN, int CHUNK, bool QUERIES = true, bool KEYS = true>
 struct ScoreChunks {
-  using QueryTile = TransposedTile<T, BM, kChunkD, LDM, kBackwardThreads>;
-  using KeyTile = TransposedTile<T, BN, kChunkD, LDN, kBackwardThreads>;
+  using QueryTile = TransposedTile<T, BM, CHUNK, LDM, kBackwardThreads>;
+  using KeyTile = TransposedTile<T, BN, CHUNK, LDN, kBackwardThreads>;
   static constexpr int kQueryRegs = QUERIES ? 2 * QueryTile::kRegs : 0;
   static constexpr int kRegs = kQueryRegs + (KEYS ? 2 * KeyTile::kRegs : 0);
 
@@ -79,12 +80,12 @@ struct ScoreChunks {
                                                 const volatile DilatedRows<T> (&rows)[4], int start_m, int start_n,
                                                 int d0, int dim) {
     if constexpr (QUERIES) {
-      gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(q_t, rows[0], start_m, d0, dim);
-      gather_transposed<T, BM, kChunkD, LDM, kBackwardThreads>(do_t, rows[1], start_m, d0, dim);
+      gather_transposed<T, BM, CHUNK, LDM, kBackwardThreads>(q_t, rows[0], start_m, d0, dim);
+      gather_transposed<T, BM, CHUNK, LDM, kBackwardThreads>(do_t, rows[1], start_m, d0, dim);
     }
     if constexpr (KEYS) {
-      gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(k_t, rows[2], start_n, d0, dim);
-      gather_transposed<T, BN, kChunkD, LDN, kBackwardThreads>(v_t, rows[3], start_n, d0, dim);
+      gather_transposed<T, BN, CHUNK, LDN, kBackwardThreads>(k_t, rows[2], start_n, d0, dim);
+      gather_transposed<T, BN, CHUNK, LDN, kBackwardThreads>(v_t, rows[3], start_n, d0, dim);
     }
   }
 
@@ -131,18 +132,24 @@ struct DqTiles {
   static constexpr int kBlockM = DMAX > 128 ? (kPascal ? 8 : 32) : (kPascal ? 16 : 64);
   static constexpr int kBlockN = kPascal ? 32 : 64;
   static constexpr int kLdM = transposed_ld(kBlockM), kLdN = transposed_ld(kBlockN);
-  static constexpr int kTileFloats = 2 * kChunkD * (kLdM + kLdN);
+  // Head-dim chunk of the score reductions: 32 from Volta on up to head dim 64 (half the barriers of 16, in the
+  // registers the row gathers' stage takes anyway), else kChunkD.
+  static constexpr int kChunk = !kPascal && DMAX <= 64 ? 32 : kChunkD;
+  static constexpr int kTileFloats = 2 * kChunk * (kLdM + kLdN);
   // From Volta on: split gathers (common.cuh) and the products' operands loaded a step ahead (accumulate_products);
   // Pascal's 64 registers a thread have room for neither.
   static constexpr bool kPrefetch = !kPascal;
   // RESIDENT: the block's Q^T and dO^T, whole, stay in shared memory for all its key steps, which then gather only
   // K^T and V^T: half the gathers. Volta's tiles up to head dim 128, where two blocks an SM still fit
-  // (launch_backward: on an H100 up to head dim 128, an A100 up to 64, a V100 or an sm_8x GeForce never).
+  // (launch_backward: on an H100 up to head dim 128, an A100 up to 32 (at 64 the 32-dim chunks take the room), a V100
+  // or an sm_8x GeForce never).
   static constexpr bool kMayReside = !kPascal && DMAX <= 128;
   template <typename T, bool RESIDENT = false>
-  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, !RESIDENT, true>;
-  // K rows per chunk of dQ += dS K: no more registers a thread than the score chunks of both pairs
-  static constexpr int kKeyChunk = row_chunk<kBlockN, DMAX>(Scores<float>::kRegs * kBackwardThreads);
+  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, kChunk, !RESIDENT, true>;
+  // K rows per chunk of dQ += dS K: in the tiles' space and in no more registers a thread than the score chunks of
+  // both pairs
+  static constexpr int kKeyBudget = Scores<float>::kRegs * kBackwardThreads;
+  static constexpr int kKeyChunk = row_chunk<kBlockN, DMAX>(kKeyBudget < kTileFloats ? kKeyBudget : kTileFloats);
   template <typename T>
   using KeyRows = RowTile<T, kKeyChunk, DMAX, kBackwardThreads>;
   // One stage holds either gather.
@@ -158,6 +165,11 @@ struct DqTiles {
   // key, 8 at head dim 256); Pascal's tiles give a thread 2, and there role 0 computes P, then role 1 dS.
   static constexpr bool kBalanced = !kPascal;
   static_assert(!kBalanced || kTileFloats >= kBlockN * kLdM, "dP^T fits the tiles' space");
+  // kSplitKeys: in dQ += dS K the roles take half the keys of each chunk each, over all of dQ's dims, rather than half
+  // the dims over all keys: up to head dim 64 a thread's 8 queries x 4 dims take 3 shared loads per 32 FMAs (8 x 2 by
+  // dims: 3 per 16). Role 1's sums join role 0's through the tiles' space at the end.
+  static constexpr bool kSplitKeys = kBalanced && DMAX <= 64;
+  static_assert(!kSplitKeys || kTileFloats >= kBlockM * DMAX, "role 1's dQ fits the tiles' space");
   template <bool RESIDENT>
   static constexpr int smem_floats() {
     return (RESIDENT ? 2 * DMAX * kLdM : 0) + kTileFloats + kBlockN * kLdM;
@@ -183,7 +195,8 @@ struct DkdvTiles {
   static constexpr int kDimParts = DMAX > 128 ? (kPascal ? 4 : 2) : (kPascal && DMAX == 96 ? 2 : 1);
   static constexpr int kOutDims = DMAX / kDimParts;
   // Room for the score chunks, or for the Q and dO rows of a whole step (Pascal) or 16 queries (Volta).
-  static constexpr int kScoreFloats = 2 * kChunkD * (kLdN + kLdM);
+  static constexpr int kChunk = !kPascal && DMAX <= 64 ? 32 : kChunkD;  // as in DqTiles
+  static constexpr int kScoreFloats = 2 * kChunk * (kLdN + kLdM);
   static constexpr int kRowFloats = 2 * (kPascal ? kBlockM : 16) * kOutDims;
   static constexpr int kTileFloats = kScoreFloats > kRowFloats ? kScoreFloats : kRowFloats;
   // From Volta on: split gathers (common.cuh) and the products' operands loaded a step ahead (accumulate_products);
@@ -195,7 +208,7 @@ struct DkdvTiles {
   static constexpr bool kMayReside = !kPascal && DMAX <= 128;
   static_assert(!kMayReside || kDimParts == 1, "resident K^T and V^T hold every dim");
   template <typename T, bool RESIDENT = false>
-  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, true, !RESIDENT>;
+  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, kChunk, true, !RESIDENT>;
   // Q and dO rows side by side, in the tiles' space and in no more registers a thread than the score chunks of both
   // pairs (so one stage holds either; Pascal's dK/dV at head dim 128 spill otherwise)
   static constexpr int kRowBudget = Scores<float>::kRegs * kBackwardThreads;
@@ -248,9 +261,9 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
     dq_kernel(const BackwardParams p) {
   using Tiles = DqTiles<TILES, DMAX>;
   constexpr int BM = Tiles::kBlockM, BN = Tiles::kBlockN, LDM = Tiles::kLdM, LDN = Tiles::kLdN;
-  // query rows, key columns and dims of the role's half of dQ per thread
-  constexpr int R = BM / kRowsY, C = BN / kColsX, J = DMAX / 2 / kColsX;
-  constexpr int KC = Tiles::kKeyChunk;
+  // query rows, key columns and dims of the role's share of dQ per thread
+  constexpr int R = BM / kRowsY, C = BN / kColsX, J = (Tiles::kSplitKeys ? DMAX : DMAX / 2) / kColsX;
+  constexpr int KC = Tiles::kKeyChunk, CH = Tiles::kChunk;
   extern __shared__ __align__(16) float smem[];
   float* resident = smem;  // RESIDENT: Q^T and dO^T, [DMAX][LDM] each
   float* tiles = smem + (RESIDENT ? 2 * DMAX * LDM : 0);  // Q^T, dO^T (unless resident), K^T, V^T chunks; K rows
@@ -260,9 +273,9 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   // needs
   __shared__ __align__(16) float row_stats[2 * BM];
   float* q_t = tiles;
-  float* do_t = tiles + kChunkD * LDM;
-  float* k_t = tiles + (RESIDENT ? 0 : 2 * kChunkD * LDM);
-  float* v_t = k_t + kChunkD * LDN;
+  float* do_t = tiles + CH * LDM;
+  float* k_t = tiles + (RESIDENT ? 0 : 2 * CH * LDM);
+  float* v_t = k_t + CH * LDN;
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
@@ -276,10 +289,11 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   if (threadIdx.x == 0) set_block_rows(block_rows, p, b, head, kvh, mem, br.dilation);
   SharedRows<T> k_rows = block_rows[2];
   const auto [role, ty, tx] = backward_role();
-  // Role 0 reduces S = Q K^T, role 1 dP = dO V^T; each then accumulates its half of dQ's dims.
+  // Role 0 reduces S = Q K^T, role 1 dP = dO V^T; each then accumulates its share of dQ (half its dims, or with
+  // kSplitKeys half the keys).
   const float* rows_t = RESIDENT ? resident + role * (DMAX * LDM) : (role == 0 ? q_t : do_t);  // chunk d0: + d0 * LDM
   const float* cols_t = role == 0 ? k_t : v_t;
-  const int d_half = role * (DMAX / 2);
+  const int d_half = Tiles::kSplitKeys ? 0 : role * (DMAX / 2);  // the role's first dim of dQ
   const int dim = static_cast<int>(sh.head_dim);
   const float scale2 = static_cast<float>(sh.scale) * kLog2e;
   const int64_t row_base = (b * sh.num_heads + head) * sh.seq_len;
@@ -298,7 +312,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
     for (int j = 0; j < J; ++j) dq[r][j] = 0.f;
 
   const int key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
-  // A key step gathers the score chunks d0 = 0, kChunkD, ..., then K's row chunks k0 = 0, KC, ...; with kPrefetch
+  // A key step gathers the score chunks d0 = 0, CH, ..., then K's row chunks k0 = 0, KC, ...; with kPrefetch
   // each one's loads are issued into `stage` right after the barrier that publishes the one before.
   using Scores = typename Tiles::template Scores<T, RESIDENT>;
   using KeyRows = typename Tiles::template KeyRows<T>;
@@ -313,7 +327,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
-    for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
+    for (int d0 = 0; d0 < DMAX; d0 += CH) {
       __syncthreads();
       if constexpr (Tiles::kPrefetch)
         Scores::store(q_t, do_t, k_t, v_t, stage);
@@ -321,13 +335,13 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
         Scores::gather(q_t, do_t, k_t, v_t, block_rows, start_m, start_n, d0, dim);
       __syncthreads();
       if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-        if (d0 + kChunkD < DMAX) {
-          Scores::load(stage, block_rows, start_m, start_n, d0 + kChunkD, dim);
+        if (d0 + CH < DMAX) {
+          Scores::load(stage, block_rows, start_m, start_n, d0 + CH, dim);
         } else {
           KeyRows::load(stage, k_rows, start_n, 0, dim);
         }
       }
-      accumulate_products<kChunkD, LDM, LDN, 4, Tiles::kPrefetch>(
+      accumulate_products<CH, LDM, LDN, 4, Tiles::kPrefetch>(
           acc, rows_t + (RESIDENT ? d0 * LDM : 0) + ty * R, cols_t, tx);
     }
     if constexpr (Tiles::kBalanced) {
@@ -402,7 +416,31 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
           Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
         }
       }
-      accumulate_products<KC, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + k0 * LDM + ty * R, tiles + d_half, tx);
+      if constexpr (Tiles::kSplitKeys) {
+        constexpr int kHalf = KC / 2;
+        accumulate_products<kHalf, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + (k0 + role * kHalf) * LDM + ty * R,
+                                                                   tiles + role * kHalf * DMAX, tx);
+      } else {
+        accumulate_products<KC, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + k0 * LDM + ty * R, tiles + d_half, tx);
+      }
+    }
+  }
+  if constexpr (Tiles::kSplitKeys) {  // role 1's sums to role 0's, [query][dim] in the tiles' space
+    static_assert(col_vector<J>() == J, "a thread's dims of dQ are contiguous");
+    __syncthreads();
+    float* partial = tiles + ty * R * DMAX;
+    if (role == 1) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) store_row_values(partial + r * DMAX + thread_col<J>(tx, 0), dq[r]);
+    }
+    __syncthreads();
+    if (role == 1) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float other[J];
+      load_row_values(other, partial + r * DMAX + thread_col<J>(tx, 0));
+#pragma unroll
+      for (int j = 0; j < J; ++j) dq[r][j] += other[j];
     }
   }
 
@@ -428,16 +466,16 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
   constexpr int BN = Tiles::kBlockN, BM = Tiles::kBlockM, LDN = Tiles::kLdN, LDM = Tiles::kLdM;
   constexpr int OUT_DIMS = Tiles::kOutDims;
   constexpr int R = BN / kRowsY, C = BM / kColsX, J = OUT_DIMS / kColsX;  // key rows, query columns, dims a thread
-  constexpr int QC = Tiles::kQueryChunk;
+  constexpr int QC = Tiles::kQueryChunk, CH = Tiles::kChunk;
   extern __shared__ __align__(16) float smem[];
   float* resident = smem;  // RESIDENT: K^T and V^T, [DMAX][LDN] each
   float* tiles = smem + (RESIDENT ? 2 * DMAX * LDN : 0);  // K^T, V^T (unless resident), Q^T, dO^T chunks; Q, dO rows
   float* p_s = tiles + Tiles::kTileFloats;                  // P: [query][key]
   float* ds_s = p_s + BM * LDN;                             // dS: [query][key]
   float* k_t = tiles;
-  float* v_t = tiles + kChunkD * LDN;
-  float* q_t = tiles + (RESIDENT ? 0 : 2 * kChunkD * LDN);
-  float* do_t = q_t + kChunkD * LDM;
+  float* v_t = tiles + CH * LDN;
+  float* q_t = tiles + (RESIDENT ? 0 : 2 * CH * LDN);
+  float* do_t = q_t + CH * LDM;
 
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
@@ -496,7 +534,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
-      for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
+      for (int d0 = 0; d0 < DMAX; d0 += CH) {
         __syncthreads();
         if constexpr (Tiles::kPrefetch)
           Scores::store(q_t, do_t, k_t, v_t, stage);
@@ -504,14 +542,14 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
           Scores::gather(q_t, do_t, k_t, v_t, block_rows, start_m, start_n, d0, dim);
         __syncthreads();
         if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-          if (d0 + kChunkD < DMAX) {
-            Scores::load(stage, block_rows, start_m, start_n, d0 + kChunkD, dim);
+          if (d0 + CH < DMAX) {
+            Scores::load(stage, block_rows, start_m, start_n, d0 + CH, dim);
           } else {
             QueryRows::load(stage, q_rows, start_m, d_out, dim);
             QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m, d_out, dim);
           }
         }
-        accumulate_products<kChunkD, LDN, LDM, Tiles::kPascal ? 1 : 4, Tiles::kPrefetch>(
+        accumulate_products<CH, LDN, LDM, Tiles::kPascal ? 1 : 4, Tiles::kPrefetch>(
             acc, rows_t + (RESIDENT ? d0 * LDN : 0) + ty * R, cols_t, tx);
       }
       // S (role 0) and dP (role 1) to shared memory, then P = exp2(S * scale2 - lse2) (0 where the key is not

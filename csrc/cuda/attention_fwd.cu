@@ -9,8 +9,8 @@
 // chunks. Each chunk's global loads are issued into registers before the computation on the chunk before it and
 // stored after it (common.cuh: split gathers), so that memory latency overlaps the FMAs. All math is fp32; inputs
 // may be fp16, bf16 or fp32. No tensor cores, so the same code runs from Pascal up. ForwardTiles holds the sizes
-// of each tile table: 64 queries and 32-dim chunks from Volta on, 16 queries (8 at head dim 256) and 16-dim chunks
-// on Pascal.
+// of each tile table: 64 queries and 32-dim chunks from Volta on (128 queries and 256 threads at head dim 64), 16
+// queries (8 at head dim 256) and 16-dim chunks on Pascal.
 #include "common.cuh"
 
 namespace dilated_attn {
@@ -21,29 +21,35 @@ namespace {
 template <int TILES, int DMAX>
 struct ForwardTiles {
   static constexpr bool kPascal = TILES == kPascalTiles;
-  // Queries per block. Pascal: few, so that the output rows (R x J registers a thread) fit 64 registers.
-  static constexpr int kBlockM = kPascal ? (DMAX > 128 ? 8 : 16) : 64;
+  // Threads and queries per block. Pascal: few queries, so that the output rows (R x J registers a thread) fit 64
+  // registers. From Volta on at head dim 64: 256 threads (a 16 x 16 thread grid) over 128 queries, so that each
+  // K and V tile gathered serves twice the queries, a thread's register stage of a gather is half as large (no
+  // spills), and the V rows of a step fit one chunk: H100, float32, 7.1 -> 6.9 ms.
+  static constexpr bool kWide = !kPascal && DMAX == 64;
+  static constexpr int kThreads = kWide ? 2 * cuda::kThreads : cuda::kThreads;
+  static constexpr int kBlockM = kPascal ? (DMAX > 128 ? 8 : 16) : (kWide ? 128 : 64);
   // Keys per step: 128 from Volta on at head dims 65-128, where a thread's 8 x 8 score tile takes 4 shared loads per
   // 64 FMAs (8 x 4: 3 per 32) at two blocks an SM; at 64 the four blocks an SM of 64 keys ran faster.
   static constexpr int kBlockN = !kPascal && DMAX > 64 && DMAX <= 128 ? 128 : 64;
   static constexpr int kChunkD = kPascal ? 16 : 32;  // head-dim chunk of the score reduction
-  static constexpr int kRows = kBlockM / kRowsY;      // query rows per thread
-  static constexpr int kCols = kBlockN / kColsX;      // key columns per thread
+  static constexpr int kRows = kBlockM / (kThreads / kColsX);  // query rows per thread
+  static constexpr int kCols = kBlockN / kColsX;                 // key columns per thread
   static constexpr int kLdM = transposed_ld(kBlockM);  // Q^T and P^T (indexed by query)
   static constexpr int kLdN = transposed_ld(kBlockN);  // K^T (indexed by key)
   static constexpr int kScoreTiles = kChunkD * (kLdM + kLdN);  // Q and K chunks (floats)
   // Blocks per SM the register budget is sized for (__launch_bounds__). Pascal: 8 (64 registers a thread).
-  // Volta and newer: 4 (128 registers) up to head dim 64, 2 (255) above. At 64 a few registers spill on sm_90 (16
-  // bytes a thread), and the kernel ran faster than at 3 blocks an SM without spills (H100: 7.9 against 8.2 ms).
-  static constexpr int kMinBlocks = kPascal ? 8 : (DMAX <= 64 ? 4 : 2);
+  // Volta and newer: 128 registers a thread up to head dim 64 (4 blocks of 128 threads at 32, 2 of 256 at 64), 255
+  // above (2 blocks). At head dim 64, 3 blocks of 128 threads (168 registers) ran slower than 4 (7.4 against 7.1 ms).
+  static constexpr int kMinBlocks = kPascal ? 8 : (DMAX <= 32 ? 4 : 2);
 
-  // The block's gathers: K^T chunks, then V row chunks of kValueRows keys, each no more elements than a K^T chunk
-  // (half as many on Pascal), so that one register stage a thread (stage_regs) holds either (common.cuh: split
-  // gathers). kPrefetch: the next gather's loads are issued before the computation on the current one; Pascal's tiles
-  // at head dim 128 have no registers left for that within 64 and load right before storing.
+  // The block's gathers: K^T chunks, then V row chunks of kValueRows keys, each no more elements a thread than a K^T
+  // chunk takes with 128 threads (half as many on Pascal), so that one register stage a thread (stage_regs) holds
+  // either (common.cuh: split gathers). kPrefetch: the next gather's loads are issued before the computation on the
+  // current one; Pascal's tiles at head dim 128 have no registers left for that within 64 and load right before
+  // storing.
   static constexpr int value_rows() {
     int rows = kBlockN;
-    while (rows * DMAX > kBlockN * kChunkD / (kPascal ? 2 : 1)) rows /= 2;
+    while (rows * DMAX * cuda::kThreads > kBlockN * kChunkD * kThreads / (kPascal ? 2 : 1)) rows /= 2;
     return rows;
   }
   static constexpr int kValueRows = value_rows();
@@ -67,7 +73,7 @@ struct ForwardTiles {
 };
 
 template <typename T, int DMAX, int TILES, bool RESIDENT_Q>
-__global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlocks)
+__global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTiles<TILES, DMAX>::kMinBlocks)
     forward_kernel(const ForwardParams p) {
   using Tiles = ForwardTiles<TILES, DMAX>;
   constexpr int kBlockM = Tiles::kBlockM, kBlockN = Tiles::kBlockN, kChunkD = Tiles::kChunkD;
@@ -111,7 +117,8 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
 
   if constexpr (RESIDENT_Q) {
     for (int d0 = 0; d0 < DMAX; d0 += kChunkD)
-      gather_transposed<T, kBlockM, kChunkD, kLdM>(q_resident + d0 * kLdM, q_rows, start_m, d0, dim);
+      gather_transposed<T, kBlockM, kChunkD, kLdM, Tiles::kThreads>(q_resident + d0 * kLdM, q_rows, start_m, d0,
+                                                                     dim);
   }
 
   // Causal: keys after the block's last query are never seen.
@@ -132,7 +139,8 @@ __global__ void __launch_bounds__(kThreads, ForwardTiles<TILES, DMAX>::kMinBlock
     for (int d0 = 0; d0 < DMAX; d0 += kChunkD) {
       __syncthreads();  // the previous chunk (or P V step) is done with the tiles
       const float* q_t = RESIDENT_Q ? q_resident + d0 * kLdM : tiles;
-      if constexpr (!RESIDENT_Q) gather_transposed<T, kBlockM, kChunkD, kLdM>(tiles, q_rows, start_m, d0, dim);
+      if constexpr (!RESIDENT_Q)
+        gather_transposed<T, kBlockM, kChunkD, kLdM, Tiles::kThreads>(tiles, q_rows, start_m, d0, dim);
       if constexpr (!Tiles::kPrefetch) KeyTile::load(stage, k_rows, start_n, d0, dim);
       KeyTile::store(k_t, stage);
       __syncthreads();
@@ -271,15 +279,20 @@ cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, c
       if (blocks > kMaxGridBlocks) return cudaErrorInvalidConfiguration;
       return dispatch_scalar(kind, [&](auto tag) {
         using T = decltype(tag);
-        // Pascal's tiles never keep Q resident: their budget is 12 KiB a block.
+        // Q stays resident where a block fits the device and either kMinBlocks blocks an SM still fit, or streaming
+        // Q would not fit them either (an A100 at head dim 64 streams it at two blocks an SM rather than keep it at
+        // one). Pascal's tiles never keep Q resident: their budget is 12 KiB a block.
         const dim3 grid(static_cast<unsigned>(blocks));
+        constexpr size_t kStreamed = Tiles::template smem_floats<false>() * sizeof(float);
         if constexpr (!Tiles::kPascal) {
           constexpr size_t kResident = Tiles::template smem_floats<true>() * sizeof(float);
-          if (kResident <= max_shared_memory_per_block())
-            return launch_with_shared(forward_kernel<T, DMAX, TILES, true>, grid, kThreads, kResident, stream, p);
+          if (kResident <= max_shared_memory_per_block() &&
+              (blocks_fit_shared_memory(kResident, Tiles::kMinBlocks) ||
+               !blocks_fit_shared_memory(kStreamed, Tiles::kMinBlocks)))
+            return launch_with_shared(forward_kernel<T, DMAX, TILES, true>, grid, Tiles::kThreads, kResident, stream,
+                                      p);
         }
-        constexpr size_t kStreamed = Tiles::template smem_floats<false>() * sizeof(float);
-        return launch_with_shared(forward_kernel<T, DMAX, TILES, false>, grid, kThreads, kStreamed, stream, p);
+        return launch_with_shared(forward_kernel<T, DMAX, TILES, false>, grid, Tiles::kThreads, kStreamed, stream, p);
       });
     });
   });

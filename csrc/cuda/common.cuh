@@ -2,8 +2,9 @@
 // (block -> batch, head, segment, tile), dtype conversion, and the shared-memory gathers of dilated rows.
 // No ATen.
 //
-// The kernels' threads form 8 x 16 grids of 128 (one a block in the forward, two in the backward: attention_bwd.cu);
-// in a grid, ty = t / 16 and tx = t % 16.
+// The kernels' threads form 8 x 16 grids of 128 (one a block in the forward, two in the backward: attention_bwd.cu;
+// the forward's 256 threads at head dim 64 from Volta on form one 16 x 16 grid); in a grid, ty = t / 16 and
+// tx = t % 16.
 // A thread owns rows ty * R .. ty * R + R - 1 of a tile (R consecutive rows, read as vectors from
 // transposed tiles) and the columns thread_col(tx, j) (groups of up to 4 contiguous columns, a row's 16
 // threads side by side: each vector load of a half-warp reads one contiguous span, and the two rows of a
