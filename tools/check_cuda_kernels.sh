@@ -48,6 +48,8 @@ cat >"$WORK/launch_smem.cu" <<'CU'
 using namespace dilated_attn::cuda;
 template <int D>
 void row() {
+  // One block size a kernel below: Pascal's forward tiles run kThreads at every head dim.
+  static_assert(ForwardTiles<kPascalTiles, D>::kThreads == kThreads, "forward_kernel's threads on Pascal");
   std::printf("dynamic forward_kernel %d %zu\n", D,
               ForwardTiles<kPascalTiles, D>::template smem_floats<false>() * sizeof(float));
   std::printf("dynamic dq_kernel %d %zu\n", D,

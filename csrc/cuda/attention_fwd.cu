@@ -198,13 +198,7 @@ __global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTi
 #pragma unroll
       for (int j = 0; j < J; ++j) o[r][j] *= alpha;
     }
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      float col[kRows];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) col[r] = s[r][c];
-      store_row_values(probs + thread_col<kCols>(tx, c) * kLdM + ty * kRows, col);
-    }
+    store_tile_columns<kLdM>(probs, s, ty, tx);
 
     // O += P V, streaming KC key rows of V at a time through the tiles' space.
     for (int k0 = 0; k0 < kBlockN; k0 += KC) {
