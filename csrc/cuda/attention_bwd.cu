@@ -24,8 +24,9 @@
 // gather's tile and stored after it (common.cuh: split gathers), each product step's shared operands are loaded a
 // step ahead (accumulate_products), and, up to head dim 128 where two blocks an SM fit, the block's own pair stays
 // resident in shared memory for all its steps (dQ: Q^T and dO^T; dK/dV: K^T and V^T of the current head), so that the
-// steps gather only the other pair. Pascal's 64 registers a thread leave no room for the first two, nor its shared
-// memory for the third.
+// steps gather only the other pair; up to head dim 64 a step gathers that pair in one chunk of all dims, and the
+// accumulations read it there, transposed, instead of gathering its rows again (kWholeStep). Pascal's 64 registers a
+// thread leave no room for the first two, nor its shared memory for the third.
 // The tile structs hold the sizes per tile table (launch.h): Volta and newer, within 128 registers a thread (two
 // blocks an SM), 64 x 64 for dq (32 queries at head dim 256) and 64 keys x 32 queries for dK/dV (64 queries up to
 // head dim 64); Pascal, within 64 (four blocks), 16 x 32 (8 queries at head dim 256) and 8 x 16. dK/dV's output
@@ -144,8 +145,25 @@ struct DqTiles {
   // (launch_backward: on an H100 up to head dim 128, an A100 up to 32 (at 64 the 32-dim chunks take the room), a V100
   // or an sm_8x GeForce never).
   static constexpr bool kMayReside = !kPascal && DMAX <= 128;
+  // kBalanced: S and dP go to shared memory and all the block's threads compute P and dS elementwise (as in
+  // dkdv_kernel), dP^T in the tiles' space, which holds a [key][query] tile. From Volta on (a thread's 16 queries of a
+  // key, 8 at head dim 256); Pascal's tiles give a thread 2, and there role 0 computes P, then role 1 dS.
+  static constexpr bool kBalanced = !kPascal;
+  static_assert(!kBalanced || kTileFloats >= kBlockN * kLdM, "dP^T fits the tiles' space");
+  // kSplitKeys: in dQ += dS K the roles take half the keys of each chunk each, over all of dQ's dims, rather than half
+  // the dims over all keys: up to head dim 64 a thread's 8 queries x 4 dims take 3 shared loads per 32 FMAs (8 x 2 by
+  // dims: 3 per 16). Role 1's sums join role 0's through the tiles' space at the end.
+  static constexpr bool kSplitKeys = kBalanced && DMAX <= 64;
+  static_assert(!kSplitKeys || kTileFloats >= kBlockM * DMAX, "role 1's dQ fits the tiles' space");
+  // kWholeStep: with Q^T and dO^T resident (and kSplitKeys), a step gathers K^T and V^T in one chunk of all dims
+  // (kResidentChunk), and dQ += dS K reads K^T there (accumulate_products_b_transposed) instead of gathering K's rows
+  // again: half the gathers, five barriers a step instead of eight. dP^T then takes V^T's place.
+  static constexpr bool kWholeStep = kMayReside && kSplitKeys;
+  static constexpr int kResidentChunk = kWholeStep ? DMAX : kChunk;
+  static_assert(!kWholeStep || kTileFloats >= 2 * DMAX * kLdN, "K^T and V^T of a step fit the tiles' space");
+  static_assert(!kWholeStep || kTileFloats >= DMAX * kLdN + kBlockN * kLdM, "so do K^T and dP^T");
   template <typename T, bool RESIDENT = false>
-  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, kChunk, !RESIDENT, true>;
+  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, RESIDENT ? kResidentChunk : kChunk, !RESIDENT, true>;
   // K rows per chunk of dQ += dS K: in the tiles' space and in no more registers a thread than the score chunks of
   // both pairs
   static constexpr int kKeyBudget = Scores<float>::kRegs * kBackwardThreads;
@@ -160,16 +178,6 @@ struct DqTiles {
   }
   // Blocks of 256 threads per SM for __launch_bounds__: Pascal 4 (64 registers a thread), else 2 (128).
   static constexpr int kMinBlocks = kPascal ? 4 : 2;
-  // kBalanced: S and dP go to shared memory and all the block's threads compute P and dS elementwise (as in
-  // dkdv_kernel), dP^T in the tiles' space, which holds a [key][query] tile. From Volta on (a thread's 16 queries of a
-  // key, 8 at head dim 256); Pascal's tiles give a thread 2, and there role 0 computes P, then role 1 dS.
-  static constexpr bool kBalanced = !kPascal;
-  static_assert(!kBalanced || kTileFloats >= kBlockN * kLdM, "dP^T fits the tiles' space");
-  // kSplitKeys: in dQ += dS K the roles take half the keys of each chunk each, over all of dQ's dims, rather than half
-  // the dims over all keys: up to head dim 64 a thread's 8 queries x 4 dims take 3 shared loads per 32 FMAs (8 x 2 by
-  // dims: 3 per 16). Role 1's sums join role 0's through the tiles' space at the end.
-  static constexpr bool kSplitKeys = kBalanced && DMAX <= 64;
-  static_assert(!kSplitKeys || kTileFloats >= kBlockM * DMAX, "role 1's dQ fits the tiles' space");
   template <bool RESIDENT>
   static constexpr int smem_floats() {
     return (RESIDENT ? 2 * DMAX * kLdM : 0) + kTileFloats + kBlockN * kLdM;
@@ -207,8 +215,13 @@ struct DkdvTiles {
   // fit (launch_backward).
   static constexpr bool kMayReside = !kPascal && DMAX <= 128;
   static_assert(!kMayReside || kDimParts == 1, "resident K^T and V^T hold every dim");
+  // kWholeStep: with K^T and V^T resident, up to head dim 64, a step gathers Q^T and dO^T in one chunk of all dims
+  // (kResidentChunk), and dV += P^T dO and dK += dS^T Q read them there (accumulate_products_b_transposed) instead of
+  // gathering Q's and dO's rows again: half the gathers, four barriers a step instead of nine.
+  static constexpr bool kWholeStep = kMayReside && DMAX <= 64;
+  static constexpr int kResidentChunk = kWholeStep ? DMAX : kChunk;
   template <typename T, bool RESIDENT = false>
-  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, kChunk, true, !RESIDENT>;
+  using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, RESIDENT ? kResidentChunk : kChunk, true, !RESIDENT>;
   // Q and dO rows side by side, in the tiles' space and in no more registers a thread than the score chunks of both
   // pairs (so one stage holds either; Pascal's dK/dV at head dim 128 spill otherwise)
   static constexpr int kRowBudget = Scores<float>::kRegs * kBackwardThreads;
@@ -222,6 +235,7 @@ struct DkdvTiles {
     return scores > 2 * QueryRows<T>::kRegs ? scores : 2 * QueryRows<T>::kRegs;
   }
   static constexpr int kMinBlocks = kPascal ? 4 : 2;
+  static_assert(!kWholeStep || kTileFloats >= 2 * DMAX * kLdM, "Q^T and dO^T of a step fit the tiles' space");
   template <bool RESIDENT>
   static constexpr int smem_floats() {
     return (RESIDENT ? 2 * DMAX * kLdN : 0) + kTileFloats + 2 * kBlockM * kLdN;
@@ -263,12 +277,14 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   constexpr int BM = Tiles::kBlockM, BN = Tiles::kBlockN, LDM = Tiles::kLdM, LDN = Tiles::kLdN;
   // query rows, key columns and dims of the role's share of dQ per thread
   constexpr int R = BM / kRowsY, C = BN / kColsX, J = (Tiles::kSplitKeys ? DMAX : DMAX / 2) / kColsX;
-  constexpr int KC = Tiles::kKeyChunk, CH = Tiles::kChunk;
+  constexpr int KC = Tiles::kKeyChunk, CH = RESIDENT ? Tiles::kResidentChunk : Tiles::kChunk;
+  constexpr bool WHOLE = RESIDENT && Tiles::kWholeStep;
   extern __shared__ __align__(16) float smem[];
   float* resident = smem;  // RESIDENT: Q^T and dO^T, [DMAX][LDM] each
   float* tiles = smem + (RESIDENT ? 2 * DMAX * LDM : 0);  // Q^T, dO^T (unless resident), K^T, V^T chunks; K rows
   float* ps_t = tiles + Tiles::kTileFloats;                 // P^T (or S^T), then dS^T: [key][query]
-  float* dp_t = tiles;                                      // kBalanced: dP^T, [key][query], between the gathers
+  // kBalanced: dP^T, [key][query], between the gathers (WHOLE: in V^T's place, after K^T)
+  float* dp_t = tiles + (WHOLE ? DMAX * LDN : 0);
   // lse * log2(e) and delta of the block's queries: in shared memory rather than registers, which the score loop
   // needs
   __shared__ __align__(16) float row_stats[2 * BM];
@@ -337,6 +353,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
       if constexpr (Tiles::kPrefetch) {  // the next gather's loads
         if (d0 + CH < DMAX) {
           Scores::load(stage, block_rows, start_m, start_n, d0 + CH, dim);
+        } else if (WHOLE) {
+          if (start_n + BN < key_end) Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
         } else {
           KeyRows::load(stage, k_rows, start_n, 0, dim);
         }
@@ -404,29 +422,35 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
         }
       }
     }
-    for (int k0 = 0; k0 < BN; k0 += KC) {
+    if constexpr (WHOLE) {  // the role's half of the keys (kSplitKeys), from the step's K^T
+      constexpr int kHalf = BN / 2;
       __syncthreads();
-      if constexpr (!Tiles::kPrefetch) KeyRows::load(stage, k_rows, start_n + k0, 0, dim);
-      KeyRows::store(tiles, stage);
-      __syncthreads();
-      if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-        if (k0 + KC < BN) {
-          KeyRows::load(stage, k_rows, start_n + k0 + KC, 0, dim);
-        } else if (start_n + BN < key_end) {
-          Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
+      accumulate_products_b_transposed<kHalf, LDM, LDN>(dq, ps_t + role * kHalf * LDM + ty * R, k_t + role * kHalf, tx);
+    } else {
+      for (int k0 = 0; k0 < BN; k0 += KC) {
+        __syncthreads();
+        if constexpr (!Tiles::kPrefetch) KeyRows::load(stage, k_rows, start_n + k0, 0, dim);
+        KeyRows::store(tiles, stage);
+        __syncthreads();
+        if constexpr (Tiles::kPrefetch) {  // the next gather's loads
+          if (k0 + KC < BN) {
+            KeyRows::load(stage, k_rows, start_n + k0 + KC, 0, dim);
+          } else if (start_n + BN < key_end) {
+            Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
+          }
         }
-      }
-      if constexpr (Tiles::kSplitKeys) {
-        constexpr int kHalf = KC / 2;
-        accumulate_products<kHalf, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + (k0 + role * kHalf) * LDM + ty * R,
-                                                                   tiles + role * kHalf * DMAX, tx);
-      } else {
-        accumulate_products<KC, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + k0 * LDM + ty * R, tiles + d_half, tx);
+        if constexpr (Tiles::kSplitKeys) {
+          constexpr int kHalf = KC / 2;
+          accumulate_products<kHalf, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + (k0 + role * kHalf) * LDM + ty * R,
+                                                                     tiles + role * kHalf * DMAX, tx);
+        } else {
+          accumulate_products<KC, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + k0 * LDM + ty * R, tiles + d_half, tx);
+        }
       }
     }
   }
-  if constexpr (Tiles::kSplitKeys) {  // role 1's sums to role 0's, [query][dim] in the tiles' space
-    static_assert(col_vector<J>() == J, "a thread's dims of dQ are contiguous");
+  if constexpr (Tiles::kSplitKeys) {  // role 1's sums to role 0's, a thread's J in a row of the tiles' space
+    static_assert(col_vector<J>() == J, "one vector of a thread's J sums");
     __syncthreads();
     float* partial = tiles + ty * R * DMAX;
     if (role == 1) {
@@ -452,7 +476,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
       float* row = p.dq + ((b * sh.seq_len + mem.first + qi * br.dilation) * sh.num_heads + head) * sh.head_dim;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        const int d = d_half + thread_col<J>(tx, j);
+        // WHOLE: accumulate_products_b_transposed's columns
+        const int d = d_half + (WHOLE ? j * kColsX + tx : thread_col<J>(tx, j));
         if (d < dim) row[d] += dq[r][j] * scale;
       }
     }
@@ -466,7 +491,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
   constexpr int BN = Tiles::kBlockN, BM = Tiles::kBlockM, LDN = Tiles::kLdN, LDM = Tiles::kLdM;
   constexpr int OUT_DIMS = Tiles::kOutDims;
   constexpr int R = BN / kRowsY, C = BM / kColsX, J = OUT_DIMS / kColsX;  // key rows, query columns, dims a thread
-  constexpr int QC = Tiles::kQueryChunk, CH = Tiles::kChunk;
+  constexpr int QC = Tiles::kQueryChunk, CH = RESIDENT ? Tiles::kResidentChunk : Tiles::kChunk;
+  constexpr bool WHOLE = RESIDENT && Tiles::kWholeStep;
   extern __shared__ __align__(16) float smem[];
   float* resident = smem;  // RESIDENT: K^T and V^T, [DMAX][LDN] each
   float* tiles = smem + (RESIDENT ? 2 * DMAX * LDN : 0);  // K^T, V^T (unless resident), Q^T, dO^T chunks; Q, dO rows
@@ -491,6 +517,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
   const float* cols_t = role == 0 ? q_t : do_t;
   const float* weights = p_s + role * (BM * LDN);                 // P or dS
   const float* values = tiles + (1 - role) * (QC * OUT_DIMS);     // the dO or Q row chunk
+  const float* values_t = role == 0 ? do_t : q_t;                 // WHOLE: dO^T or Q^T of the step
   using Scores = typename Tiles::template Scores<T, RESIDENT>;
   using QueryRows = typename Tiles::template QueryRows<T>;
   T stage[Tiles::template stage_regs<T, RESIDENT>()];
@@ -544,6 +571,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
         if constexpr (Tiles::kPrefetch) {  // the next gather's loads
           if (d0 + CH < DMAX) {
             Scores::load(stage, block_rows, start_m, start_n, d0 + CH, dim);
+          } else if (WHOLE) {
+            if (start_m + BM < mem.count) Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
           } else {
             QueryRows::load(stage, q_rows, start_m, d_out, dim);
             QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m, d_out, dim);
@@ -579,28 +608,33 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
         store_row_values(p_s + q * LDN + k0, sp);
         store_row_values(ds_s + q * LDN + k0, dp);
       }
-      for (int q0 = 0; q0 < BM; q0 += QC) {
+      if constexpr (WHOLE) {
         __syncthreads();
-        if constexpr (Tiles::kPrefetch) {
-          QueryRows::store(tiles, stage);
-          QueryRows::store(tiles + QC * OUT_DIMS, stage + QueryRows::kRegs);
-        } else {  // one tile's registers at a time
-          QueryRows::load(stage, q_rows, start_m + q0, d_out, dim);
-          QueryRows::store(tiles, stage);
-          QueryRows::load(stage, do_rows, start_m + q0, d_out, dim);
-          QueryRows::store(tiles + QC * OUT_DIMS, stage);
-        }
-        __syncthreads();
-        if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-          if (q0 + QC < BM) {
-            QueryRows::load(stage, q_rows, start_m + q0 + QC, d_out, dim);
-            QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m + q0 + QC, d_out, dim);
-          } else if (start_m + BM < mem.count) {
-            Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
+        accumulate_products_b_transposed<BM, LDN, LDM>(grad, weights + ty * R, values_t, tx);
+      } else {
+        for (int q0 = 0; q0 < BM; q0 += QC) {
+          __syncthreads();
+          if constexpr (Tiles::kPrefetch) {
+            QueryRows::store(tiles, stage);
+            QueryRows::store(tiles + QC * OUT_DIMS, stage + QueryRows::kRegs);
+          } else {  // one tile's registers at a time
+            QueryRows::load(stage, q_rows, start_m + q0, d_out, dim);
+            QueryRows::store(tiles, stage);
+            QueryRows::load(stage, do_rows, start_m + q0, d_out, dim);
+            QueryRows::store(tiles + QC * OUT_DIMS, stage);
           }
+          __syncthreads();
+          if constexpr (Tiles::kPrefetch) {  // the next gather's loads
+            if (q0 + QC < BM) {
+              QueryRows::load(stage, q_rows, start_m + q0 + QC, d_out, dim);
+              QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m + q0 + QC, d_out, dim);
+            } else if (start_m + BM < mem.count) {
+              Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
+            }
+          }
+          accumulate_products<QC, LDN, OUT_DIMS, Tiles::kPascal ? 1 : 2, Tiles::kPrefetch>(
+              grad, weights + q0 * LDN + ty * R, values, tx);
         }
-        accumulate_products<QC, LDN, OUT_DIMS, Tiles::kPascal ? 1 : 2, Tiles::kPrefetch>(
-            grad, weights + q0 * LDN + ty * R, values, tx);
       }
     }
 
@@ -613,7 +647,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
         float* row = out + ((b * sh.seq_len + mem.first + kj * br.dilation) * sh.num_kv_heads + kvh) * sh.head_dim;
 #pragma unroll
         for (int j = 0; j < J; ++j) {
-          const int d = d_out + thread_col<J>(tx, j);
+          // WHOLE: accumulate_products_b_transposed's columns
+          const int d = d_out + (WHOLE ? j * kColsX + tx : thread_col<J>(tx, j));
           if (d < dim) row[d] += grad[r][j] * scale;
         }
       }

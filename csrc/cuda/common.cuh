@@ -375,6 +375,31 @@ __device__ __forceinline__ void accumulate_products(float (&acc)[R][C], const fl
   }
 }
 
+// accumulate_products with b stored transposed: acc[r][c] += a[k * LDA + r] * b_t[(c * kColsX + tx) * LDB + k] for
+// k < STEPS (a thread's columns tx, tx + kColsX, ...), so that a kernel holding an operand transposed for one product
+// (a step's Q^T) need not gather its rows again for the next. Four k at a time: a column's 4 consecutive k in one
+// vector load (R = 8, C = 4: 3 shared loads per 32 FMAs, as accumulate_products), and the 8 threads of a quarter-warp
+// on distinct banks where LDB / 4 is odd (transposed_ld).
+template <int STEPS, int LDA, int LDB, int R, int C>
+__device__ __forceinline__ void accumulate_products_b_transposed(float (&acc)[R][C], const float* a, const float* b_t,
+                                                                 int tx) {
+  static_assert(STEPS % 4 == 0 && LDB % 4 == 0, "four aligned k a vector load");
+#pragma unroll 1
+  for (int k0 = 0; k0 < STEPS; k0 += 4) {
+    float a_reg[4][R], b_reg[C][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) load_row_values(a_reg[i], a + (k0 + i) * LDA);
+#pragma unroll
+    for (int c = 0; c < C; ++c) load_vector<4>(b_reg[c], b_t + (c * kColsX + tx) * LDB + k0);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = fmaf(a_reg[i][r], b_reg[c][i], acc[r][c]);
+  }
+}
+
 // The current device's shared memory per block with opt-in (48 KiB without).
 inline size_t max_shared_memory_per_block() {
   int device = 0, bytes = 48 * 1024;
