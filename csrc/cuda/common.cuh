@@ -379,7 +379,8 @@ __device__ __forceinline__ void accumulate_products(float (&acc)[R][C], const fl
 // k < STEPS (a thread's columns tx, tx + kColsX, ...), so that a kernel holding an operand transposed for one product
 // (a step's Q^T) need not gather its rows again for the next. Four k at a time: a column's 4 consecutive k in one
 // vector load (R = 8, C = 4: 3 shared loads per 32 FMAs, as accumulate_products), and the 8 threads of a quarter-warp
-// on distinct banks where LDB / 4 is odd (transposed_ld).
+// on distinct banks where LDB / 4 is odd (transposed_ld). The groups are not unrolled: one group's 48 operand
+// registers beside a thread's accumulators and its kernel's prefetch stage already fill its 128.
 template <int STEPS, int LDA, int LDB, int R, int C>
 __device__ __forceinline__ void accumulate_products_b_transposed(float (&acc)[R][C], const float* a, const float* b_t,
                                                                  int tx) {
