@@ -65,7 +65,8 @@ def test_calls_cover_every_member_once(index):
                 if (p % br.seg_len) % br.dilation == br.offset(h)}
         got = []
         for c in ops.branch_calls(br, case.seq_len):
-            rows = [(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation, c.head0 + i * c.head_step)
+            rows = [(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation,
+                     c.head0 + j * c.seg_head_step + i * c.head_step)
                     for j in range(c.n_seg) for i in range(c.n_heads) for m in range(c.members)]
             # one call's members share one segment: they attend to each other only
             for j in range(c.n_seg):
@@ -80,6 +81,9 @@ def test_longnet_branches_take_few_calls():
     # H=16, r=8: two calls (one per head within the offset groups of 2), not eight
     table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 65536, 16, "all")
     assert [len(ops.branch_calls(br, 65536)) for br in table] == [1, 2, 4, 2]
+    # N=16384: r=4 and r=8 have fewer segments (2, 1) than heads within a group: one call per segment
+    table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 16384, 16, "all")
+    assert [len(ops.branch_calls(br, 16384)) for br in table] == [1, 2, 2, 1]
 
 
 def _reference_grads(q, k, v, case, grad_out):
@@ -95,6 +99,7 @@ def test_plan_views_and_merge_equal_the_reference(index, pieces, math_primitives
         if index % 4:
             pytest.skip("a quarter of the cases is enough")
         monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", 64)
+        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 64)
     case = CASES[index]
     q, k, v = make_qkv(case, dtype=torch.float64, seed=index)
     args = (list(case.segment_lengths), list(case.dilation_rates), case.head_groups == "split", case.causal,
@@ -108,6 +113,29 @@ def test_plan_views_and_merge_equal_the_reference(index, pieces, math_primitives
     assert out.is_contiguous() and lse.is_contiguous()
     grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args)
     for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pieces", [None, 64])
+def test_calls_by_segment_equal_the_reference(layout, causal, pieces, math_primitives, monkeypatch):
+    """Calls that take every offset group of one segment (n=80 with w=64, r=4 and 8 heads: a full segment and the
+    16-row tail, one call each), over two batches that one view cannot span, whole and cut into pieces."""
+    if pieces is not None:
+        monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", pieces)
+        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", pieces)
+    case = dataclasses.replace(LONGNET, seq_len=80, dilation_rates=(1, 2, 4), layout=layout, causal=causal)
+    calls = ops.branch_calls(branch_table([64], [4], 80, 8, "all")[0], 80)
+    assert [(c.n_seg, c.n_heads, c.seg_head_step) for c in calls] == [(4, 2, 2), (4, 2, 2)]
+    q, k, v = make_qkv(case, dtype=torch.float64, seed=5)
+    args = (list(case.segment_lengths), list(case.dilation_rates), False, causal, 8 ** -0.5)
+    out, lse = ops.cudnn_forward(q, k, v, *args)
+    grad_out = torch.randn(out.shape, dtype=torch.float64)
+    ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, case, grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    for got, want in zip(ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args), ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -264,6 +292,7 @@ def test_gpu_repeatable_but_dq(monkeypatch):
     if dilated_attn.backends.CUDNN.unavailable() is not None:
         pytest.skip(dilated_attn.backends.CUDNN.unavailable())
     monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 1 << 18)
     c = GPU_CASES[0]
     g = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(c["B"], c["N"], c["H"], c["D"], device="cuda", dtype=torch.bfloat16, generator=g,

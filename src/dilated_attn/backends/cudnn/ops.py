@@ -5,7 +5,8 @@ A branch's members are evenly spaced rows: for offset `o`, segment `j` holds row
 heads sharing one offset they form a 4-D strided view `[segments, heads, members, D]` of `[B, N, H, D]` (row stride
 `r*H*D`, segment stride `s*H*D`), which cuDNN reads in place, with no gather. With `head_groups="all"` the offset
 grows by one per `c = ceil(H/r)` heads, so the `i`-th head of every offset group also forms one view (head stride
-`(H + c)*D`): a branch takes `min(groups, c)` calls, not one per group. The backward passes cuDNN the merged
+`(H + c)*D`), and so do all the groups of one segment (group stride `(H + c)*D`): a branch takes
+`min(groups, c, segments)` calls, not one per group. The backward passes cuDNN the merged
 `out` and `lse` of the whole problem: its `P = exp(S - lse)` and `delta = rowsum(dO * out)` are then this
 branch's share of the exact gradient (docs/SPEC.md, "Gradients"), which is added into the gradients in place.
 """
@@ -30,9 +31,10 @@ __all__ = ["Call", "branch_calls", "cudnn_forward", "cudnn_backward"]
 
 @dataclass(frozen=True)
 class Call:
-    """One attention call over `n_seg` segments (`seg_rows` rows apart) starting at row `first_row`: head `i` of
-    the call is head `head0 + i*head_step` at row shift `i*row_step`, and its members are `members` rows `dilation`
-    apart."""
+    """One attention call over `n_seg` segments (`seg_rows` rows and `seg_head_step` heads apart) starting at row
+    `first_row`: head `i` of the call is head `head0 + i*head_step` at row shift `i*row_step`, and its members are
+    `members` rows `dilation` apart. (A call's "segments" may also be the offset groups of one segment: see
+    branch_calls.)"""
 
     first_row: int
     n_seg: int
@@ -43,6 +45,7 @@ class Call:
     n_heads: int
     head_step: int = 1
     row_step: int = 0
+    seg_head_step: int = 0
 
 
 def _offset_groups(br: Branch) -> list[tuple[int, int, int]]:
@@ -52,8 +55,10 @@ def _offset_groups(br: Branch) -> list[tuple[int, int, int]]:
 
 def branch_calls(br: Branch, seq_len: int) -> list[Call]:
     """The calls that cover branch `br`: the full segments, then the shorter last one (if any), each by offset
-    group, or by head within the groups when that takes fewer calls (equal groups, consecutive offsets, and every
-    offset with the same number of members)."""
+    group, unless another cut takes fewer calls where the groups allow it (equal groups, consecutive offsets, and
+    every offset with the same number of members): by head within the groups (the `i`-th head of every group and
+    segment in one call), or by segment (every group of one segment in one call). Fewer calls cost less host time,
+    which bounds small problems."""
     s, r = br.seg_len, br.dilation
     n_full, tail = divmod(seq_len, s)
     groups = _offset_groups(br)
@@ -62,9 +67,13 @@ def branch_calls(br: Branch, seq_len: int) -> list[Call]:
     for first_row, n_seg, length in ((0, n_full, s), (n_full * s, 1, tail)):
         if n_seg == 0 or length == 0:
             continue
-        stackable = (len(groups) > size and length % r == 0
+        stackable = (len(groups) > 1 and length % r == 0
                      and all(g == (groups[0][0] + i, br.head_lo + i * size, size) for i, g in enumerate(groups)))
-        if stackable:
+        if stackable and n_seg < min(size, len(groups)):
+            calls += [Call(first_row + j * s + groups[0][0], len(groups), 1, length // r, r, br.head_lo, size,
+                           seg_head_step=size) for j in range(n_seg)]
+            continue
+        if stackable and size < len(groups):
             calls += [Call(first_row + groups[0][0], n_seg, s, length // r, r, br.head_lo + i, len(groups),
                            head_step=size, row_step=1) for i in range(size)]
             continue
@@ -76,13 +85,16 @@ def branch_calls(br: Branch, seq_len: int) -> list[Call]:
 
 def _batch_merges(call: Call, shape, stride) -> bool:
     """Batches of a `[B, N, H, ...]` layout continue its segment dimension (one view spans them)."""
-    return shape[0] == 1 or stride[0] == call.n_seg * call.seg_rows * stride[1]
+    return shape[0] == 1 or (call.seg_head_step == 0 and stride[0] == call.n_seg * call.seg_rows * stride[1])
 
 
-# The most elements (segments x heads x members x D) one cuDNN call takes: bounds what a call allocates beyond
-# the result (its output in the forward; its gradients and cuDNN's float32 dQ accumulator in the backward) to a
-# few times 2^24 elements, while a call still has >= 1024 programs at the sizes that matter.
+# The most elements (segments x heads x members x D) one cuDNN call takes, in the forward and in the backward:
+# bounds what a call allocates beyond the result (its output in the forward; its gradients and cuDNN's float32 dQ
+# accumulator in the backward), while a call still has >= 1024 programs at the sizes that matter. The backward's
+# larger pieces take fewer calls and let a first branch of up to 2^25 elements be the starting gradients without a
+# copy (benchmarks/README.md, "The cudnn backend": forward + backward at N = 65536 in 1.32 GiB).
 MAX_CALL_ELEMENTS = 1 << 24
+MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
 
 
 @functools.lru_cache(maxsize=4096)
@@ -102,19 +114,19 @@ def _geometry(call: Call, layouts: tuple, limit: Optional[int]) -> tuple:
         for first in range(0, segments, size):
             piece = []
             for shape, (sb, sn, sh, *rest), offset in layouts:
-                strides = (call.seg_rows * sn, call.row_step * sn + call.head_step * sh, call.dilation * sn, *rest)
+                strides = (call.seg_rows * sn + call.seg_head_step * sh, call.row_step * sn + call.head_step * sh,
+                           call.dilation * sn, *rest)
                 start = offset + b * sb + call.first_row * sn + call.head0 * sh + first * strides[0]
                 piece.append(((min(size, segments - first), call.n_heads, call.members, *shape[3:]), strides, start))
             pieces.append(tuple(piece))
     return tuple(pieces)
 
 
-def _call_views(call: Call, *tensors: torch.Tensor, pieces: bool = True) -> list[tuple[torch.Tensor, ...]]:
-    """The call's views of each of `tensors`, as one tuple per piece (see _geometry; with `pieces`, of at most
-    MAX_CALL_ELEMENTS elements). The geometry is cached: this runs once per call on every step."""
+def _call_views(call: Call, *tensors: torch.Tensor, limit: Optional[int]) -> list[tuple[torch.Tensor, ...]]:
+    """The call's views of each of `tensors`, as one tuple per piece (see _geometry; with a `limit`, of at most that
+    many elements). The geometry is cached: this runs once per call on every step."""
     layouts = tuple((tuple(x.shape), x.stride(), x.storage_offset()) for x in tensors)
-    return [tuple(x.as_strided(*g) for x, g in zip(tensors, piece))
-            for piece in _geometry(call, layouts, MAX_CALL_ELEMENTS if pieces else None)]
+    return [tuple(x.as_strided(*g) for x, g in zip(tensors, piece)) for piece in _geometry(call, layouts, limit)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -274,7 +286,7 @@ def cudnn_forward(
     plans, _ = _plan(tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
     if plans and _single_full_call(plans[0], q, k, v):  # the first branch's result is the starting (out, lse)
         (first,), plans = plans[0], plans[1:]
-        part_out, part_lse = _attend(*_call_views(first, q, k, v, pieces=False)[0], causal, scale)
+        part_out, part_lse = _attend(*_call_views(first, q, k, v, limit=None)[0], causal, scale)
         out = _as_rows(part_out, q.shape)
         lse_rows = part_lse.view(B, N // first.seg_rows, H, first.seg_rows).transpose(2, 3).reshape(B, N, H)
         lse_rows = lse_rows.to(lse_dtype(q.dtype))
@@ -283,7 +295,7 @@ def cudnn_forward(
         lse_rows = torch.full((B, N, H), -math.inf, dtype=lse_dtype(q.dtype), device=q.device)
     for calls in plans:
         for call in calls:
-            for qc, kc, vc, oc, lc in _call_views(call, q, k, v, out, lse_rows):
+            for qc, kc, vc, oc, lc in _call_views(call, q, k, v, out, lse_rows, limit=MAX_CALL_ELEMENTS):
                 _merge(oc, lc, *_attend(qc, kc, vc, causal, scale))  # one call's output alive at a time
     return out, lse_rows.transpose(1, 2).contiguous()
 
@@ -318,9 +330,10 @@ def cudnn_backward(
     # A first branch with dilation 1 over all heads reaches every gradient row once: its calls store, not add
     plans, store = _plan(tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
     tensors = (grad_out, q, k, v, out, lse_rows)
-    if plans and _single_full_call(plans[0], *tensors) and len(_call_views(plans[0][0], q)) == 1:
-        # one cuDNN call of at most MAX_CALL_ELEMENTS: its gradients, in row-major layout, are the starting ones
-        grads = _attend_backward(*_call_views(plans[0][0], *tensors)[0], causal, scale)
+    limit = MAX_BACKWARD_CALL_ELEMENTS
+    if plans and _single_full_call(plans[0], *tensors) and len(_call_views(plans[0][0], q, limit=limit)) == 1:
+        # one cuDNN call within the limit: its gradients, in row-major layout, are the starting ones
+        grads = _attend_backward(*_call_views(plans[0][0], *tensors, limit=limit)[0], causal, scale)
         dq, dk, dv = (_as_rows(g, q.shape) for g in grads)
         plans, store = plans[1:], False
     else:
@@ -328,7 +341,7 @@ def cudnn_backward(
         dq, dk, dv = (new(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
     for i, calls in enumerate(plans):
         for call in calls:
-            for go, qc, kc, vc, oc, lc, dqc, dkc, dvc in _call_views(call, *tensors, dq, dk, dv):
+            for go, qc, kc, vc, oc, lc, dqc, dkc, dvc in _call_views(call, *tensors, dq, dk, dv, limit=limit):
                 _accumulate((dqc, dkc, dvc), _attend_backward(go, qc, kc, vc, oc, lc, causal, scale),
                             store and i == 0)
     return dq, dk, dv
