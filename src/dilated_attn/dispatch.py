@@ -52,11 +52,12 @@ def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
 
 
 # auto prefers the cudnn backend from this compute capability on (Hopper) and from this many elements of q on:
-# it issues one cuDNN call per branch and offset group, each with ~50-70 us of host time, so small problems are
-# bound by the host. Measured on an H100: faster than triton at 2^26 elements (N=65536, H=16, D=64) and above,
-# slower at 2^25 (N=16384, H=16, D=128).
+# it issues a cuDNN call per branch and offset group or segment, each with 30-80 us of host time, so small problems
+# are bound by the host. Measured on an H100 at 2^25 elements (N=16384, H=16, D=128): forward + backward faster
+# than triton in the three runs of the current calls (3.9-4.0 ms against 5.2-5.3), the forward in three runs of
+# five (0.95-2.5 ms against 1.27); more so above (benchmarks/README.md, "The cudnn backend").
 CUDNN_PREFERRED_FROM = (9, 0)
-CUDNN_MIN_ELEMENTS = 1 << 26
+CUDNN_MIN_ELEMENTS = 1 << 25
 
 
 @trace_constant
