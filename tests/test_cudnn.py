@@ -92,28 +92,38 @@ def _reference_grads(q, k, v, case, grad_out):
     return out, lse, torch.autograd.grad((out * grad_out.double()).sum(), inputs)
 
 
+def _cut_calls_into_pieces(monkeypatch, elements: int) -> None:
+    monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", elements)
+    monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", elements)
+
+
+def _forward_backward_equal_the_reference(case, seed: int):
+    """The ops' out, LSE and gradients (float64 inputs of `case`, cuDNN's contract in math) against the reference:
+    returns (out, lse)."""
+    q, k, v = make_qkv(case, dtype=torch.float64, seed=seed)
+    args = (list(case.segment_lengths), list(case.dilation_rates), case.head_groups == "split", case.causal,
+            case.head_dim ** -0.5)
+    torch.manual_seed(seed)
+    out, lse = ops.cudnn_forward(q, k, v, *args)
+    grad_out = torch.randn(out.shape, dtype=torch.float64)
+    ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, case, grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    return out, lse
+
+
 @pytest.mark.parametrize("pieces", ["whole", "split"])
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_plan_views_and_merge_equal_the_reference(index, pieces, math_primitives, monkeypatch):
     if pieces == "split":  # calls cut into pieces of a few segments
         if index % 4:
             pytest.skip("a quarter of the cases is enough")
-        monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", 64)
-        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 64)
-    case = CASES[index]
-    q, k, v = make_qkv(case, dtype=torch.float64, seed=index)
-    args = (list(case.segment_lengths), list(case.dilation_rates), case.head_groups == "split", case.causal,
-            case.head_dim ** -0.5)
-    torch.manual_seed(index)
-    out, lse = ops.cudnn_forward(q, k, v, *args)
-    grad_out = torch.randn(out.shape, dtype=torch.float64)
-    ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, case, grad_out)
-    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+        _cut_calls_into_pieces(monkeypatch, 64)
+    out, lse = _forward_backward_equal_the_reference(CASES[index], seed=index)
     assert out.is_contiguous() and lse.is_contiguous()
-    grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
@@ -123,20 +133,11 @@ def test_calls_by_segment_equal_the_reference(layout, causal, pieces, math_primi
     """Calls that take every offset group of one segment (n=80 with w=64, r=4 and 8 heads: a full segment and the
     16-row tail, one call each), over two batches that one view cannot span, whole and cut into pieces."""
     if pieces is not None:
-        monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", pieces)
-        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", pieces)
+        _cut_calls_into_pieces(monkeypatch, pieces)
     case = dataclasses.replace(LONGNET, seq_len=80, dilation_rates=(1, 2, 4), layout=layout, causal=causal)
     calls = ops.branch_calls(branch_table([64], [4], 80, 8, "all")[0], 80)
     assert [(c.n_seg, c.n_heads, c.seg_head_step) for c in calls] == [(4, 2, 2), (4, 2, 2)]
-    q, k, v = make_qkv(case, dtype=torch.float64, seed=5)
-    args = (list(case.segment_lengths), list(case.dilation_rates), False, causal, 8 ** -0.5)
-    out, lse = ops.cudnn_forward(q, k, v, *args)
-    grad_out = torch.randn(out.shape, dtype=torch.float64)
-    ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, case, grad_out)
-    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
-    for got, want in zip(ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args), ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    _forward_backward_equal_the_reference(case, seed=5)
 
 
 def test_first_branch_result_is_used_in_place(math_primitives, monkeypatch):
@@ -291,8 +292,7 @@ def test_gpu_repeatable_but_dq(monkeypatch):
     its last bits (cuDNN adds it up with float32 atomics; docs/numerics.md, "Determinism")."""
     if dilated_attn.backends.CUDNN.unavailable() is not None:
         pytest.skip(dilated_attn.backends.CUDNN.unavailable())
-    monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", 1 << 18)
-    monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 1 << 18)
+    _cut_calls_into_pieces(monkeypatch, 1 << 18)
     c = GPU_CASES[0]
     g = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(c["B"], c["N"], c["H"], c["D"], device="cuda", dtype=torch.bfloat16, generator=g,
