@@ -123,11 +123,15 @@ def _geometry(call: Call, layouts: tuple, limit: Optional[int]) -> tuple:
     return tuple(pieces)
 
 
+def _layouts(*tensors: torch.Tensor) -> tuple:
+    return tuple((tuple(x.shape), x.stride(), x.storage_offset()) for x in tensors)
+
+
 def _call_views(call: Call, *tensors: torch.Tensor, limit: Optional[int]) -> list[tuple[torch.Tensor, ...]]:
     """The call's views of each of `tensors`, as one tuple per piece (see _geometry; with a `limit`, of at most that
-    many elements). The geometry is cached: this runs once per call on every step."""
-    layouts = tuple((tuple(x.shape), x.stride(), x.storage_offset()) for x in tensors)
-    return [tuple(x.as_strided(*g) for x, g in zip(tensors, piece)) for piece in _geometry(call, layouts, limit)]
+    many elements)."""
+    return [tuple(x.as_strided(*g) for x, g in zip(tensors, piece))
+            for piece in _geometry(call, _layouts(*tensors), limit)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -139,12 +143,26 @@ def _plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, heads: in
     return plans, bool(table) and covers_everything(table[0], heads)
 
 
+@functools.lru_cache(maxsize=256)
+def _schedule(plan_key: tuple, first_branch: int, layouts: tuple, limit: int) -> tuple:
+    """Every piece of every call of the branches of `_plan(*plan_key)` from `first_branch` on, in order, as
+    (branch index, the as_strided arguments of each tensor's view; see _geometry). The small problems this backend
+    runs are bound by the host's time per call (benchmarks/README.md, "The cudnn backend"), so a step looks up all
+    its views at once, and builds only the views cuDNN reads."""
+    plans, _ = _plan(*plan_key)
+    return tuple((i, piece) for i, calls in enumerate(plans) if i >= first_branch for call in calls
+                 for piece in _geometry(call, layouts, limit))
+
+
+_CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+_CUDNN_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+
+
 def _attend(q, k, v, causal: bool, scale: float):
     """cuDNN attention of `[b, h, s, d]` views: out `[b, h, s, d]` and the natural-log LSE `[b, h, s]` (float32)."""
     if q.shape[2] == 1:  # cuDNN rejects s_q = s_kv = 1: the one key's weight is 1
         return v.clone(), _single_key_scores(q, k, scale)
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention.default(
-        q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    out, lse = _CUDNN_ATTENTION(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     return out, lse.view(q.shape[:3])
 
 
@@ -156,7 +174,7 @@ def _attend_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
         ds = p * ((do * v.float()).sum(-1, keepdim=True) - (do * out.float()).sum(-1, keepdim=True))
         return tuple(x.to(q.dtype) for x in (ds * k.float() * scale, ds * q.float() * scale, p * do))
     none = _no_philox(q.device)  # philox seed and offset: no dropout
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(
+    return _CUDNN_ATTENTION_BACKWARD(
         grad_out, q, k, v, out, lse.unsqueeze(-1), none, none, None, None, None, q.shape[2], k.shape[2], 0.0,
         causal, scale=scale)
 
@@ -179,11 +197,14 @@ def _program_block(n_heads, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _merge_kernel(out, lse, part_out, part_lse,
+def _merge_kernel(out, lse, part_out, part_lse, out_at, lse_at,
                   so_b, so_h, so_s, sl_b, sl_h, sl_s, sp_b, sp_h, sp_s, sq_b, sq_h, sq_s,
                   n_heads, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
-    """(out, lse) <- merge([out, part_out], [lse, part_lse]) over `[b, h, s(, d)]` views: the two-term form of
-    dilated_attn.merge (weights normalised by their sum; rows without keys give (0, -inf))."""
+    """(out, lse) <- merge([out, part_out], [lse, part_lse]) over `[b, h, s(, d)]` views (of out and lse: from
+    elements out_at and lse_at on): the two-term form of dilated_attn.merge (weights normalised by their sum; rows
+    without keys give (0, -inf))."""
+    out += out_at
+    lse += lse_at
     b, h, rows, cols = _program_block(n_heads, BLOCK_D, BLOCK)
     in_rows = rows < n_rows
     mask = in_rows[:, None] & (cols[None, :] < HEAD_DIM)
@@ -205,12 +226,17 @@ def _merge_kernel(out, lse, part_out, part_lse,
              mask=in_rows)
 
 
-def _merge(out, lse, part_out, part_lse) -> None:
-    b, h, s, d = out.shape
+def _merge(out, lse, part_out, part_lse, out_view: Optional[tuple] = None, lse_view: Optional[tuple] = None):
+    """Merge the `[b, h, s(, d)]` (part_out, part_lse) into (out, lse) in place: into `out` and `lse` themselves,
+    or into their views given as as_strided arguments (out_view, lse_view; see _geometry), which the kernel reads
+    without their being built."""
+    (b, h, s, d), so, out_at = out_view or (out.shape, out.stride(), out.storage_offset())
+    _, sl, lse_at = lse_view or (lse.shape, lse.stride(), lse.storage_offset())
     block = 64
     _merge_kernel[(b * h, triton.cdiv(s, block))](
-        out, lse, part_out, part_lse, *out.stride()[:3], *lse.stride(), *part_out.stride()[:3], *part_lse.stride(),
-        h, s, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK=block)
+        out, lse, part_out, part_lse, out_at - out.storage_offset(), lse_at - lse.storage_offset(), *so[:3], *sl,
+        *part_out.stride()[:3], *part_lse.stride(), h, s, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK=block)
 
 
 @triton.jit
@@ -222,28 +248,30 @@ def _add_or_store(dst_ptr, src_ptr, dst, src, mask, STORE: tl.constexpr):
 
 
 @triton.jit
-def _accumulate_kernel(dst_q, dst_k, dst_v, src_q, src_k, src_v, sd_b, sd_h, sd_s, sq_b, sq_h, sq_s,
+def _accumulate_kernel(dst_q, dst_k, dst_v, src_q, src_k, src_v, dst_at, sd_b, sd_h, sd_s, sq_b, sq_h, sq_s,
                        sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, n_heads, n_rows,
                        STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
-    """dst += src (dst = src with STORE) for the three gradients of one call, over `[b, h, s, d]` views: one
-    pass instead of three strided elementwise kernels."""
+    """dst += src (dst = src with STORE) for the three gradients of one call, over `[b, h, s, d]` views (of the
+    dst tensors: from element dst_at on): one pass instead of three strided elementwise kernels."""
     b, h, rows, cols = _program_block(n_heads, BLOCK_D, BLOCK)
     rows, cols = rows[:, None], cols[None, :]
     mask = (rows < n_rows) & (cols < HEAD_DIM)
-    dst = b * sd_b + h * sd_h + rows * sd_s + cols
+    dst = dst_at + b * sd_b + h * sd_h + rows * sd_s + cols
     _add_or_store(dst_q, src_q, dst, b * sq_b + h * sq_h + rows * sq_s + cols, mask, STORE)
     _add_or_store(dst_k, src_k, dst, b * sk_b + h * sk_h + rows * sk_s + cols, mask, STORE)
     _add_or_store(dst_v, src_v, dst, b * sv_b + h * sv_h + rows * sv_s + cols, mask, STORE)
 
 
-def _accumulate(dst: tuple, src: tuple, store: bool) -> None:
-    """Add (or with `store`, copy) the call's gradients `src` (each with its own unit-stride rows) into the
-    gradient views `dst` (one set of strides)."""
-    b, h, s, d = dst[0].shape
-    assert len({x.stride() for x in dst}) == 1 and all(x.stride(-1) == 1 for x in src)
+def _accumulate(dst: tuple, src: tuple, store: bool, dst_view: Optional[tuple] = None) -> None:
+    """Add (or with `store`, copy) the call's gradients `src` (each with its own unit-stride rows) into the three
+    gradients `dst` (one layout), or into their views given as as_strided arguments (dst_view, the same for the
+    three; see _geometry)."""
+    x = dst[0]
+    (b, h, s, d), sd, dst_at = dst_view or (x.shape, x.stride(), x.storage_offset())
+    assert len({(t.stride(), t.storage_offset()) for t in dst}) == 1 and all(t.stride(-1) == 1 for t in src)
     block = 64
     _accumulate_kernel[(b * h, triton.cdiv(s, block))](
-        *dst, *src, *dst[0].stride()[:3], *(st for x in src for st in x.stride()[:3]), h, s,
+        *dst, *src, dst_at - x.storage_offset(), *sd[:3], *(st for t in src for st in t.stride()[:3]), h, s,
         STORE=store, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK=block)
 
 
@@ -284,9 +312,11 @@ def cudnn_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _cudnn_layout(q), _cudnn_layout(k), _cudnn_layout(v)
     B, N, H, D = q.shape
-    plans, _ = _plan(tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
+    plan_key = (tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
+    plans, _ = _plan(*plan_key)
+    first_branch = 0
     if plans and _single_full_call(plans[0], q, k, v):  # the first branch's result is the starting (out, lse)
-        (first,), plans = plans[0], plans[1:]
+        (first,), first_branch = plans[0], 1
         part_out, part_lse = _attend(*_call_views(first, q, k, v, limit=None)[0], causal, scale)
         out = _as_rows(part_out, q.shape)
         lse_rows = part_lse.view(B, N // first.seg_rows, H, first.seg_rows).transpose(2, 3).reshape(B, N, H)
@@ -294,10 +324,10 @@ def cudnn_forward(
     else:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse_rows = torch.full((B, N, H), -math.inf, dtype=lse_dtype(q.dtype), device=q.device)
-    for calls in plans:
-        for call in calls:
-            for qc, kc, vc, oc, lc in _call_views(call, q, k, v, out, lse_rows, limit=MAX_CALL_ELEMENTS):
-                _merge(oc, lc, *_attend(qc, kc, vc, causal, scale))  # one call's output alive at a time
+    steps = _schedule(plan_key, first_branch, _layouts(q, k, v, out, lse_rows), MAX_CALL_ELEMENTS)
+    for _, (gq, gk, gv, go, gl) in steps:  # one call's output alive at a time: none kept in a variable
+        _merge(out, lse_rows, *_attend(q.as_strided(*gq), k.as_strided(*gk), v.as_strided(*gv), causal, scale),
+               go, gl)
     return out, lse_rows.transpose(1, 2).contiguous()
 
 
@@ -329,22 +359,22 @@ def cudnn_backward(
     B, N, H, D = q.shape
     lse_rows = lse.to(lse_dtype(q.dtype)).transpose(1, 2).contiguous()
     # A first branch with dilation 1 over all heads reaches every gradient row once: its calls store, not add
-    plans, store = _plan(tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
+    plan_key = (tuple(segment_lengths), tuple(dilation_rates), N, H, split_heads)
+    plans, store = _plan(*plan_key)
     tensors = (grad_out, q, k, v, out, lse_rows)
-    limit = MAX_BACKWARD_CALL_ELEMENTS
+    limit, first_branch = MAX_BACKWARD_CALL_ELEMENTS, 0
     if plans and _single_full_call(plans[0], *tensors) and len(_call_views(plans[0][0], q, limit=limit)) == 1:
         # one cuDNN call within the limit: its gradients, in row-major layout, are the starting ones
         grads = _attend_backward(*_call_views(plans[0][0], *tensors, limit=limit)[0], causal, scale)
         dq, dk, dv = (_as_rows(g, q.shape) for g in grads)
-        plans, store = plans[1:], False
+        first_branch, store = 1, False
     else:
         new = torch.empty if store else torch.zeros
         dq, dk, dv = (new(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
-    for i, calls in enumerate(plans):
-        for call in calls:
-            for go, qc, kc, vc, oc, lc, dqc, dkc, dvc in _call_views(call, *tensors, dq, dk, dv, limit=limit):
-                _accumulate((dqc, dkc, dvc), _attend_backward(go, qc, kc, vc, oc, lc, causal, scale),
-                            store and i == 0)
+    # the gradients share one layout (_accumulate checks): dq's views are theirs
+    for branch, piece in _schedule(plan_key, first_branch, _layouts(*tensors, dq), limit):
+        _accumulate((dq, dk, dv), _attend_backward(*(x.as_strided(*g) for x, g in zip(tensors, piece)), causal, scale),
+                    store and branch == 0, piece[6])  # as in the forward, one call's gradients alive at a time
     return dq, dk, dv
 
 
