@@ -6,7 +6,8 @@
 Rows: every configuration of the head-dim-128 run (RESULTS), then the head-dim-64 one (RESULTS_D64). Columns:
 each provider's median time and TFLOP/s, forward and forward+backward, and the compiled cuDNN recipe's time
 over that of the backend `backend="auto"` runs there (dilated_attn.dispatch.auto_preference: on Hopper, cudnn from
-CUDNN_MIN_ELEMENTS elements of q, triton below). tests/test_docs.py checks that README.md holds this output.
+CUDNN_MIN_ELEMENTS elements of q, or CUDNN_MIN_ELEMENTS_WITH_BACKWARD when the backward follows, triton below).
+tests/test_docs.py checks that README.md holds this output.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 import sys
 
-from dilated_attn.dispatch import CUDNN_MIN_ELEMENTS
+from dilated_attn.dispatch import CUDNN_MIN_ELEMENTS, CUDNN_MIN_ELEMENTS_WITH_BACKWARD
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "gpu_NVIDIA_H100_80GB_HBM3_bfloat16_vs_cudnn_compiled.json")
@@ -64,9 +65,10 @@ def render(paths: tuple[str, ...] = (RESULTS, RESULTS_D64)) -> str:
             branches = next(iter(cells.values()))["segment_lengths"]
             row = [_label(N, causal, head_dim, branches)]
             elements = record["config"]["batch"] * N * record["config"]["heads"] * head_dim
-            auto = "cudnn" if elements >= CUDNN_MIN_ELEMENTS else "triton"
             ratios = []
             for mode in MODES:
+                least = CUDNN_MIN_ELEMENTS_WITH_BACKWARD if mode == "fwd+bwd" else CUDNN_MIN_ELEMENTS
+                auto = "cudnn" if elements >= least else "triton"
                 row += [_cell(cells.get((p, mode))) for p in (*OURS, RECIPE)]
                 if (auto, mode) in cells and (RECIPE, mode) in cells:
                     ratios.append(f"{cells[(RECIPE, mode)]['median_ms'] / cells[(auto, mode)]['median_ms']:.2f}x")

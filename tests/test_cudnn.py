@@ -272,18 +272,22 @@ def test_gpu_parity(index, causal, dtype):
         assert _err(a, b) <= FACTOR * _err(lo, b) + GRAD_FLOOR[dtype] * size, f"grad {name}"
 
 
-@pytest.mark.parametrize("capability, seq_len, chosen", [((9, 0), 32768, "cudnn"), ((9, 0), 16384, "triton"),
-                                                         ((8, 0), 65536, "triton")])
-def test_auto_prefers_cudnn_on_hopper_for_large_problems(monkeypatch, capability, seq_len, chosen):
-    """auto's rule, without a GPU: cudnn first from compute capability 9.0 and 2^25 elements of q (B*N*H*D)."""
+@pytest.mark.parametrize("capability, seq_len, backward, chosen", [
+    ((9, 0), 65536, False, "cudnn"), ((9, 0), 32768, False, "triton"), ((9, 0), 32768, True, "cudnn"),
+    ((9, 0), 16384, True, "triton"), ((8, 0), 65536, True, "triton")])
+def test_auto_prefers_cudnn_on_hopper_for_large_problems(monkeypatch, capability, seq_len, backward, chosen):
+    """auto's rule, without a GPU: cudnn first from compute capability 9.0 and 2^26 elements of q (B*N*H*D), or
+    2^25 where the call records its backward (grad mode on and an input requiring grad; not under no_grad)."""
     from dilated_attn import dispatch
     from dilated_attn.spec import validate
 
     monkeypatch.setattr(dispatch.cudnn_backend.CUDNN, "why_not", lambda p: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    q = torch.empty(1, seq_len, 16, 64, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(1, seq_len, 16, 64, dtype=torch.bfloat16, device="meta", requires_grad=backward)
     p = dataclasses.replace(validate(q, q, q, [2048, 4096], [1, 2]), device=torch.device("cuda", 0))
-    assert dispatch.auto_preference(p)[0] == chosen
+    assert p.records_backward == backward and dispatch.auto_preference(p)[0] == chosen
+    with torch.no_grad():
+        assert not validate(q, q, q, [2048, 4096], [1, 2]).records_backward
 
 
 @pytest.mark.gpu

@@ -51,13 +51,18 @@ def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
     return triton_backend.load_error() is None and triton_backend.float32_precision(device, head_dim) == "ieee"
 
 
-# auto prefers the cudnn backend from this compute capability on (Hopper) and from this many elements of q on:
-# it issues a cuDNN call per branch and offset group or segment, each with 30-80 us of host time, so small problems
-# are bound by the host. Measured on an H100 at 2^25 elements (N=16384, H=16, D=128): forward + backward faster
-# than triton in the three runs of the current calls (3.9-4.0 ms against 5.2-5.3), the forward in three runs of
-# five (0.95-2.5 ms against 1.27); more so above (benchmarks/README.md, "The cudnn backend").
+# auto prefers the cudnn backend from this compute capability on (Hopper) and from this many elements of q on, or
+# from CUDNN_MIN_ELEMENTS_WITH_BACKWARD for a call that records its backward. It issues a cuDNN call per branch and
+# offset group or segment, each with 30-80 us of host time, so small problems are bound by the host. Measured on
+# H100s at 2^25 elements (N=16384, H=16, D=128): forward + backward faster than triton in every run of the current
+# calls (3.8-4.0 ms against 5.2-5.3), the forward alone (9 or 6 calls) faster in three runs of eight (0.95-1.12 ms)
+# and slower in five (1.23-2.5 ms) against 1.27-1.29: the backward's GPU work hides the host's time, the forward
+# alone does not.
+# At 2^26 (N=65536, H=16, D=64) both faster: 2.42 against 2.63 ms, and 9.8 against 12.1 (benchmarks/README.md,
+# "The cudnn backend").
 CUDNN_PREFERRED_FROM = (9, 0)
-CUDNN_MIN_ELEMENTS = 1 << 25
+CUDNN_MIN_ELEMENTS = 1 << 26
+CUDNN_MIN_ELEMENTS_WITH_BACKWARD = 1 << 25
 
 
 @trace_constant
@@ -100,14 +105,16 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
 
     The cudnn backend comes first on GPUs of compute capability CUDNN_PREFERRED_FROM and newer, for q of at least
-    CUDNN_MIN_ELEMENTS elements, where it can run (16-bit, no GQA, head_dim a multiple of 8 up to 128): there it
-    measured faster than triton (benchmarks/README.md, "The cudnn backend"). It is listed only there, so other
-    inputs go to triton without a warning.
+    CUDNN_MIN_ELEMENTS elements (CUDNN_MIN_ELEMENTS_WITH_BACKWARD where the call records its backward), where it
+    can run (16-bit, no GQA, head_dim a multiple of 8 up to 128): there it measured faster than triton
+    (benchmarks/README.md, "The cudnn backend"). It is listed only there, so other inputs go to triton without a
+    warning.
     """
     if _float32_with_ieee_products(p):
         return ("reference", "cuda", "triton") if reference_preferred(p) else ("cuda", "triton", "reference")
     order = AUTO_ORDER.get(p.device.type, ("reference",))
-    if (p.device.type == "cuda" and p.batch * p.seq_len * p.num_heads * p.head_dim >= CUDNN_MIN_ELEMENTS
+    least = CUDNN_MIN_ELEMENTS_WITH_BACKWARD if p.records_backward else CUDNN_MIN_ELEMENTS
+    if (p.device.type == "cuda" and p.batch * p.seq_len * p.num_heads * p.head_dim >= least
             and _cudnn_preferred_on(p.device) and cudnn_backend.CUDNN.why_not(p) is None):
         order = ("cudnn", *order)
     return order

@@ -105,6 +105,9 @@ class Problem:
     # offsets (int32 or int64, on `device`); max_seqlen bounds their lengths. None for dilated_attention.
     cu_seqlens: Optional[torch.Tensor] = None
     max_seqlen: Optional[int] = None
+    # The call records its backward (grad mode on and q, k or v requiring grad): dispatch.auto_preference reads it,
+    # since one backend's forward alone and its training step are fastest at different sizes.
+    records_backward: bool = False
 
     @property
     def varlen(self) -> bool:
@@ -209,6 +212,7 @@ def validate(
         scale=float(scale),
         dtype=q.dtype,
         device=q.device,
+        records_backward=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
     )
 
 
