@@ -157,7 +157,7 @@ class Decision:
             lines.append(
                 f"  input: B={p.batch} N={p.seq_len} Hq={p.num_heads} Hkv={p.num_kv_heads} D={p.head_dim} "
                 f"{dtype_name(p.dtype)} on {p.device}; branches {branches}; causal={p.causal}, "
-                f"head_groups={p.head_groups!r}"
+                f"head_groups={p.head_groups!r}, records_backward={p.records_backward}"
             )
             if p.varlen:
                 lines.append(f"  packed: {p.cu_seqlens.numel() - 1} sequences in N={p.seq_len} rows, the longest "
