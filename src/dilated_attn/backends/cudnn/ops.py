@@ -262,12 +262,12 @@ def _accumulate_kernel(dst_q, dst_k, dst_v, src_q, src_k, src_v, dst_at, sd_b, s
     _add_or_store(dst_v, src_v, dst, b * sv_b + h * sv_h + rows * sv_s + cols, mask, STORE)
 
 
-def _accumulate(dst: tuple, src: tuple, store: bool, dst_view: Optional[tuple] = None) -> None:
-    """Add (or with `store`, copy) the call's gradients `src` (each with its own unit-stride rows) into the three
-    gradients `dst` (one layout), or into their views given as as_strided arguments (dst_view, the same for the
-    three; see _geometry)."""
+def _accumulate(dst: tuple, src: tuple, store: bool, dst_view: tuple) -> None:
+    """Add (or with `store`, copy) the call's gradients `src` (each with its own unit-stride rows) into the views
+    `dst_view` (as_strided arguments, the same for the three; see _geometry) of the three gradients `dst` (one
+    layout), without building them."""
     x = dst[0]
-    (b, h, s, d), sd, dst_at = dst_view or (x.shape, x.stride(), x.storage_offset())
+    (b, h, s, d), sd, dst_at = dst_view
     assert len({(t.stride(), t.storage_offset()) for t in dst}) == 1 and all(t.stride(-1) == 1 for t in src)
     block = 64
     _accumulate_kernel[(b * h, triton.cdiv(s, block))](
@@ -363,9 +363,9 @@ def cudnn_backward(
     plans, store = _plan(*plan_key)
     tensors = (grad_out, q, k, v, out, lse_rows)
     limit, first_branch = MAX_BACKWARD_CALL_ELEMENTS, 0
-    if plans and _single_full_call(plans[0], *tensors) and len(_call_views(plans[0][0], q, limit=limit)) == 1:
-        # one cuDNN call within the limit: its gradients, in row-major layout, are the starting ones
-        grads = _attend_backward(*_call_views(plans[0][0], *tensors, limit=limit)[0], causal, scale)
+    first = _call_views(plans[0][0], *tensors, limit=limit) if plans and _single_full_call(plans[0], *tensors) else []
+    if len(first) == 1:  # one cuDNN call within the limit: its gradients, in row-major layout, are the starting ones
+        grads = _attend_backward(*first[0], causal, scale)
         dq, dk, dv = (_as_rows(g, q.shape) for g in grads)
         first_branch, store = 1, False
     else:
