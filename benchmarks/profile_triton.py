@@ -10,7 +10,7 @@ Only the call between cudaProfilerStart and cudaProfilerStop is profiled: with -
 forward kernels and the first branch's dK/dV and dQ kernels (bf16, B=1, H=16, the LongNet branches).
 `bash benchmarks/run_on_gpu.sh ncu` runs exactly this and keeps the report under $OUT. With `--backend cudnn`
 profile cuDNN's kernels and the merge and gradient-addition kernels instead
-(NCU_KERNELS="sdpa|_merge_kernel|_accumulate_kernel|dot_do_o|convert_dq" NCU_COUNT=60 for the stage); with
+(NCU_KERNELS="sdpa|merge_kernel|accumulate_kernel|dot_do_o|convert_dq" NCU_COUNT=60 for the stage); with
 `--backend cuda --dtype float32` the hand-written CUDA kernels (NCU_KERNELS="forward_kernel|dq_kernel|dkdv_kernel").
 """
 

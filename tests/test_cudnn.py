@@ -1,5 +1,6 @@
-"""The cudnn backend: its call plan and views on CPU (cuDNN's attention replaced by a float64 math version with the
-same contract, the merge kernel under Triton's interpreter), and on the GPU against the float64 reference."""
+"""The cudnn backend: its call plan and the steps it packs for the C++ loops on CPU (cuDNN's attention replaced by a
+float64 math version with the same contract, the loops by their contract in Python), and on the GPU, the real
+cuDNN and loops, against the float64 reference."""
 
 import dataclasses
 import math
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import dilated_attn
+from dilated_attn.merge import merge_into
 from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import branch_table, lse_dtype
 
@@ -50,10 +52,39 @@ def math_attend_backward(grad_out, q, k, v, out, lse, causal, scale):
                                          p.transpose(-1, -2) @ do))
 
 
+def _step_views(steps, *tensors):
+    """Each step's views of `tensors` (its row of `steps`, unpacked as csrc/cuda/cudnn_steps.cpp reads it)."""
+    n = ops.VIEW_INTS
+    for row in steps.tolist():
+        yield [x.as_strided(view[:x.dim()], view[4:4 + x.dim()], view[8])
+               for x, view in zip(tensors, (row[i * n:(i + 1) * n] for i in range(len(tensors))))]
+
+
+def forward_steps(q, k, v, out, lse_rows, steps, causal, scale):
+    """The C++ forward loop's contract: each step's attention (ops._attend: math_attend here) merged into its views
+    of (out, lse_rows)."""
+    assert steps.dtype == torch.int64 and steps.shape[1] == 5 * ops.VIEW_INTS
+    for qs, ks, vs, out_view, lse_view in _step_views(steps, q, k, v, out, lse_rows):
+        merge_into(out_view, lse_view, *ops._attend(qs, ks, vs, causal, scale))
+
+
+def backward_steps(grad_out, q, k, v, out, lse_rows, grads, steps, stored_steps, causal, scale):
+    """The C++ backward loop's contract: each step's gradients (ops._attend_backward) stored into (for the first
+    `stored_steps` steps) or added to their views of `grads`."""
+    assert steps.dtype == torch.int64 and steps.shape[1] == 7 * ops.VIEW_INTS
+    for i, row in enumerate(steps.split(1)):
+        *views, _ = next(_step_views(row, grad_out, q, k, v, out, lse_rows, grads[0]))
+        targets = [next(_step_views(row[:, 6 * ops.VIEW_INTS:], g))[0] for g in grads]
+        for target, grad in zip(targets, ops._attend_backward(*views, causal, scale)):
+            target.copy_(grad) if i < stored_steps else target.add_(grad)
+
+
 @pytest.fixture
 def math_primitives(monkeypatch):
     monkeypatch.setattr(ops, "_attend", math_attend)
     monkeypatch.setattr(ops, "_attend_backward", math_attend_backward)
+    monkeypatch.setattr(ops, "_forward_steps", forward_steps)
+    monkeypatch.setattr(ops, "_backward_steps", backward_steps)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))
@@ -144,20 +175,29 @@ def test_first_branch_result_is_used_in_place(math_primitives, monkeypatch):
     """LongNet branches: the first (dilation 1) call's out, and in the backward its gradients, become the result
     without a merge or a copy; the later branches' calls each merge (add their gradients) once."""
     merges, adds = [], []
-    merge, accumulate = ops._merge, ops._accumulate
-    monkeypatch.setattr(ops, "_merge", lambda *a: (merges.append(a[0].shape), merge(*a)))
-    monkeypatch.setattr(ops, "_accumulate", lambda *a: (adds.append(a[2]), accumulate(*a)))
+    monkeypatch.setattr(ops, "_forward_steps", lambda *a: (merges.append(len(a[5])), forward_steps(*a)))
+    monkeypatch.setattr(ops, "_backward_steps", lambda *a: (adds.append((len(a[7]), a[8])), backward_steps(*a)))
     q, k, v = make_qkv(LONGNET, dtype=torch.float64, seed=1)
     args = ([16, 32, 64], [1, 2, 4], False, False, 8 ** -0.5)
     out, lse = ops.cudnn_forward(q, k, v, *args)
-    assert len(merges) == 2 + 2  # r=2: one call per offset group of 4 heads; r=4: one per head of the groups of 2
+    assert merges == [2 + 2]  # r=2: one call per offset group of 4 heads; r=4: one per head of the groups of 2
     grad_out = torch.randn(out.shape, dtype=torch.float64)
     grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args)
-    assert adds == [False] * 4
+    assert adds == [(4, 0)]  # four calls, none stored
     ref_out, _, ref_grads = _reference_grads(q, k, v, LONGNET, grad_out)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_first_branch_in_pieces_stores_its_gradients(math_primitives, monkeypatch):
+    """A first branch that reaches every row once but takes more than one call (here: cut into pieces) stores its
+    gradients into fresh tensors: its steps come first, and the loop is told how many they are."""
+    _cut_calls_into_pieces(monkeypatch, 64)
+    stored = []
+    monkeypatch.setattr(ops, "_backward_steps", lambda *a: (stored.append((len(a[7]), a[8])), backward_steps(*a)))
+    _forward_backward_equal_the_reference(LONGNET, seed=9)
+    assert stored[0][1] == 2 * 64 // 16 and stored[0][0] > stored[0][1]  # 2 batches x 4 segments, one a piece
 
 
 def test_views_cudnn_cannot_read_are_copied(math_primitives, monkeypatch):
@@ -204,20 +244,6 @@ def test_lse_gradient_goes_to_the_triton_backward(math_primitives):
         assert torch.equal(a, b)
 
 
-def test_single_member_calls_use_the_one_key_formulas():
-    """cuDNN rejects one query and one key (a tail segment with one member): _attend and _attend_backward answer
-    those with the formulas, which must equal attention's contract."""
-    g = torch.Generator().manual_seed(5)
-    q, k, v, grad_out = (torch.randn(3, 2, 1, 16, generator=g) for _ in range(4))
-    merged_out, merged_lse = torch.randn(3, 2, 1, 16, generator=g), torch.randn(3, 2, 1, generator=g)
-    for got, want in zip(ops._attend(q, k, v, True, 0.25), math_attend(q, k, v, True, 0.25)):
-        torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
-    got = ops._attend_backward(grad_out, q, k, v, merged_out, merged_lse, True, 0.25)
-    want = math_attend_backward(grad_out, q, k, v, merged_out, merged_lse, True, 0.25)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
 # --- GPU: the real cuDNN ---------------------------------------------------------------------------------------
 
 GPU_CASES = [
@@ -226,6 +252,8 @@ GPU_CASES = [
     dict(B=2, N=777, H=6, D=64, segs=[100, 300, 2000], dils=[2, 3, 5], groups="split"),
     dict(B=1, N=2048, H=4, D=32, segs=[2048], dils=[1], groups="all"),
     dict(B=3, N=513, H=5, D=96, segs=[64, 512], dils=[1, 7], groups="all"),
+    # one-member calls, which cuDNN rejects (the loops use the one-key formulas): a one-row tail segment, r > w
+    dict(B=2, N=1025, H=4, D=64, segs=[256, 1024, 4], dils=[1, 2, 8], groups="all"),
 ]
 # Tolerances against float64: the reference run in the same dtype sets the scale (cuDNN rounds P and dS to the
 # input dtype, as the Triton kernels do), with the floors of tests/parity.py.

@@ -95,16 +95,19 @@ def test_kernel_epilogue_is_the_merge(backend, device, dtype, branches, case):
         torch.testing.assert_close(lse, one_lse + math.log(2), **tol)
 
 
-@pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        not INTERPRETER, reason="the Triton interpreter on CPU tensors (TRITON_INTERPRET=1 without a GPU)")),
-    pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_cudnn_merge_kernel_is_the_merge(device):
-    """The cudnn backend merges each cuDNN call's result with a Triton kernel of its own: on `[b, h, s, d]` views,
-    in place, it equals merge_into on equal LSEs, -inf (one side and both), |LSE| ~ 1e8 and NaN."""
-    ops = pytest.importorskip("dilated_attn.backends.cudnn.ops", reason="the cudnn ops need triton")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, vectors", [(torch.float32, True), (torch.float32, False),
+                                            (torch.bfloat16, True), (torch.float16, False)])
+def test_cudnn_merge_kernel_is_the_merge(dtype, vectors):
+    """The cudnn backend merges each cuDNN call's result with a CUDA kernel of its own (csrc/cuda/merge.cu): in
+    place, with 16-byte vectors or (views at an odd element) element by element, it equals merge_into on equal LSEs,
+    -inf (one side and both), |LSE| ~ 1e8 and NaN, to the rounding of the output's dtype."""
+    from dilated_attn.backends import CUDNN
+
+    if CUDNN.unavailable() is not None:
+        pytest.skip(CUDNN.unavailable())
     g = torch.Generator().manual_seed(7)
-    acc_out, part_out = (torch.randn(2, 3, 40, 16, generator=g) for _ in range(2))
+    acc_out, part_out = (torch.randn(2, 3, 40, 16, generator=g, dtype=torch.float64) for _ in range(2))
     acc_lse, part_lse = (torch.randn(2, 3, 40, generator=g) for _ in range(2))
     part_lse[0, 0, :5] = acc_lse[0, 0, :5]  # equal
     acc_lse[0, 1, :5] = -math.inf  # one side without keys
@@ -112,11 +115,18 @@ def test_cudnn_merge_kernel_is_the_merge(device):
     acc_lse[1, 0, :5], part_lse[1, 0, :5] = 1e8, 1e8 + 1  # huge
     part_lse[1, 1, 3] = math.nan
     part_out[1, 2, 7, 4] = math.nan
-    want_out, want_lse = acc_out.clone(), acc_lse.clone()
-    merge_into(want_out, want_lse, part_out, part_lse)
-    out, lse = acc_out.to(device), acc_lse.to(device)
-    ops._merge(out, lse, part_out.to(device), part_lse.to(device))
-    torch.testing.assert_close(out.cpu(), want_out, rtol=2e-6, atol=2e-6, equal_nan=True)
+    acc_out, part_out = acc_out.to(dtype), part_out.to(dtype)
+    want_out, want_lse = acc_out.double(), acc_lse.clone()
+    merge_into(want_out, want_lse, part_out.double(), part_lse)
+
+    def on_gpu(x):  # a copy at a 16-byte boundary, or one element past it
+        start = 0 if vectors else 1
+        return torch.empty(x.numel() + start, dtype=x.dtype, device="cuda")[start:].view(x.shape).copy_(x)
+
+    out, lse = on_gpu(acc_out), on_gpu(acc_lse)
+    torch.ops.dilated_attn.cudnn_merge(out, lse, on_gpu(part_out), on_gpu(part_lse))
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.cpu().double(), want_out.to(dtype).double(), **tol, equal_nan=True)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=2e-6, atol=2e-6, equal_nan=True)
 
 

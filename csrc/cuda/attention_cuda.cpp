@@ -14,22 +14,11 @@
 
 #include "../checks.h"
 #include "launch.h"
+#include "tensors.h"
 
 namespace dilated_attn {
 namespace cuda {
 namespace {
-
-ScalarKind scalar_kind(const at::Tensor& t) {
-  const at::ScalarType st = t.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kHalf || st == at::kBFloat16 || st == at::kFloat,
-                   "the CUDA kernels take float16, bfloat16 or float32 q/k/v, got ", st);
-  return st == at::kHalf ? ScalarKind::kHalf : st == at::kBFloat16 ? ScalarKind::kBFloat16 : ScalarKind::kFloat;
-}
-
-void check_launch(cudaError_t err, const char* kernel) {
-  TORCH_CHECK(err == cudaSuccess, "dilated_attn: launching the CUDA ", kernel, " kernel failed: ",
-              cudaGetErrorString(err));
-}
 
 void check_cuda_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_qkv(q, k, v);

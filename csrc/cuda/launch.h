@@ -67,5 +67,32 @@ cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, c
 cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t stream);
 cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream);
 
+// The cudnn backend's kernels (merge.cu), over [b, h, s, d] views given by their first element and the element
+// strides of b, h and s (d has unit stride).
+struct RowsView {
+  void* data;
+  int64_t sb, sh, ss;
+};
+
+// (out, lse) <- merge([out, part_out], [lse, part_lse]) in place: the two-term form of dilated_attn.merge
+// (weights normalised by their sum; rows without keys give (0, -inf); a NaN LSE makes the row NaN). out and
+// part_out in the input dtype, the LSEs float32 ([b, h, s] views).
+struct MergeParams {
+  RowsView out, lse, part_out, part_lse;
+  int64_t b, h, s, d;
+};
+
+// dst[i] += src[i] (dst[i] = src[i] with `store`) for the three gradients of one cuDNN call, rounded once to
+// their dtype.
+struct AccumulateParams {
+  RowsView dst[3], src[3];
+  int64_t b, h, s, d;
+  bool store;
+};
+
+// `vectorized`: every view's first element and strides, and d, are whole 16-byte vectors.
+cudaError_t launch_merge(const MergeParams& p, ScalarKind kind, bool vectorized, cudaStream_t stream);
+cudaError_t launch_accumulate(const AccumulateParams& p, ScalarKind kind, bool vectorized, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace dilated_attn

@@ -10,7 +10,7 @@ NaN `L_i` makes the row's out and lse NaN.
 
 The reference merges its branches and the ring its blocks with these functions. The kernels (CPU, CUDA, Triton)
 merge each branch into their running `(out, lse)` in their epilogues with the same two-term formula, and the cudnn
-backend each cuDNN call's result with a Triton kernel of it (backends/cudnn/ops.py, `_merge_kernel`);
+backend each cuDNN call's result with a CUDA kernel of it (csrc/cuda/merge.cu, `merge_kernel`);
 tests/test_merge.py pins every one of them to `merge` on crafted inputs.
 """
 

@@ -3,7 +3,7 @@
 
     compiled.py   `cpu` and `cuda`: the ops of the compiled extension dilated_attn._C (csrc/)
     triton/       `triton`: Triton kernels, imported on first use
-    cudnn/        `cudnn`: cuDNN's fused attention on strided views of each branch, merged by a Triton kernel
+    cudnn/        `cudnn`: cuDNN's fused attention on strided views of each branch, merged by a CUDA kernel
     reference.py  `reference`: pure PyTorch, any device
 
 dispatch.py ranks them for `backend="auto"`; the ring and the benchmarks look them up here by name.

@@ -1,13 +1,17 @@
 """The `cudnn` backend: each branch's segments run through cuDNN's fused attention (PyTorch's
 `aten::_scaled_dot_product_cudnn_attention` and its backward) reading q, k, v in place through strided views, with
-no gather and no scatter; a Triton kernel merges each call's result into the running (out, lse). It is the fast
+no gather and no scatter; a CUDA kernel merges each call's result into the running (out, lse). It is the fast
 path on Hopper for large inputs (dispatch.auto_preference; the measurements are in benchmarks/README.md, "The cudnn
 backend").
 
-    ops.py    the call plan of a branch (`branch_calls`), the views, the merge and gradient-addition kernels and
-              the `torch.library.custom_op` registrations (`dilated_attn::cudnn_forward`, `cudnn_backward`)
+    ops.py    the call plan of a branch (`branch_calls`), its views packed as the steps of the C++ loops, and the
+              `torch.library.custom_op` registrations (`dilated_attn::cudnn_forward`, `cudnn_backward`)
+    csrc/cuda/cudnn_steps.cpp, merge.cu
+              the loops over the calls (`dilated_attn::cudnn_forward_steps`, `cudnn_backward_steps`) and the merge
+              and gradient-addition kernels, in the compiled extension
 
-Like the triton backend, it imports its ops (and triton) on first use.
+Like the triton backend, it imports its ops (and triton, which runs its backward when the LSE has a gradient) on
+first use.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from ...spec import Problem
 from ...trace import trace_constant
+from .. import compiled
 from .. import triton as triton_backend
 from ..base import Backend
 
@@ -37,7 +42,10 @@ def load_error() -> Optional[str]:
         _loaded = True
         why = triton_backend.load_error()
         if why is not None:
-            _load_error = f"its merge kernel needs triton ({why})"
+            _load_error = f"its backward with an LSE gradient needs triton ({why})"
+        elif not compiled.has_kernel("cuda"):
+            _load_error = ("its loops over the cuDNN calls are CUDA code of dilated_attn._C, "
+                           + ("which was built without CUDA" if compiled.LOAD_ERROR is None else "which is not loaded"))
         elif not torch.backends.cudnn.is_available():
             _load_error = "this torch has no cuDNN"
         elif torch.backends.cudnn.version() < MIN_CUDNN_VERSION:

@@ -1,5 +1,6 @@
-"""The cudnn backend's ops: cuDNN's fused attention on strided views of each branch's members, and the Triton
-kernel that merges each call's (out, lse) into the running result.
+"""The cudnn backend's ops: cuDNN's fused attention on strided views of each branch's members, each call's result
+merged into the running one. This module plans the calls; csrc/cuda/cudnn_steps.cpp runs them, with the merge and
+gradient-addition kernels of csrc/cuda/merge.cu.
 
 A branch's members are evenly spaced rows: for offset `o`, segment `j` holds rows `j*s + o + r*i`. For a run of
 heads sharing one offset they form a 4-D strided view `[segments, heads, members, D]` of `[B, N, H, D]` (row stride
@@ -19,8 +20,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from ...spec import Branch, branch_table, lse_dtype
 from ..autograd import register_attention_autograd
@@ -143,15 +142,41 @@ def _plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, heads: in
     return plans, bool(table) and covers_everything(table[0], heads)
 
 
+# A view as the C++ loops read it (csrc/cuda/cudnn_steps.cpp): 4 sizes, 4 strides, the storage offset.
+VIEW_INTS = 9
+
+
+def _packed(view: tuple) -> tuple:
+    sizes, strides, start = view
+    pad = 4 - len(sizes)  # the LSE's views are 3-D
+    return (*sizes, *(1,) * pad, *strides, *(0,) * pad, start)
+
+
 @functools.lru_cache(maxsize=256)
-def _schedule(plan_key: tuple, first_branch: int, layouts: tuple, limit: int) -> tuple:
-    """Every piece of every call of the branches of `_plan(*plan_key)` from `first_branch` on, in order, as
-    (branch index, the as_strided arguments of each tensor's view; see _geometry). The small problems this backend
-    runs are bound by the host's time per call (benchmarks/README.md, "The cudnn backend"), so a step looks up all
-    its views at once, and builds only the views cuDNN reads."""
+def _schedule(plan_key: tuple, first_branch: int, layouts: tuple, limit: int) -> tuple[torch.Tensor, int]:
+    """The steps of the C++ loops (`cudnn_forward_steps`, `cudnn_backward_steps`): every piece of every call of the
+    branches of `_plan(*plan_key)` from `first_branch` on, in order, as an int64 tensor with one row per piece (the
+    piece's view of each tensor of `layouts`, packed; see _geometry); and how many of them are branch 0's. The
+    small problems this backend runs are bound by the host's time per call (benchmarks/README.md, "The cudnn
+    backend"): a layout's steps are planned once, and run without Python."""
     plans, _ = _plan(*plan_key)
-    return tuple((i, piece) for i, calls in enumerate(plans) if i >= first_branch for call in calls
-                 for piece in _geometry(call, layouts, limit))
+    rows, first_branch_steps = [], 0
+    for i, calls in enumerate(plans[first_branch:], first_branch):
+        for call in calls:
+            for piece in _geometry(call, layouts, limit):
+                rows.append([n for view in piece for n in _packed(view)])
+                first_branch_steps += i == 0
+    return torch.tensor(rows, dtype=torch.int64).view(len(rows), len(layouts) * VIEW_INTS), first_branch_steps
+
+
+def _forward_steps(q, k, v, out, lse_rows, steps: torch.Tensor, causal: bool, scale: float) -> None:
+    torch.ops.dilated_attn.cudnn_forward_steps(q, k, v, out, lse_rows, steps, causal, scale)
+
+
+def _backward_steps(grad_out, q, k, v, out, lse_rows, grads: tuple, steps: torch.Tensor, stored_steps: int,
+                    causal: bool, scale: float) -> None:
+    torch.ops.dilated_attn.cudnn_backward_steps(grad_out, q, k, v, out, lse_rows, *grads, steps, stored_steps,
+                                                causal, scale)
 
 
 _CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
@@ -159,20 +184,14 @@ _CUDNN_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_cudnn_attention_b
 
 
 def _attend(q, k, v, causal: bool, scale: float):
-    """cuDNN attention of `[b, h, s, d]` views: out `[b, h, s, d]` and the natural-log LSE `[b, h, s]` (float32)."""
-    if q.shape[2] == 1:  # cuDNN rejects s_q = s_kv = 1: the one key's weight is 1
-        return v.clone(), _single_key_scores(q, k, scale)
+    """cuDNN attention of `[b, h, s, d]` views (s > 1): out `[b, h, s, d]` and the natural-log LSE `[b, h, s]`
+    (float32). For the first branch's call, which becomes the starting result; the C++ loops make the others."""
     out, lse = _CUDNN_ATTENTION(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     return out, lse.view(q.shape[:3])
 
 
 def _attend_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     """cuDNN's attention backward given `out` and `lse` `[b, h, s]`: (dq, dk, dv) `[b, h, s, d]`."""
-    if q.shape[2] == 1:  # as in _attend, the same formulas with one key
-        do = grad_out.float()
-        p = torch.exp(_single_key_scores(q, k, scale) - lse)[..., None]
-        ds = p * ((do * v.float()).sum(-1, keepdim=True) - (do * out.float()).sum(-1, keepdim=True))
-        return tuple(x.to(q.dtype) for x in (ds * k.float() * scale, ds * q.float() * scale, p * do))
     none = _no_philox(q.device)  # philox seed and offset: no dropout
     return _CUDNN_ATTENTION_BACKWARD(
         grad_out, q, k, v, out, lse.unsqueeze(-1), none, none, None, None, None, q.shape[2], k.shape[2], 0.0,
@@ -182,97 +201,6 @@ def _attend_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
 @functools.lru_cache(maxsize=None)
 def _no_philox(device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64, device=device)
-
-
-def _single_key_scores(q, k, scale: float) -> torch.Tensor:
-    return (q.float() * k.float()).sum(-1) * scale
-
-
-@triton.jit
-def _program_block(n_heads, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's (batch, head) of the grid's first axis, and its block of rows and of columns."""
-    bh = tl.program_id(0)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    return (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64), rows, tl.arange(0, BLOCK_D)
-
-
-@triton.jit
-def _merge_kernel(out, lse, part_out, part_lse, out_at, lse_at,
-                  so_b, so_h, so_s, sl_b, sl_h, sl_s, sp_b, sp_h, sp_s, sq_b, sq_h, sq_s,
-                  n_heads, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
-    """(out, lse) <- merge([out, part_out], [lse, part_lse]) over `[b, h, s(, d)]` views (of out and lse: from
-    elements out_at and lse_at on): the two-term form of dilated_attn.merge (weights normalised by their sum; rows
-    without keys give (0, -inf))."""
-    out += out_at
-    lse += lse_at
-    b, h, rows, cols = _program_block(n_heads, BLOCK_D, BLOCK)
-    in_rows = rows < n_rows
-    mask = in_rows[:, None] & (cols[None, :] < HEAD_DIM)
-    lse_acc = tl.load(lse + b * sl_b + h * sl_h + rows * sl_s, mask=in_rows, other=-float("inf"))
-    lse_new = tl.load(part_lse + b * sq_b + h * sq_h + rows * sq_s, mask=in_rows, other=-float("inf"))
-    top = tl.maximum(lse_acc, lse_new)
-    covered = top != -float("inf")
-    top = tl.where(covered, top, 0.0)
-    w_acc = tl.exp(lse_acc - top)
-    w_new = tl.exp(lse_new - top)
-    total = tl.where(covered, w_acc + w_new, 1.0)
-    out_rows = out + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :]
-    acc = tl.load(out_rows, mask=mask, other=0.0).to(lse.dtype.element_ty)  # float32 (float64 for float64)
-    new = tl.load(part_out + b * sp_b + h * sp_h + rows[:, None] * sp_s + cols[None, :], mask=mask,
-                  other=0.0).to(lse.dtype.element_ty)
-    merged = (acc * (w_acc / total)[:, None] + new * (w_new / total)[:, None])
-    tl.store(out_rows, merged.to(out.dtype.element_ty), mask=mask)
-    tl.store(lse + b * sl_b + h * sl_h + rows * sl_s, tl.where(covered, tl.log(total) + top, -float("inf")),
-             mask=in_rows)
-
-
-def _merge(out, lse, part_out, part_lse, out_view: Optional[tuple] = None, lse_view: Optional[tuple] = None):
-    """Merge the `[b, h, s(, d)]` (part_out, part_lse) into (out, lse) in place: into `out` and `lse` themselves,
-    or into their views given as as_strided arguments (out_view, lse_view; see _geometry), which the kernel reads
-    without their being built."""
-    (b, h, s, d), so, out_at = out_view or (out.shape, out.stride(), out.storage_offset())
-    _, sl, lse_at = lse_view or (lse.shape, lse.stride(), lse.storage_offset())
-    block = 64
-    _merge_kernel[(b * h, triton.cdiv(s, block))](
-        out, lse, part_out, part_lse, out_at - out.storage_offset(), lse_at - lse.storage_offset(), *so[:3], *sl,
-        *part_out.stride()[:3], *part_lse.stride(), h, s, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK=block)
-
-
-@triton.jit
-def _add_or_store(dst_ptr, src_ptr, dst, src, mask, STORE: tl.constexpr):
-    value = tl.load(src_ptr + src, mask=mask)
-    if not STORE:
-        value += tl.load(dst_ptr + dst, mask=mask)  # one rounding, in the gradients' dtype
-    tl.store(dst_ptr + dst, value, mask=mask)
-
-
-@triton.jit
-def _accumulate_kernel(dst_q, dst_k, dst_v, src_q, src_k, src_v, dst_at, sd_b, sd_h, sd_s, sq_b, sq_h, sq_s,
-                       sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, n_heads, n_rows,
-                       STORE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
-    """dst += src (dst = src with STORE) for the three gradients of one call, over `[b, h, s, d]` views (of the
-    dst tensors: from element dst_at on): one pass instead of three strided elementwise kernels."""
-    b, h, rows, cols = _program_block(n_heads, BLOCK_D, BLOCK)
-    rows, cols = rows[:, None], cols[None, :]
-    mask = (rows < n_rows) & (cols < HEAD_DIM)
-    dst = dst_at + b * sd_b + h * sd_h + rows * sd_s + cols
-    _add_or_store(dst_q, src_q, dst, b * sq_b + h * sq_h + rows * sq_s + cols, mask, STORE)
-    _add_or_store(dst_k, src_k, dst, b * sk_b + h * sk_h + rows * sk_s + cols, mask, STORE)
-    _add_or_store(dst_v, src_v, dst, b * sv_b + h * sv_h + rows * sv_s + cols, mask, STORE)
-
-
-def _accumulate(dst: tuple, src: tuple, store: bool, dst_view: tuple) -> None:
-    """Add (or with `store`, copy) the call's gradients `src` (each with its own unit-stride rows) into the views
-    `dst_view` (as_strided arguments, the same for the three; see _geometry) of the three gradients `dst` (one
-    layout), without building them."""
-    x = dst[0]
-    (b, h, s, d), sd, dst_at = dst_view
-    assert len({(t.stride(), t.storage_offset()) for t in dst}) == 1 and all(t.stride(-1) == 1 for t in src)
-    block = 64
-    _accumulate_kernel[(b * h, triton.cdiv(s, block))](
-        *dst, *src, dst_at - x.storage_offset(), *sd[:3], *(st for t in src for st in t.stride()[:3]), h, s,
-        STORE=store, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK=block)
 
 
 def _cudnn_layout(x: torch.Tensor) -> torch.Tensor:
@@ -287,9 +215,10 @@ def _cudnn_layout(x: torch.Tensor) -> torch.Tensor:
 
 def _single_full_call(calls: tuple, *tensors: torch.Tensor) -> bool:
     """The branch is one call over every row and head, in one view of each of `tensors` `[B, N, H, ...]`: its
-    result, in row-major layout, is the whole `[B, N, H, ...]` one."""
+    result, in row-major layout, is the whole `[B, N, H, ...]` one. (Not for one-row segments, which cuDNN rejects:
+    the C++ loops answer those.)"""
     x, call = tensors[0], calls[0]
-    return (len(calls) == 1 and call.n_seg * call.seg_rows == x.shape[1] and call.dilation == 1
+    return (len(calls) == 1 and call.n_seg * call.seg_rows == x.shape[1] and call.dilation == 1 and call.members > 1
             and call.n_heads == x.shape[2] and all(_batch_merges(call, t.shape, t.stride()) for t in tensors))
 
 
@@ -324,10 +253,8 @@ def cudnn_forward(
     else:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse_rows = torch.full((B, N, H), -math.inf, dtype=lse_dtype(q.dtype), device=q.device)
-    steps = _schedule(plan_key, first_branch, _layouts(q, k, v, out, lse_rows), MAX_CALL_ELEMENTS)
-    for _, (gq, gk, gv, go, gl) in steps:  # one call's output alive at a time: none kept in a variable
-        _merge(out, lse_rows, *_attend(q.as_strided(*gq), k.as_strided(*gk), v.as_strided(*gv), causal, scale),
-               go, gl)
+    steps, _ = _schedule(plan_key, first_branch, _layouts(q, k, v, out, lse_rows), MAX_CALL_ELEMENTS)
+    _forward_steps(q, k, v, out, lse_rows, steps, causal, scale)
     return out, lse_rows.transpose(1, 2).contiguous()
 
 
@@ -371,10 +298,9 @@ def cudnn_backward(
     else:
         new = torch.empty if store else torch.zeros
         dq, dk, dv = (new(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
-    # the gradients share one layout (_accumulate checks): dq's views are theirs
-    for branch, piece in _schedule(plan_key, first_branch, _layouts(*tensors, dq), limit):
-        _accumulate((dq, dk, dv), _attend_backward(*(x.as_strided(*g) for x, g in zip(tensors, piece)), causal, scale),
-                    store and branch == 0, piece[6])  # as in the forward, one call's gradients alive at a time
+    # the gradients share one layout: dq's views are theirs
+    steps, first_branch_steps = _schedule(plan_key, first_branch, _layouts(*tensors, dq), limit)
+    _backward_steps(*tensors, (dq, dk, dv), steps, first_branch_steps if store else 0, causal, scale)
     return dq, dk, dv
 
 

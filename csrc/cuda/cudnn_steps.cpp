@@ -1,0 +1,195 @@
+// The cudnn backend's loops (src/dilated_attn/backends/cudnn/ops.py plans them): each step runs cuDNN's fused
+// attention (ATen's _scaled_dot_product_cudnn_attention, or its backward) on strided views of the inputs and then
+// one kernel of merge.cu, which merges the step's (out, lse) into the running result, or adds its gradients into
+// the whole ones. In C++ because the problems this backend takes at its small end are bound by the host's time a
+// step: here a step costs the cuDNN call and one launch, no Python.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdint>
+#include <tuple>
+
+#include "launch.h"
+#include "tensors.h"
+
+namespace dilated_attn {
+namespace cuda {
+namespace {
+
+// A step's view of one tensor, as ops.py packs it: 4 sizes, 4 strides, the storage offset of its first element.
+// The LSE's 3-D views pad their sizes with 1 and their strides with 0.
+constexpr int64_t kViewInts = 9;
+constexpr int64_t kForwardViews = 5;   // q, k, v, out, lse
+constexpr int64_t kBackwardViews = 7;  // grad_out, q, k, v, out, lse, the gradients' target (one layout for all three)
+
+void check_steps(const at::Tensor& steps, int64_t views) {
+  TORCH_CHECK_VALUE(steps.device().is_cpu() && steps.scalar_type() == at::kLong && steps.dim() == 2 &&
+                        steps.size(1) == views * kViewInts && steps.is_contiguous(),
+                    "steps must be a contiguous int64 CPU tensor [steps, ", views * kViewInts, "], got ",
+                    steps.scalar_type(), " ", steps.sizes(), " on ", steps.device());
+}
+
+at::Tensor view_of(const at::Tensor& t, const int64_t* view, int64_t dims) {
+  return t.as_strided(at::IntArrayRef(view, dims), at::IntArrayRef(view + 4, dims), view[8]);
+}
+
+// The kernels' [b, h, s(, d)] view of `t` at a packed view, without building it.
+RowsView rows_at(const at::Tensor& t, const int64_t* view) {
+  return RowsView{static_cast<char*>(t.data_ptr()) + (view[8] - t.storage_offset()) * t.element_size(), view[4],
+                  view[5], view[6]};
+}
+
+// ... of a step's result: unit-stride rows.
+RowsView rows_of(const at::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.dim() < 4 || t.stride(3) == 1);
+  return RowsView{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+bool whole_vectors(const RowsView& v, int64_t element_size) {
+  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.sb * element_size % 16 == 0 &&
+         v.sh * element_size % 16 == 0 && v.ss * element_size % 16 == 0;
+}
+
+at::Tensor unit_stride_rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// cuDNN rejects s_q = s_kv = 1 (a tail segment with one member): the one key's weight is 1, so out = v and
+// lse = q.k * scale, and the gradients follow from P = exp(q.k * scale - lse).
+at::Tensor one_key_scores(const at::Tensor& q, const at::Tensor& k, double scale) {
+  return (q.to(at::kFloat) * k.to(at::kFloat)).sum(-1) * scale;
+}
+
+std::array<at::Tensor, 3> one_key_gradients(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                            double scale) {
+  const at::Tensor dout = grad_out.to(at::kFloat);
+  const at::Tensor p = (one_key_scores(q, k, scale) - lse).exp().unsqueeze(-1);
+  const at::Tensor ds = p * ((dout * v.to(at::kFloat)).sum(-1, true) - (dout * out.to(at::kFloat)).sum(-1, true));
+  const auto dt = q.scalar_type();
+  return {(ds * k.to(at::kFloat) * scale).to(dt), (ds * q.to(at::kFloat) * scale).to(dt), (p * dout).to(dt)};
+}
+
+void merge_rows(const RowsView& out, const RowsView& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
+                ScalarKind kind, int64_t element_size, cudaStream_t stream) {
+  const MergeParams p{out, lse, rows_of(part_out), rows_of(part_lse), part_out.size(0), part_out.size(1),
+                      part_out.size(2), part_out.size(3)};
+  const bool vectorized = p.d * element_size % 16 == 0 && whole_vectors(p.out, element_size) &&
+                          whole_vectors(p.part_out, element_size);
+  check_launch(launch_merge(p, kind, vectorized, stream), "merge");
+}
+
+void check_running_result(const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
+  TORCH_CHECK_VALUE(q.is_cuda() && out.device() == q.device() && lse.device() == q.device(),
+                    "q, out and lse must be on one CUDA device");
+  TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type() && lse.scalar_type() == at::kFloat,
+                   "out must have q's dtype and lse float32, got ", out.scalar_type(), " and ", lse.scalar_type());
+}
+
+// (out, lse) <- merge(out, lse, attention of each step's views): out [B, N, H, D], lse float32 [B, N, H].
+void cudnn_forward_steps(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                         const at::Tensor& lse, const at::Tensor& steps, bool causal, double scale) {
+  check_steps(steps, kForwardViews);
+  check_running_result(q, out, lse);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const ScalarKind kind = scalar_kind(q);
+  const int64_t* view = steps.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < steps.size(0); ++i, view += kForwardViews * kViewInts) {
+    // one step's result alive at a time: the caching allocator hands the next step the same memory
+    const at::Tensor qs = view_of(q, view, 4), ks = view_of(k, view + kViewInts, 4);
+    at::Tensor part_out = view_of(v, view + 2 * kViewInts, 4), part_lse;
+    if (qs.size(2) == 1) {
+      part_lse = one_key_scores(qs, ks, scale);
+    } else {
+      auto result = at::_scaled_dot_product_cudnn_attention(qs, ks, part_out, std::nullopt, /*compute_log_sumexp=*/true,
+                                                            /*dropout_p=*/0.0, causal, /*return_debug_mask=*/false,
+                                                            scale);
+      part_out = std::get<0>(result);
+      part_lse = std::get<1>(result);
+    }
+    merge_rows(rows_at(out, view + 3 * kViewInts), rows_at(lse, view + 4 * kViewInts), part_out, part_lse, kind,
+               q.element_size(), stream);
+  }
+}
+
+// grad_{q,k,v} += (or, for the first `stored_steps` steps, =) the gradients of each step's attention given the
+// merged out and lse [B, N, H] (cuDNN's P = exp(S - lse) and delta = rowsum(dO * out) are then the step's share of
+// the exact gradient).
+void cudnn_backward_steps(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_q,
+                          const at::Tensor& grad_k, const at::Tensor& grad_v, const at::Tensor& steps,
+                          int64_t stored_steps, bool causal, double scale) {
+  check_steps(steps, kBackwardViews);
+  check_running_result(q, out, lse);
+  TORCH_CHECK_VALUE(grad_k.strides() == grad_q.strides() && grad_v.strides() == grad_q.strides() &&
+                        grad_k.storage_offset() == grad_q.storage_offset() &&
+                        grad_v.storage_offset() == grad_q.storage_offset() &&
+                        grad_q.scalar_type() == q.scalar_type() && grad_k.scalar_type() == q.scalar_type() &&
+                        grad_v.scalar_type() == q.scalar_type(),
+                    "grad_q, grad_k and grad_v must share one layout and q's dtype");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const ScalarKind kind = scalar_kind(q);
+  const int64_t size = q.element_size();
+  const at::Tensor no_philox = at::empty({0}, q.options().dtype(at::kLong));  // no dropout: no seed, no offset
+  const int64_t* view = steps.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < steps.size(0); ++i, view += kBackwardViews * kViewInts) {
+    at::Tensor xs[6];  // grad_out, q, k, v, out: [segments, heads, members, D]; lse [segments, heads, members]
+    const at::Tensor* whole[6] = {&grad_out, &q, &k, &v, &out, &lse};
+    for (int t = 0; t < 6; ++t) xs[t] = view_of(*whole[t], view + t * kViewInts, t < 5 ? 4 : 3);
+    std::array<at::Tensor, 3> grads;
+    if (xs[1].size(2) == 1) {
+      grads = one_key_gradients(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], scale);
+    } else {
+      const int64_t members = xs[1].size(2);
+      std::tie(grads[0], grads[1], grads[2]) = at::_scaled_dot_product_cudnn_attention_backward(
+          xs[0], xs[1], xs[2], xs[3], xs[4], xs[5].unsqueeze(-1), no_philox, no_philox, /*attn_bias=*/at::Tensor(),
+          /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), members, members, /*dropout_p=*/0.0, causal, scale);
+    }
+    const int64_t* target = view + 6 * kViewInts;
+    AccumulateParams p{{rows_at(grad_q, target), rows_at(grad_k, target), rows_at(grad_v, target)},
+                       {},
+                       target[0],
+                       target[1],
+                       target[2],
+                       target[3],
+                       i < stored_steps};
+    bool vectorized = p.d * size % 16 == 0 && whole_vectors(p.dst[0], size) && whole_vectors(p.dst[1], size) &&
+                      whole_vectors(p.dst[2], size);
+    for (int t = 0; t < 3; ++t) {
+      grads[t] = unit_stride_rows(grads[t]);
+      p.src[t] = rows_of(grads[t]);
+      vectorized = vectorized && whole_vectors(p.src[t], size);
+    }
+    check_launch(launch_accumulate(p, kind, vectorized, stream), "gradient addition");
+  }
+}
+
+// The merge kernel of cudnn_forward_steps on whole tensors: out, part_out [b, h, s, d], lse, part_lse [b, h, s]
+// (tests/test_merge.py pins it to dilated_attn.merge).
+void cudnn_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                 const at::Tensor& part_lse) {
+  TORCH_CHECK_VALUE(out.dim() == 4 && lse.dim() == 3 && part_out.sizes() == out.sizes() &&
+                        part_lse.sizes() == lse.sizes() && lse.sizes() == out.sizes().slice(0, 3) &&
+                        out.stride(3) == 1 && part_out.stride(3) == 1,
+                    "cudnn_merge takes out, part_out [b, h, s, d] with unit-stride rows and lse, part_lse [b, h, s]");
+  check_running_result(out, out, lse);
+  TORCH_CHECK_TYPE(part_out.scalar_type() == out.scalar_type() && part_lse.scalar_type() == at::kFloat,
+                   "part_out must have out's dtype and part_lse float32");
+  const c10::cuda::CUDAGuard guard(out.device());
+  merge_rows(rows_of(out), rows_of(lse), part_out, part_lse, scalar_kind(out), out.element_size(),
+             c10::cuda::getCurrentCUDAStream());
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(dilated_attn, CUDA, m) {
+  m.impl("cudnn_forward_steps", &cuda::cudnn_forward_steps);
+  m.impl("cudnn_backward_steps", &cuda::cudnn_backward_steps);
+  m.impl("cudnn_merge", &cuda::cudnn_merge);
+}
+
+}  // namespace dilated_attn
