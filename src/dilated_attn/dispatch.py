@@ -52,17 +52,14 @@ def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
 
 
 # auto prefers the cudnn backend from this compute capability on (Hopper) and from this many elements of q on, or
-# from CUDNN_MIN_ELEMENTS_WITH_BACKWARD for a call that records its backward. It issues a cuDNN call per branch and
-# offset group or segment, each with 30-80 us of host time, so small problems are bound by the host. Measured on
-# H100s at 2^25 elements (N=16384, H=16, D=128): forward + backward faster than triton in every run of the current
-# calls (3.8-4.0 ms against 5.2-5.3), the forward alone (9 or 6 calls) faster in three runs of eight (0.95-1.12 ms)
-# and slower in five (1.23-2.5 ms) against 1.27-1.29: the backward's GPU work hides the host's time, the forward
-# alone does not.
-# At 2^26 (N=65536, H=16, D=64) both faster: 2.42 against 2.63 ms, and 9.8 against 12.1 (benchmarks/README.md,
-# "The cudnn backend").
+# from CUDNN_MIN_ELEMENTS_WITH_BACKWARD for a call that records its backward. Below, its cuDNN calls (one per branch
+# and offset group or segment, 20-80 us of host time each) outlast their GPU work, and so would triton's launches:
+# measured on an H100 (bf16, H=16, longnet4; benchmarks/results/auto_*_cudnn_*.json, benchmarks/README.md, "The
+# cudnn backend"), cudnn's forward was faster than triton's from 2^22 elements but at 2^22 with D=128 (0.97x), and
+# its forward + backward at every size from 2^21.
 CUDNN_PREFERRED_FROM = (9, 0)
-CUDNN_MIN_ELEMENTS = 1 << 26
-CUDNN_MIN_ELEMENTS_WITH_BACKWARD = 1 << 25
+CUDNN_MIN_ELEMENTS = 1 << 23
+CUDNN_MIN_ELEMENTS_WITH_BACKWARD = 1 << 22
 
 
 @trace_constant
