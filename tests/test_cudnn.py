@@ -301,11 +301,11 @@ def test_gpu_parity(index, causal, dtype):
 
 
 @pytest.mark.parametrize("capability, seq_len, backward, chosen", [
-    ((9, 0), 8192, False, "cudnn"), ((9, 0), 4096, False, "triton"), ((9, 0), 4096, True, "cudnn"),
-    ((9, 0), 2048, True, "triton"), ((8, 0), 65536, True, "triton")])
+    ((9, 0), 4096, False, "cudnn"), ((9, 0), 2048, False, "triton"), ((9, 0), 2048, True, "cudnn"),
+    ((9, 0), 1024, True, "triton"), ((8, 0), 65536, True, "triton")])
 def test_auto_prefers_cudnn_on_hopper_for_large_problems(monkeypatch, capability, seq_len, backward, chosen):
-    """auto's rule, without a GPU: cudnn first from compute capability 9.0 and 2^23 elements of q (B*N*H*D), or
-    2^22 where the call records its backward (grad mode on and an input requiring grad; not under no_grad)."""
+    """auto's rule, without a GPU: cudnn first from compute capability 9.0 and 2^22 elements of q (B*N*H*D), or
+    2^21 where the call records its backward (grad mode on and an input requiring grad; not under no_grad)."""
     from dilated_attn import dispatch
     from dilated_attn.spec import validate
 
@@ -403,7 +403,7 @@ def test_gpu_auto_picks_cudnn_on_hopper():
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     expected = "cudnn" if hopper and dilated_attn.backends.CUDNN.unavailable() is None else "triton"
     assert dilated_attn.explain(q, q, q, [1024, 2048], [1, 2]).backend == expected
-    small = q[:, :4096]  # 2^22 elements, below the forward's threshold: triton
+    small = q[:, :2048]  # 2^21 elements, below the forward's threshold: triton
     assert dilated_attn.explain(small, small, small, [1024, 2048], [1, 2]).backend == "triton"
     kv = q[:, :, :4]  # GQA: triton, without a warning
     assert dilated_attn.explain(q, kv, kv, [1024], [1]).backend == "triton"
@@ -416,7 +416,7 @@ def test_gpu_torch_compile_fullgraph(backend):
     output and gradients as eager."""
     if dilated_attn.backends.CUDNN.unavailable() is not None:
         pytest.skip(dilated_attn.backends.CUDNN.unavailable())
-    n = 65536 if backend == "auto" else 1024  # auto prefers cudnn from 2^22 elements (with the backward)
+    n = 65536 if backend == "auto" else 1024  # auto prefers cudnn from 2^21 elements (with the backward)
     q, k, v = (torch.randn(1, n, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     if backend == "auto" and torch.cuda.get_device_capability() < (9, 0):

@@ -52,14 +52,15 @@ def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
 
 
 # auto prefers the cudnn backend from this compute capability on (Hopper) and from this many elements of q on, or
-# from CUDNN_MIN_ELEMENTS_WITH_BACKWARD for a call that records its backward. Below, its cuDNN calls (one per branch
-# and offset group or segment, 20-80 us of host time each) outlast their GPU work, and so would triton's launches:
-# measured on an H100 (bf16, H=16, longnet4; benchmarks/results/auto_*_cudnn_*.json, benchmarks/README.md, "The
-# cudnn backend"), cudnn's forward was faster than triton's from 2^22 elements but at 2^22 with D=128 (0.97x), and
-# its forward + backward at every size from 2^21.
+# from CUDNN_MIN_ELEMENTS_WITH_BACKWARD for a call that records its backward: the smallest sizes at which it measured
+# faster than triton on an H100 (bf16, H=16, longnet4, N=2048..32768 at D=64 and 128;
+# benchmarks/results/auto_NVIDIA_H100_80GB_HBM3_cudnn_*.json, benchmarks/README.md, "The cudnn backend"): its
+# forward from 2^22 elements (1.46-1.56x there, and once 0.97x), its forward + backward from 2^21 (1.36-1.76x).
+# Smaller problems, untimed, stay with triton: both are bound by the host there, cudnn by one cuDNN call (20-80 us)
+# per branch and offset group or segment.
 CUDNN_PREFERRED_FROM = (9, 0)
-CUDNN_MIN_ELEMENTS = 1 << 23
-CUDNN_MIN_ELEMENTS_WITH_BACKWARD = 1 << 22
+CUDNN_MIN_ELEMENTS = 1 << 22
+CUDNN_MIN_ELEMENTS_WITH_BACKWARD = 1 << 21
 
 
 @trace_constant
