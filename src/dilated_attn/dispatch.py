@@ -53,11 +53,11 @@ def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
 
 # auto prefers the cudnn backend from this compute capability on (Hopper) and from this many elements of q on, or
 # from CUDNN_MIN_ELEMENTS_WITH_BACKWARD for a call that records its backward: the smallest sizes at which it measured
-# faster than triton on an H100 (bf16, H=16, longnet4, N=2048..32768 at D=64 and 128;
+# faster than triton on an H100 (bf16, H=16, longnet4, N=1024..32768 at D=64 and 128;
 # benchmarks/results/auto_NVIDIA_H100_80GB_HBM3_cudnn_*.json, benchmarks/README.md, "The cudnn backend"): its
-# forward from 2^22 elements (1.46-1.56x there, and once 0.97x), its forward + backward from 2^21 (1.36-1.76x).
-# Smaller problems, untimed, stay with triton: both are bound by the host there, cudnn by one cuDNN call (20-80 us)
-# per branch and offset group or segment.
+# forward from 2^22 elements (1.32-1.61x there, and once 0.97x), its forward + backward from 2^21 (1.07-1.76x).
+# Smaller problems stay with triton: every backend is bound by the host there (cudnn by one cuDNN call of 20-80 us
+# per branch and offset group or segment), and which is fastest varies.
 CUDNN_PREFERRED_FROM = (9, 0)
 CUDNN_MIN_ELEMENTS = 1 << 22
 CUDNN_MIN_ELEMENTS_WITH_BACKWARD = 1 << 21
