@@ -169,6 +169,7 @@ def _schedule(plan_key: tuple, first_branch: int, layouts: tuple, limit: int) ->
     return torch.tensor(rows, dtype=torch.int64).view(len(rows), len(layouts) * VIEW_INTS), first_branch_steps
 
 
+# The C++ loops, called through these two functions: the CPU tests put the loops' contract, in Python, in their place.
 def _forward_steps(q, k, v, out, lse_rows, steps: torch.Tensor, causal: bool, scale: float) -> None:
     torch.ops.dilated_attn.cudnn_forward_steps(q, k, v, out, lse_rows, steps, causal, scale)
 
