@@ -56,8 +56,8 @@ def _step_views(steps, *tensors):
     """Each step's views of `tensors` (its row of `steps`, unpacked as csrc/cuda/cudnn_steps.cpp reads it)."""
     n = ops.VIEW_INTS
     for row in steps.tolist():
-        yield [x.as_strided(view[:x.dim()], view[4:4 + x.dim()], view[8])
-               for x, view in zip(tensors, (row[i * n:(i + 1) * n] for i in range(len(tensors))))]
+        views = (row[i * n:(i + 1) * n] for i in range(len(tensors)))
+        yield [x.as_strided(view[:x.dim()], view[4:4 + x.dim()], view[8]) for x, view in zip(tensors, views)]
 
 
 def forward_steps(q, k, v, out, lse_rows, steps, causal, scale):
@@ -70,13 +70,12 @@ def forward_steps(q, k, v, out, lse_rows, steps, causal, scale):
 
 def backward_steps(grad_out, q, k, v, out, lse_rows, grads, steps, stored_steps, causal, scale):
     """The C++ backward loop's contract: each step's gradients (ops._attend_backward) stored into (for the first
-    `stored_steps` steps) or added to their views of `grads`."""
+    `stored_steps` steps) or added to their views of `grads` (one layout: the step's last view is each one's)."""
     assert steps.dtype == torch.int64 and steps.shape[1] == 7 * ops.VIEW_INTS
-    for i, row in enumerate(steps.split(1)):
-        *views, _ = next(_step_views(row, grad_out, q, k, v, out, lse_rows, grads[0]))
-        targets = [next(_step_views(row[:, 6 * ops.VIEW_INTS:], g))[0] for g in grads]
-        for target, grad in zip(targets, ops._attend_backward(*views, causal, scale)):
-            target.copy_(grad) if i < stored_steps else target.add_(grad)
+    for i, (*views, target) in enumerate(_step_views(steps, grad_out, q, k, v, out, lse_rows, grads[0])):
+        for g, grad in zip(grads, ops._attend_backward(*views, causal, scale)):
+            view = g.as_strided(target.shape, target.stride(), target.storage_offset())
+            view.copy_(grad) if i < stored_steps else view.add_(grad)
 
 
 @pytest.fixture
