@@ -17,10 +17,10 @@ TORCH_LIBRARY(dilated_attn, m) {
   // The cudnn backend's loops over cuDNN calls (CUDA only; src/dilated_attn/backends/cudnn/ops.py plans them):
   // `steps`, int64 on the CPU, holds one row per call: the call's view of each tensor (sizes, strides, storage
   // offset). The forward merges each call's result into (out [B, N, H, D], lse float32 [B, N, H]); the backward
-  // adds each call's gradients into grad_q/k/v (stores them, for the first `stored_steps` calls).
+  // adds each call's gradients into grad_q/k/v; both store them instead for the first `stored_steps` calls.
   m.def(
       "cudnn_forward_steps(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, Tensor steps, "
-      "bool causal, float scale) -> ()");
+      "int stored_steps, bool causal, float scale) -> ()");
   m.def(
       "cudnn_backward_steps(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor(a!) grad_q, Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor steps, int stored_steps, bool causal, "

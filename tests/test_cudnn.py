@@ -1,6 +1,6 @@
-"""The cudnn backend: its call plan and the steps it packs for the C++ loops on CPU (cuDNN's attention replaced by a
-float64 math version with the same contract, the loops by their contract in Python), and on the GPU, the real
-cuDNN and loops, against the float64 reference."""
+"""The cudnn backend: its call plan and the steps it packs for the C++ loops, on CPU (the loops' ops given CPU
+kernels here that keep their contract in Python, with cuDNN's attention replaced by a float64 math version), and on
+the GPU, the real cuDNN and loops, against the float64 reference."""
 
 import dataclasses
 import math
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dilated_attn
+from dilated_attn.backends.cudnn import ops
 from dilated_attn.merge import merge_into
 from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import branch_table, lse_dtype
@@ -17,109 +18,148 @@ from dilated_attn.spec import branch_table, lse_dtype
 from cases import make_qkv, random_case
 from parity import poison_allocator
 
-ops = pytest.importorskip("dilated_attn.backends.cudnn.ops", reason="the cudnn ops need triton")
-from dilated_attn.backends.triton.ops import triton_backward  # noqa: E402
-
-# Random configurations without GQA (which the backend does not take): odd lengths, w > N, r > w, both head
-# groupings, heads not divisible by r, causal, three memory layouts, batch 2.
-CASES = [dataclasses.replace(c, num_kv_heads=c.num_heads)
-         for c in (random_case(random.Random(8100 + i), max_seq=80) for i in range(40))]
+# Random configurations: odd lengths, w > N, r > w, both head groupings, heads not divisible by r, grouped-query
+# heads, causal, three memory layouts, batch 2.
+CASES = [random_case(random.Random(8100 + i), max_seq=80) for i in range(40)]
 LONGNET = dataclasses.replace(CASES[0], batch=2, seq_len=64, num_heads=8, num_kv_heads=8, head_dim=8,
                               segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), head_groups="all",
                               layout="contiguous")
 
 
+def _per_query_head(kv, heads):
+    return kv.repeat_interleave(heads // kv.shape[1], 1)
+
+
 def _scores(q, k, causal, scale):
-    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    s = (q.double() @ _per_query_head(k, q.shape[1]).double().transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
     return s
 
 
 def math_attend(q, k, v, causal, scale):
-    """cuDNN's contract in float64: out [b, h, s, d] in q's dtype, the LSE [b, h, s]."""
+    """cuDNN's contract in float64: out [b, h, s, d] in q's dtype, the LSE [b, h, s] (k, v may have fewer heads)."""
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, -1)
-    return (torch.exp(s - lse[..., None]) @ v.double()).to(q.dtype), lse.to(lse_dtype(q.dtype))
+    out = torch.exp(s - lse[..., None]) @ _per_query_head(v, q.shape[1]).double()
+    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
 
 
 def math_attend_backward(grad_out, q, k, v, out, lse, causal, scale):
-    """cuDNN's backward contract: P from the given LSE, delta from the given out."""
+    """cuDNN's backward contract: P from the given LSE, delta from the given out; dK, dV summed per kv head."""
     p = torch.exp(_scores(q, k, causal, scale) - lse.double()[..., None])
     do = grad_out.double()
-    ds = p * (do @ v.double().transpose(-1, -2) - (do * out.double()).sum(-1, keepdim=True))
-    return tuple(x.to(q.dtype) for x in (ds @ k.double() * scale, ds.transpose(-1, -2) @ q.double() * scale,
-                                         p.transpose(-1, -2) @ do))
+    vq = _per_query_head(v, q.shape[1]).double()
+    ds = p * (do @ vq.transpose(-1, -2) - (do * out.double()).sum(-1, keepdim=True))
+
+    def per_kv(g):
+        return g.unflatten(1, (k.shape[1], -1)).sum(2)
+
+    grads = (ds @ _per_query_head(k, q.shape[1]).double() * scale, per_kv(ds.transpose(-1, -2) @ q.double() * scale),
+             per_kv(p.transpose(-1, -2) @ do))
+    return tuple(x.to(q.dtype) for x in grads)
 
 
-def _step_views(steps, *tensors):
-    """Each step's views of `tensors` (its row of `steps`, unpacked as csrc/cuda/cudnn_steps.cpp reads it)."""
-    n = ops.VIEW_INTS
-    for row in steps.tolist():
-        views = (row[i * n:(i + 1) * n] for i in range(len(tensors)))
-        yield [x.as_strided(view[:x.dim()], view[4:4 + x.dim()], view[8]) for x, view in zip(tensors, views)]
+SEEN_VIEWS = []  # each step's input views, for tests that look at what cuDNN would read
+BACKWARD_LOOPS = []  # (steps, stored steps) of each backward loop
 
 
-def forward_steps(q, k, v, out, lse_rows, steps, causal, scale):
-    """The C++ forward loop's contract: each step's attention (ops._attend: math_attend here) merged into its views
-    of (out, lse_rows)."""
-    assert steps.dtype == torch.int64 and steps.shape[1] == 5 * ops.VIEW_INTS
-    for qs, ks, vs, out_view, lse_view in _step_views(steps, q, k, v, out, lse_rows):
-        merge_into(out_view, lse_view, *ops._attend(qs, ks, vs, causal, scale))
+def _forward_steps_cpu(q, k, v, out, lse_rows, steps, stored_steps, causal, scale):
+    """The C++ forward loop's contract: each step's attention stored into (the first `stored_steps` steps) or merged
+    into its views of (out, lse_rows)."""
+    for i, (qs, ks, vs, out_view, lse_view) in enumerate(ops.Schedule(steps, stored_steps).views(
+            q, k, v, out, lse_rows)):
+        SEEN_VIEWS.append((qs, ks, vs))
+        part_out, part_lse = math_attend(qs, ks, vs, causal, scale)
+        if i < stored_steps:
+            out_view.copy_(part_out)
+            lse_view.copy_(part_lse)
+        else:
+            merge_into(out_view, lse_view, part_out, part_lse)
 
 
-def backward_steps(grad_out, q, k, v, out, lse_rows, grads, steps, stored_steps, causal, scale):
-    """The C++ backward loop's contract: each step's gradients (ops._attend_backward) stored into (for the first
-    `stored_steps` steps) or added to their views of `grads` (one layout: the step's last view is each one's)."""
-    assert steps.dtype == torch.int64 and steps.shape[1] == 7 * ops.VIEW_INTS
-    for i, (*views, target) in enumerate(_step_views(steps, grad_out, q, k, v, out, lse_rows, grads[0])):
-        for g, grad in zip(grads, ops._attend_backward(*views, causal, scale)):
-            view = g.as_strided(target.shape, target.stride(), target.storage_offset())
-            view.copy_(grad) if i < stored_steps else view.add_(grad)
+def _backward_steps_cpu(grad_out, q, k, v, out, lse_rows, grad_q, grad_k, grad_v, steps, stored_steps, causal,
+                        scale):
+    """The C++ backward loop's contract: each step's gradients stored into (the first `stored_steps` steps) or added
+    to their views of the gradients (grad_q's target, then grad_k's and grad_v's)."""
+    BACKWARD_LOOPS.append((steps.shape[0], stored_steps))
+    schedule = ops.Schedule(steps, stored_steps)
+    for i, (*views, q_target, kv_target) in enumerate(schedule.views(grad_out, q, k, v, out, lse_rows, grad_q,
+                                                                        grad_k)):
+        SEEN_VIEWS.append(tuple(views[:5]))
+        targets = (q_target, kv_target, grad_v.as_strided(kv_target.shape, kv_target.stride(),
+                                                          kv_target.storage_offset()))
+        for target, grad in zip(targets, math_attend_backward(*views, causal, scale)):
+            target.copy_(grad) if i < stored_steps else target.add_(grad)
 
 
 @pytest.fixture
-def math_primitives(monkeypatch):
-    monkeypatch.setattr(ops, "_attend", math_attend)
-    monkeypatch.setattr(ops, "_attend_backward", math_attend_backward)
-    monkeypatch.setattr(ops, "_forward_steps", forward_steps)
-    monkeypatch.setattr(ops, "_backward_steps", backward_steps)
+def math_loops():
+    """The loops' ops on CPU tensors: their contract in Python (the compiled extension has them for CUDA only)."""
+    lib = torch.library.Library("dilated_attn", "IMPL")
+    lib.impl("cudnn_forward_steps", _forward_steps_cpu, "CPU")
+    lib.impl("cudnn_backward_steps", _backward_steps_cpu, "CPU")
+    SEEN_VIEWS.clear()
+    BACKWARD_LOOPS.clear()
+    yield
+    lib._destroy()
+
+
+def _member_pairs(c, kv: bool):
+    """(row, head) of every member of call `c`, the query side's or the kv side's views."""
+    head0, n_heads, head_step, seg_head_step = c.heads(kv)
+    return [(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation, head0 + j * seg_head_step + i * head_step)
+            for j in range(c.n_seg) for i in range(n_heads) for m in range(c.members)]
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_calls_cover_every_member_once(index):
     case = CASES[index]
+    group = case.num_heads // case.num_kv_heads
     for br in branch_table(case.segment_lengths, case.dilation_rates, case.seq_len, case.num_heads,
                            case.head_groups):
         want = {(p, h) for h in range(br.head_lo, br.head_hi) for p in range(case.seq_len)
                 if (p % br.seg_len) % br.dilation == br.offset(h)}
         got = []
-        for c in ops.branch_calls(br, case.seq_len):
-            rows = [(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation,
-                     c.head0 + j * c.seg_head_step + i * c.head_step)
-                    for j in range(c.n_seg) for i in range(c.n_heads) for m in range(c.members)]
+        for c in ops.branch_calls(br, case.seq_len, group):
+            rows = _member_pairs(c, kv=False)
             # one call's members share one segment: they attend to each other only
             for j in range(c.n_seg):
                 segs = {(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation) // br.seg_len
                         for i in range(c.n_heads) for m in range(c.members)}
                 assert len(segs) == 1
+            # cuDNN's grouping: query head i of the call reads kv head i // (n_heads / kv_heads), at its own rows
+            assert c.kv_heads >= 1 and c.n_heads % c.kv_heads == 0
+            run = c.n_heads // c.kv_heads
+            kv_rows = _member_pairs(dataclasses.replace(c, n_heads=c.kv_heads, row_step=c.row_step * run), kv=True)
+            per_head = c.members
+            for n, (row, head) in enumerate(rows):
+                j, rest = divmod(n, c.n_heads * per_head)
+                i, m = divmod(rest, per_head)
+                kv_row, kv_head = kv_rows[(j * c.kv_heads + i // run) * per_head + m]
+                assert kv_head == head // group and kv_row == row
             got += rows
         assert len(got) == len(set(got)) and set(got) == want
 
 
-def test_longnet_branches_take_few_calls():
-    # H=16, r=8: two calls (one per head within the offset groups of 2), not eight
+@pytest.mark.parametrize("kv_heads, expected", [(16, [1, 2, 4, 2]), (4, [1, 2, 4, 8]), (1, [1, 2, 4, 8])])
+def test_longnet_branches_take_few_calls(kv_heads, expected):
+    # H=16, r=8: two calls (one per head within the offset groups of 2), not eight; with grouped-query heads the
+    # two heads of a group share a kv head, and one call per group keeps cuDNN's grouping
     table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 65536, 16, "all")
-    assert [len(ops.branch_calls(br, 65536)) for br in table] == [1, 2, 4, 2]
+    assert [len(ops.branch_calls(br, 65536, 16 // kv_heads)) for br in table] == expected
     # N=16384: r=4 and r=8 have fewer segments (2, 1) than heads within a group: one call per segment
     table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 16384, 16, "all")
     assert [len(ops.branch_calls(br, 16384)) for br in table] == [1, 2, 2, 1]
 
 
-def _reference_grads(q, k, v, case, grad_out):
+def _reference_grads(q, k, v, case, grad_out, grad_lse=None):
     inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
     out, lse = dilated_attention_reference(*inputs, case.segment_lengths, case.dilation_rates, **case.kwargs())
-    return out, lse, torch.autograd.grad((out * grad_out.double()).sum(), inputs)
+    loss = (out * grad_out.double()).sum()
+    if grad_lse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * grad_lse.double()).sum()
+    return out, lse, torch.autograd.grad(loss, inputs)
 
 
 def _cut_calls_into_pieces(monkeypatch, elements: int) -> None:
@@ -127,19 +167,33 @@ def _cut_calls_into_pieces(monkeypatch, elements: int) -> None:
     monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", elements)
 
 
+def _poisoned_empty(monkeypatch):
+    """torch.empty gives NaN-filled floating-point tensors: an element the loops do not write shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(math.nan) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _args(case):
+    return (list(case.segment_lengths), list(case.dilation_rates), case.head_groups == "split", case.causal,
+            case.head_dim ** -0.5)
+
+
 def _forward_backward_equal_the_reference(case, seed: int):
     """The ops' out, LSE and gradients (float64 inputs of `case`, cuDNN's contract in math) against the reference:
     returns (out, lse)."""
     q, k, v = make_qkv(case, dtype=torch.float64, seed=seed)
-    args = (list(case.segment_lengths), list(case.dilation_rates), case.head_groups == "split", case.causal,
-            case.head_dim ** -0.5)
     torch.manual_seed(seed)
-    out, lse = ops.cudnn_forward(q, k, v, *args)
+    out, lse = ops.cudnn_forward(q, k, v, *_args(case))
     grad_out = torch.randn(out.shape, dtype=torch.float64)
     ref_out, ref_lse, ref_grads = _reference_grads(q, k, v, case, grad_out)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
-    grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args)
+    grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *_args(case))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     return out, lse
@@ -147,73 +201,73 @@ def _forward_backward_equal_the_reference(case, seed: int):
 
 @pytest.mark.parametrize("pieces", ["whole", "split"])
 @pytest.mark.parametrize("index", range(len(CASES)))
-def test_plan_views_and_merge_equal_the_reference(index, pieces, math_primitives, monkeypatch):
+def test_plan_views_and_merge_equal_the_reference(index, pieces, math_loops, monkeypatch):
     if pieces == "split":  # calls cut into pieces of a few segments
         if index % 4:
             pytest.skip("a quarter of the cases is enough")
         _cut_calls_into_pieces(monkeypatch, 64)
+    _poisoned_empty(monkeypatch)
     out, lse = _forward_backward_equal_the_reference(CASES[index], seed=index)
     assert out.is_contiguous() and lse.is_contiguous()
 
 
+@pytest.mark.parametrize("kv_heads", [8, 2])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pieces", [None, 64])
-def test_calls_by_segment_equal_the_reference(layout, causal, pieces, math_primitives, monkeypatch):
+def test_calls_by_segment_equal_the_reference(layout, causal, pieces, kv_heads, math_loops, monkeypatch):
     """Calls that take every offset group of one segment (n=80 with w=64, r=4 and 8 heads: a full segment and the
-    16-row tail, one call each), over two batches that one view cannot span, whole and cut into pieces."""
+    16-row tail, one call each), over two batches that one view cannot span, whole and cut into pieces. With 2 kv
+    heads the groups of one segment do not step evenly through the kv heads (heads 0-3 read kv head 0, 4-7 kv head
+    1): one call per offset group then, its 2 heads sharing a kv head."""
     if pieces is not None:
         _cut_calls_into_pieces(monkeypatch, pieces)
-    case = dataclasses.replace(LONGNET, seq_len=80, dilation_rates=(1, 2, 4), layout=layout, causal=causal)
-    calls = ops.branch_calls(branch_table([64], [4], 80, 8, "all")[0], 80)
-    assert [(c.n_seg, c.n_heads, c.seg_head_step) for c in calls] == [(4, 2, 2), (4, 2, 2)]
+    case = dataclasses.replace(LONGNET, seq_len=80, dilation_rates=(1, 2, 4), layout=layout, causal=causal,
+                               num_kv_heads=kv_heads)
+    calls = ops.branch_calls(branch_table([64], [4], 80, 8, "all")[0], 80, 8 // kv_heads)
+    if kv_heads == 8:
+        assert [(c.n_seg, c.n_heads, c.seg_head_step, c.kv_heads, c.kv_seg_head_step) for c in calls] == \
+            [(4, 2, 2, 2, 2)] * 2
+    else:
+        assert [(c.n_seg, c.n_heads, c.seg_head_step, c.kv_heads) for c in calls] == [(1, 2, 0, 1)] * 8
     _forward_backward_equal_the_reference(case, seed=5)
 
 
-def test_first_branch_result_is_used_in_place(math_primitives, monkeypatch):
-    """LongNet branches: the first (dilation 1) call's out, and in the backward its gradients, become the result
-    without a merge or a copy; the later branches' calls each merge (add their gradients) once."""
-    merges, adds = [], []
-    monkeypatch.setattr(ops, "_forward_steps", lambda *a: (merges.append(len(a[5])), forward_steps(*a)))
-    monkeypatch.setattr(ops, "_backward_steps", lambda *a: (adds.append((len(a[7]), a[8])), backward_steps(*a)))
-    q, k, v = make_qkv(LONGNET, dtype=torch.float64, seed=1)
-    args = ([16, 32, 64], [1, 2, 4], False, False, 8 ** -0.5)
-    out, lse = ops.cudnn_forward(q, k, v, *args)
-    assert merges == [2 + 2]  # r=2: one call per offset group of 4 heads; r=4: one per head of the groups of 2
-    grad_out = torch.randn(out.shape, dtype=torch.float64)
-    grads = ops.cudnn_backward(grad_out, None, q, k, v, out, lse, *args)
-    assert adds == [(4, 0)]  # four calls, none stored
-    ref_out, _, ref_grads = _reference_grads(q, k, v, LONGNET, grad_out)
-    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+@pytest.mark.parametrize("kv_heads", [8, 4, 1])
+def test_first_branch_stores(math_loops, monkeypatch, kv_heads):
+    """LongNet branches: the first (dilation 1) call's out, and in the backward its gradients, are stored into
+    uninitialised results; the later branches' calls each merge (add their gradients) once."""
+    _poisoned_empty(monkeypatch)
+    case = dataclasses.replace(LONGNET, num_kv_heads=kv_heads)
+    p = ops.plan((16, 32, 64), (1, 2, 4), 64, 8, kv_heads, False)
+    assert p.first_stores and len(p.calls[0]) == 1
+    _forward_backward_equal_the_reference(case, seed=1)
+    q, k, v = make_qkv(case, dtype=torch.float64, seed=1)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3])
+    s = p.schedule(ops._layouts(q, k, v, out, lse), ops.FORWARD_KV, ops.MAX_CALL_ELEMENTS)
+    # r=2: one call per offset group of 4 heads; r=4: every group of the one segment in one call, per batch
+    assert [len(calls) for calls in p.calls] == [1, 2, 1] and s.stored == 1 and s.steps.shape[0] == 1 + 2 + 2
 
 
-def test_first_branch_in_pieces_stores_its_gradients(math_primitives, monkeypatch):
-    """A first branch that reaches every row once but takes more than one call (here: cut into pieces) stores its
-    gradients into fresh tensors: its steps come first, and the loop is told how many they are."""
+def test_first_branch_in_pieces_stores_its_gradients(math_loops, monkeypatch):
+    """A first branch that reaches every row once but takes more than one step (here: cut into pieces) stores its
+    results into fresh tensors: its steps come first, and the loops are told how many they are."""
     _cut_calls_into_pieces(monkeypatch, 64)
-    stored = []
-    monkeypatch.setattr(ops, "_backward_steps", lambda *a: (stored.append((len(a[7]), a[8])), backward_steps(*a)))
+    _poisoned_empty(monkeypatch)
     _forward_backward_equal_the_reference(LONGNET, seed=9)
-    assert stored[0][1] == 2 * 64 // 16 and stored[0][0] > stored[0][1]  # 2 batches x 4 segments, one a piece
+    (steps, stored), = BACKWARD_LOOPS
+    assert stored == 2 * 64 // 16 and steps > stored  # 2 batches x 4 segments, one a piece
 
 
-def test_views_cudnn_cannot_read_are_copied(math_primitives, monkeypatch):
-    """Rows at a 2-byte offset, strides that are not multiples of 16 bytes, a broadcast gradient: cuDNN gets
+def test_views_cudnn_cannot_read_are_copied(math_loops):
+    """Rows at a 4-byte offset, strides that are not multiples of 16 bytes, a broadcast gradient: cuDNN gets
     aligned, unit-stride, non-broadcast views, and the results are those of the plain inputs."""
-    seen = []
-    attend, attend_backward = math_attend, math_attend_backward
+    def readable(x):
+        size = x.element_size()
+        return (x.data_ptr() % 16 == 0 and x.stride(-1) == 1
+                and all(s * size % 16 == 0 and s > 0 for s in x.stride()[:-1]))
 
-    def readable(*xs):
-        for x in xs:
-            size = x.element_size()
-            seen.append(x.data_ptr() % 16 == 0 and x.stride(-1) == 1
-                        and all(s * size % 16 == 0 and s > 0 for s in x.stride()[:-1]))
-
-    monkeypatch.setattr(ops, "_attend", lambda q, k, v, *a: (readable(q, k, v), attend(q, k, v, *a))[1])
-    monkeypatch.setattr(ops, "_attend_backward", lambda go, q, k, v, o, l, *a: (
-        readable(go, q, k, v, o), attend_backward(go, q, k, v, o, l, *a))[1])
     g = torch.Generator().manual_seed(4)
     shape = (2, 64, 4, 8)
     plain = [torch.randn(shape, generator=g, dtype=torch.float32) for _ in range(3)]
@@ -228,25 +282,57 @@ def test_views_cudnn_cannot_read_are_copied(math_primitives, monkeypatch):
     grad_out = torch.ones(1, 1, 1, 8).expand(shape)  # broadcast: stride 0
     got = ops.cudnn_backward(grad_out, None, shifted[0], shifted[1], padded, out, lse, *args)
     want = ops.cudnn_backward(grad_out.contiguous(), None, *plain, out, lse, *args)
-    assert all(torch.equal(a, b) for a, b in zip(got, want)) and seen and all(seen)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert SEEN_VIEWS and all(readable(x) for views in SEEN_VIEWS for x in views)
 
 
-def test_lse_gradient_goes_to_the_triton_backward(math_primitives):
-    case = LONGNET
-    q, k, v = make_qkv(case, dtype=torch.float32, seed=2)
-    args = ([16, 32, 64], [1, 2, 4], False, True, 8 ** -0.5)
-    out, lse = ops.cudnn_forward(q, k, v, *args)
+def test_backward_op_refuses_an_lse_gradient():
+    q, k, v = make_qkv(LONGNET, dtype=torch.float64, seed=2)
+    with pytest.raises(ValueError, match="takes no LSE gradient"):
+        ops.cudnn_backward(q, torch.zeros(2, 8, 64, dtype=torch.float64), q, k, v, q, q[..., 0], *_args(LONGNET))
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_lse_gradient_runs_another_backward(math_loops, kv_heads):
+    """A loss that uses the LSE: autograd runs the backward of the backend dispatch names (on CPU the cpu one), and
+    the gradients are exact; explain() names it."""
+    case = dataclasses.replace(LONGNET, num_kv_heads=kv_heads, causal=True)
+    q, k, v = (x.requires_grad_() for x in make_qkv(case, dtype=torch.float64, seed=2))
+    out, lse = ops.cudnn_forward(q, k, v, *_args(case))
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
-    got = ops.cudnn_backward(grad_out, grad_lse, q, k, v, out, lse, *args)
-    want = triton_backward(grad_out, grad_lse, q, k, v, out, lse, *args)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    grads = torch.autograd.grad((out * grad_out).sum() + (lse * grad_lse).sum(), (q, k, v))
+    _, _, want = _reference_grads(q, k, v, case, grad_out, grad_lse)
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    from dilated_attn import dispatch
+    from dilated_attn.spec import validate
+
+    p = validate(q, k, v, case.segment_lengths, case.dilation_rates, causal=True)
+    assert dispatch.backward_backend(p, "cudnn", lse_gradient=True) == ("cpu", dilated_attn.backends.CUDNN.lse_gradient_rule)
+    assert dispatch.backward_backend(p, "cudnn", lse_gradient=False) == ("cudnn", None)
+
+
+def test_autograd_without_lse_gradient_runs_cudnn_backward(math_loops):
+    """Autograd passes no LSE gradient when only `out` is used, so cuDNN's backward runs."""
+    q, k, v = (x.requires_grad_() for x in make_qkv(LONGNET, dtype=torch.float64, seed=3))
+    out, lse = ops.cudnn_forward(q, k, v, [16, 32, 64], [1, 2, 4], False, False, 8 ** -0.5)
+    forward_steps = len(SEEN_VIEWS)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert len(SEEN_VIEWS) - forward_steps == 1 + 2 + 2
+    ref = [x.detach().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(dilated_attention_reference(*ref, [16, 32, 64], [1, 2, 4])[0].sum(), ref)
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 # --- GPU: the real cuDNN ---------------------------------------------------------------------------------------
 
 GPU_CASES = [
     dict(B=1, N=4096, H=16, D=128, segs=[512, 1024, 2048, 4096], dils=[1, 2, 4, 8], groups="all"),
+    # grouped-query heads: cuDNN's own grouping, and calls cut per kv head where it does not fit
+    dict(B=1, N=4096, H=16, Hkv=4, D=128, segs=[512, 1024, 2048, 4096], dils=[1, 2, 4, 8], groups="all"),
+    dict(B=2, N=1000, H=8, Hkv=1, D=64, segs=[128, 300, 1000], dils=[1, 3, 4], groups="all"),
+    dict(B=2, N=777, H=6, Hkv=2, D=64, segs=[100, 300, 2000], dils=[2, 3, 5], groups="split"),
     dict(B=2, N=1000, H=6, D=64, segs=[128, 300, 1000], dils=[1, 3, 4], groups="all"),  # odd lengths
     dict(B=2, N=777, H=6, D=64, segs=[100, 300, 2000], dils=[2, 3, 5], groups="split"),
     dict(B=1, N=2048, H=4, D=32, segs=[2048], dils=[1], groups="all"),
@@ -274,7 +360,8 @@ def test_gpu_parity(index, causal, dtype):
     if dilated_attn.backends.CUDNN.unavailable() is not None:
         pytest.skip(dilated_attn.backends.CUDNN.unavailable())
     g = torch.Generator().manual_seed(index)
-    q, k, v = (torch.randn(c["B"], c["N"], c["H"], c["D"], generator=g).to("cuda", dtype) for _ in range(3))
+    q, k, v = (torch.randn(c["B"], c["N"], h, c["D"], generator=g).to("cuda", dtype)
+               for h in (c["H"], c.get("Hkv", c["H"]), c.get("Hkv", c["H"])))
     if index % 2:  # heads-first storage: the views of a non-contiguous layout
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     kw = dict(causal=causal, head_groups=c["groups"])
@@ -404,8 +491,33 @@ def test_gpu_auto_picks_cudnn_on_hopper():
     assert dilated_attn.explain(q, q, q, [1024, 2048], [1, 2]).backend == expected
     small = q[:, :2048]  # 2^21 elements, below the forward's threshold: triton
     assert dilated_attn.explain(small, small, small, [1024, 2048], [1, 2]).backend == "triton"
-    kv = q[:, :, :4]  # GQA: triton, without a warning
-    assert dilated_attn.explain(q, kv, kv, [1024], [1]).backend == "triton"
+    kv = q[:, :, :4]  # grouped-query heads: cudnn too
+    assert dilated_attn.explain(q, kv, kv, [1024], [1]).backend == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_gpu_lse_gradient(kv_heads):
+    """A loss that uses the LSE: the forward is cuDNN's, the backward the one dispatch names (triton), exact; and
+    explain() says so."""
+    if dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    g = torch.Generator().manual_seed(kv_heads)
+    q, k, v = (torch.randn(2, 1000, h, 64, generator=g).to("cuda", torch.bfloat16) for h in (8, kv_heads, kv_heads))
+    segs, dils, kw = [128, 300, 1000], [1, 3, 4], dict(causal=True)
+    decision = dilated_attn.explain(q, k, v, segs, dils, backend="cudnn", **kw)
+    assert decision.backward == "cudnn" and decision.lse_gradient_backward == "triton"
+    assert "where the LSE has a gradient: triton" in str(decision)
+    inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = dilated_attn.dilated_attention(*inputs, segs, dils, return_lse=True, backend="cudnn", **kw)
+    grad_out, grad_lse = torch.randn(out.shape, generator=g).to("cuda", out.dtype), torch.randn(lse.shape).cuda()
+    grads = torch.autograd.grad((out * grad_out).float().sum() + (lse * grad_lse).sum(), inputs)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, **kw)
+    want = torch.autograd.grad((ref_out * grad_out.double()).sum() + (ref_lse * grad_lse.double()).sum(), ref)
+    for name, a, b in zip("qkv", grads, want):
+        size = max(b.abs().max().item(), 1.0)
+        assert _err(a, b) <= GRAD_FLOOR[torch.bfloat16] * size, f"grad {name}"
 
 
 @pytest.mark.gpu
@@ -432,17 +544,3 @@ def test_gpu_torch_compile_fullgraph(backend):
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     for a, b in zip(grads, torch.autograd.grad(out_eager, (q, k, v), grad_out)):
         torch.testing.assert_close(a, b)
-
-
-def test_autograd_without_lse_gradient_runs_cudnn_backward(math_primitives, monkeypatch):
-    """Autograd passes no LSE gradient when only `out` is used, so cuDNN's backward runs, not the Triton one."""
-    calls = []
-    monkeypatch.setattr(ops, "_attend_backward", lambda *a: (calls.append(1), math_attend_backward(*a))[1])
-    q, k, v = (x.requires_grad_() for x in make_qkv(LONGNET, dtype=torch.float64, seed=3))
-    out, lse = ops.cudnn_forward(q, k, v, [16, 32, 64], [1, 2, 4], False, False, 8 ** -0.5)
-    grads = torch.autograd.grad(out.sum(), (q, k, v))
-    assert len(calls) == 1 + 2 + 2
-    ref = [x.detach().requires_grad_() for x in (q, k, v)]
-    want = torch.autograd.grad(dilated_attention_reference(*ref, [16, 32, 64], [1, 2, 4])[0].sum(), ref)
-    for a, b in zip(grads, want):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -1,4 +1,4 @@
-// The cudnn backend's loops (src/dilated_attn/backends/cudnn/ops.py plans them): each step runs cuDNN's fused
+// The cudnn backend's loops (src/dilated_attn/backends/cudnn/ops.py plans them as a Schedule): each step runs cuDNN's fused
 // attention (ATen's _scaled_dot_product_cudnn_attention, or its backward) on strided views of the inputs and then
 // one kernel of merge.cu, which merges the step's (out, lse) into the running result, or adds its gradients into
 // the whole ones. In C++ because the problems this backend takes at its small end are bound by the host's time a
@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <tuple>
@@ -19,11 +20,11 @@ namespace dilated_attn {
 namespace cuda {
 namespace {
 
-// A step's view of one tensor, as ops.py packs it: 4 sizes, 4 strides, the storage offset of its first element.
-// The LSE's 3-D views pad their sizes with 1 and their strides with 0.
+// A step's view of one tensor, as ops.py's Schedule packs it: 4 sizes, 4 strides, the storage offset of its first
+// element. The LSE's 3-D views pad their sizes with 1 and their strides with 0.
 constexpr int64_t kViewInts = 9;
 constexpr int64_t kForwardViews = 5;   // q, k, v, out, lse
-constexpr int64_t kBackwardViews = 7;  // grad_out, q, k, v, out, lse, the gradients' target (one layout for all three)
+constexpr int64_t kBackwardViews = 8;  // grad_out, q, k, v, out, lse, grad_q's target, grad_k's and grad_v's target
 
 void check_steps(const at::Tensor& steps, int64_t views) {
   TORCH_CHECK_VALUE(steps.device().is_cpu() && steps.scalar_type() == at::kLong && steps.dim() == 2 &&
@@ -56,25 +57,44 @@ bool whole_vectors(const RowsView& v, int64_t element_size) {
 at::Tensor unit_stride_rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
 // cuDNN rejects s_q = s_kv = 1 (a tail segment with one member): the one key's weight is 1, so out = v and
-// lse = q.k * scale, and the gradients follow from P = exp(q.k * scale - lse).
+// lse = q.k * scale, and the gradients follow from P = exp(q.k * scale - lse). With grouped-query heads (k and v
+// have fewer heads than q), each kv head serves its run of query heads and takes the sum of their gradients.
+at::Tensor per_query_head(const at::Tensor& kv, int64_t heads) {
+  return kv.size(1) == heads ? kv : kv.repeat_interleave(heads / kv.size(1), 1);
+}
+
+at::Tensor per_kv_head(const at::Tensor& g, int64_t kv_heads) {
+  return g.size(1) == kv_heads ? g : g.unflatten(1, {kv_heads, g.size(1) / kv_heads}).sum(2);
+}
+
 at::Tensor one_key_scores(const at::Tensor& q, const at::Tensor& k, double scale) {
-  return (q.to(at::kFloat) * k.to(at::kFloat)).sum(-1) * scale;
+  return (q.to(at::kFloat) * per_query_head(k, q.size(1)).to(at::kFloat)).sum(-1) * scale;
 }
 
 std::array<at::Tensor, 3> one_key_gradients(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                             double scale) {
+  const int64_t heads = q.size(1), kv_heads = k.size(1);
   const at::Tensor dout = grad_out.to(at::kFloat);
   const at::Tensor p = (one_key_scores(q, k, scale) - lse).exp().unsqueeze(-1);
-  const at::Tensor ds = p * ((dout * v.to(at::kFloat)).sum(-1, true) - (dout * out.to(at::kFloat)).sum(-1, true));
+  const at::Tensor vq = per_query_head(v, heads).to(at::kFloat);
+  const at::Tensor ds = p * ((dout * vq).sum(-1, true) - (dout * out.to(at::kFloat)).sum(-1, true));
   const auto dt = q.scalar_type();
-  return {(ds * k.to(at::kFloat) * scale).to(dt), (ds * q.to(at::kFloat) * scale).to(dt), (p * dout).to(dt)};
+  return {(ds * per_query_head(k, heads).to(at::kFloat) * scale).to(dt),
+          per_kv_head(ds * q.to(at::kFloat) * scale, kv_heads).to(dt), per_kv_head(p * dout, kv_heads).to(dt)};
 }
 
 void merge_rows(const RowsView& out, const RowsView& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
-                ScalarKind kind, int64_t element_size, cudaStream_t stream) {
-  const MergeParams p{out, lse, rows_of(part_out), rows_of(part_lse), part_out.size(0), part_out.size(1),
-                      part_out.size(2), part_out.size(3)};
+                bool store, ScalarKind kind, int64_t element_size, cudaStream_t stream) {
+  const MergeParams p{out,
+                      lse,
+                      rows_of(part_out),
+                      rows_of(part_lse),
+                      part_out.size(0),
+                      part_out.size(1),
+                      part_out.size(2),
+                      part_out.size(3),
+                      store};
   const bool vectorized = p.d * element_size % 16 == 0 && whole_vectors(p.out, element_size) &&
                           whole_vectors(p.part_out, element_size);
   check_launch(launch_merge(p, kind, vectorized, stream), "merge");
@@ -87,9 +107,11 @@ void check_running_result(const at::Tensor& q, const at::Tensor& out, const at::
                    "out must have q's dtype and lse float32, got ", out.scalar_type(), " and ", lse.scalar_type());
 }
 
-// (out, lse) <- merge(out, lse, attention of each step's views): out [B, N, H, D], lse float32 [B, N, H].
+// (out, lse) <- merge(out, lse, attention of each step's views): out [B, N, H, D], lse float32 [B, N, H]; the first
+// `stored_steps` steps store their result instead (rows no step reached before: out and lse are not read there).
 void cudnn_forward_steps(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                         const at::Tensor& lse, const at::Tensor& steps, bool causal, double scale) {
+                         const at::Tensor& lse, const at::Tensor& steps, int64_t stored_steps, bool causal,
+                         double scale) {
   check_steps(steps, kForwardViews);
   check_running_result(q, out, lse);
   const c10::cuda::CUDAGuard guard(q.device());
@@ -99,36 +121,49 @@ void cudnn_forward_steps(const at::Tensor& q, const at::Tensor& k, const at::Ten
   for (int64_t i = 0; i < steps.size(0); ++i, view += kForwardViews * kViewInts) {
     // one step's result alive at a time: the caching allocator hands the next step the same memory
     const at::Tensor qs = view_of(q, view, 4), ks = view_of(k, view + kViewInts, 4);
-    at::Tensor part_out = view_of(v, view + 2 * kViewInts, 4), part_lse;
+    const at::Tensor vs = view_of(v, view + 2 * kViewInts, 4);
+    at::Tensor part_out, part_lse;
     if (qs.size(2) == 1) {
+      part_out = unit_stride_rows(per_query_head(vs, qs.size(1)));
       part_lse = one_key_scores(qs, ks, scale);
     } else {
-      auto result = at::_scaled_dot_product_cudnn_attention(qs, ks, part_out, std::nullopt, /*compute_log_sumexp=*/true,
+      auto result = at::_scaled_dot_product_cudnn_attention(qs, ks, vs, std::nullopt, /*compute_log_sumexp=*/true,
                                                             /*dropout_p=*/0.0, causal, /*return_debug_mask=*/false,
                                                             scale);
       part_out = std::get<0>(result);
       part_lse = std::get<1>(result);
     }
-    merge_rows(rows_at(out, view + 3 * kViewInts), rows_at(lse, view + 4 * kViewInts), part_out, part_lse, kind,
-               q.element_size(), stream);
+    merge_rows(rows_at(out, view + 3 * kViewInts), rows_at(lse, view + 4 * kViewInts), part_out, part_lse,
+               i < stored_steps, kind, q.element_size(), stream);
   }
+}
+
+// dst[t] (+)= grads[t] for t < count, views of the packed `shape`: one launch.
+void accumulate(const at::Tensor* grads, const RowsView* dst, int count, const int64_t* shape, bool store,
+                ScalarKind kind, int64_t element_size, cudaStream_t stream) {
+  AccumulateParams p{{}, {}, shape[0], shape[1], shape[2], shape[3], store, count};
+  bool vectorized = p.d * element_size % 16 == 0;
+  for (int t = 0; t < count; ++t) {
+    p.dst[t] = dst[t];
+    p.src[t] = rows_of(grads[t]);
+    vectorized = vectorized && whole_vectors(p.dst[t], element_size) && whole_vectors(p.src[t], element_size);
+  }
+  check_launch(launch_accumulate(p, kind, vectorized, stream), "gradient addition");
 }
 
 // grad_{q,k,v} += (or, for the first `stored_steps` steps, =) the gradients of each step's attention given the
 // merged out and lse [B, N, H] (cuDNN's P = exp(S - lse) and delta = rowsum(dO * out) are then the step's share of
-// the exact gradient).
+// the exact gradient). With grouped-query heads, cuDNN sums each kv head's dK and dV over its query heads.
 void cudnn_backward_steps(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_q,
                           const at::Tensor& grad_k, const at::Tensor& grad_v, const at::Tensor& steps,
                           int64_t stored_steps, bool causal, double scale) {
   check_steps(steps, kBackwardViews);
   check_running_result(q, out, lse);
-  TORCH_CHECK_VALUE(grad_k.strides() == grad_q.strides() && grad_v.strides() == grad_q.strides() &&
-                        grad_k.storage_offset() == grad_q.storage_offset() &&
-                        grad_v.storage_offset() == grad_q.storage_offset() &&
+  TORCH_CHECK_VALUE(grad_v.strides() == grad_k.strides() && grad_v.storage_offset() == grad_k.storage_offset() &&
                         grad_q.scalar_type() == q.scalar_type() && grad_k.scalar_type() == q.scalar_type() &&
                         grad_v.scalar_type() == q.scalar_type(),
-                    "grad_q, grad_k and grad_v must share one layout and q's dtype");
+                    "grad_k and grad_v must share one layout, and the gradients q's dtype");
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const ScalarKind kind = scalar_kind(q);
@@ -148,22 +183,17 @@ void cudnn_backward_steps(const at::Tensor& grad_out, const at::Tensor& q, const
           xs[0], xs[1], xs[2], xs[3], xs[4], xs[5].unsqueeze(-1), no_philox, no_philox, /*attn_bias=*/at::Tensor(),
           /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), members, members, /*dropout_p=*/0.0, causal, scale);
     }
-    const int64_t* target = view + 6 * kViewInts;
-    AccumulateParams p{{rows_at(grad_q, target), rows_at(grad_k, target), rows_at(grad_v, target)},
-                       {},
-                       target[0],
-                       target[1],
-                       target[2],
-                       target[3],
-                       i < stored_steps};
-    bool vectorized = p.d * size % 16 == 0 && whole_vectors(p.dst[0], size) && whole_vectors(p.dst[1], size) &&
-                      whole_vectors(p.dst[2], size);
-    for (int t = 0; t < 3; ++t) {
-      grads[t] = unit_stride_rows(grads[t]);
-      p.src[t] = rows_of(grads[t]);
-      vectorized = vectorized && whole_vectors(p.src[t], size);
+    for (auto& g : grads) g = unit_stride_rows(g);
+    const int64_t* q_target = view + 6 * kViewInts;
+    const int64_t* kv_target = view + 7 * kViewInts;
+    const RowsView dst[3] = {rows_at(grad_q, q_target), rows_at(grad_k, kv_target), rows_at(grad_v, kv_target)};
+    const bool store = i < stored_steps;
+    if (std::equal(q_target, q_target + 4, kv_target)) {  // one head per kv head: one launch for all three
+      accumulate(grads.data(), dst, 3, q_target, store, kind, size, stream);
+    } else {
+      accumulate(grads.data(), dst, 1, q_target, store, kind, size, stream);
+      accumulate(grads.data() + 1, dst + 1, 2, kv_target, store, kind, size, stream);
     }
-    check_launch(launch_accumulate(p, kind, vectorized, stream), "gradient addition");
   }
 }
 
@@ -179,7 +209,7 @@ void cudnn_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor&
   TORCH_CHECK_TYPE(part_out.scalar_type() == out.scalar_type() && part_lse.scalar_type() == at::kFloat,
                    "part_out must have out's dtype and part_lse float32");
   const c10::cuda::CUDAGuard guard(out.device());
-  merge_rows(rows_of(out), rows_of(lse), part_out, part_lse, scalar_kind(out), out.element_size(),
+  merge_rows(rows_of(out), rows_of(lse), part_out, part_lse, /*store=*/false, scalar_kind(out), out.element_size(),
              c10::cuda::getCurrentCUDAStream());
 }
 

@@ -76,18 +76,21 @@ struct RowsView {
 
 // (out, lse) <- merge([out, part_out], [lse, part_lse]) in place: the two-term form of dilated_attn.merge
 // (weights normalised by their sum; rows without keys give (0, -inf); a NaN LSE makes the row NaN). out and
-// part_out in the input dtype, the LSEs float32 ([b, h, s] views).
+// part_out in the input dtype, the LSEs float32 ([b, h, s] views). With `store`, (out, lse) <- (part_out,
+// part_lse): the first result of rows no other result reached yet (out and lse are not read).
 struct MergeParams {
   RowsView out, lse, part_out, part_lse;
   int64_t b, h, s, d;
+  bool store;
 };
 
-// dst[i] += src[i] (dst[i] = src[i] with `store`) for the three gradients of one cuDNN call, rounded once to
-// their dtype.
+// dst[i] += src[i] (dst[i] = src[i] with `store`) for the first `tensors` (1 to 3) gradients of one cuDNN call,
+// views of one shape, rounded once to their dtype.
 struct AccumulateParams {
   RowsView dst[3], src[3];
   int64_t b, h, s, d;
   bool store;
+  int tensors;
 };
 
 // `vectorized`: every view's first element and strides, and d, are whole 16-byte vectors.

@@ -63,6 +63,18 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   const int chunks = static_cast<int>(p.d / kWidth);
   for (int64_t row0 = first_row_block(); row0 < p.s; row0 += row_block_step()) {
     const int rows = rows_from(row0, p.s);
+    if (p.store) {  // the rows' first result: copied, nothing read
+      for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        *row_of<float>(p.lse, b, h, row0 + r) = *row_of<float>(p.part_lse, b, h, row0 + r);
+      }
+      for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
+        const int r = i / chunks, col = (i - r * chunks) * kWidth;
+        Chunk<T, kWidth> part;
+        part.load(row_of<T>(p.part_out, b, h, row0 + r) + col);
+        part.store(row_of<T>(p.out, b, h, row0 + r) + col);
+      }
+      continue;  // no shared memory used: no barrier needed
+    }
     // The weights first, one thread a row (which alone reads and writes its LSE), then the rows' elements.
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
       float* lse = row_of<float>(p.lse, b, h, row0 + r);
@@ -103,6 +115,7 @@ __global__ void __launch_bounds__(kMergeThreads) accumulate_kernel(const Accumul
       const int r = i / chunks, col = (i - r * chunks) * kWidth;
 #pragma unroll
       for (int t = 0; t < 3; ++t) {
+        if (t >= p.tensors) break;
         T* dst = row_of<T>(p.dst[t], b, h, row0 + r) + col;
         Chunk<T, kWidth> sum;
         sum.load(row_of<T>(p.src[t], b, h, row0 + r) + col);

@@ -27,7 +27,8 @@ from .backends import triton as triton_backend
 from .spec import BACKEND_NAMES, Problem, dtype_name, validate
 from .trace import trace_constant, warn_once
 
-__all__ = ["auto_preference", "decide", "explain", "select", "Decision", "ENV_VAR"]
+__all__ = ["auto_preference", "backward_backend", "decide", "explain", "lse_gradient_backend", "select", "Decision",
+           "ENV_VAR"]
 
 ENV_VAR = "DILATED_ATTN_BACKEND"
 
@@ -118,6 +119,24 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     return order
 
 
+def lse_gradient_backend(p: Problem) -> str:
+    """The backend whose backward runs for `p` where the LSE has a gradient that the forward's backend cannot take:
+    the first of auto's preference (then of every backend) that can run `p` and whose backward takes it."""
+    for name in (*auto_preference(p), *backends.REGISTRY):
+        b = backends.REGISTRY[name]
+        if b.why_not_backward(lse_gradient=True) is None and b.why_not(p) is None:
+            return name
+    return "reference"  # runs anything
+
+
+def backward_backend(p: Problem, forward: str, lse_gradient: bool) -> tuple[str, Optional[str]]:
+    """(the backend whose backward runs after `forward`'s forward of `p`, why that is not `forward` or None): the
+    forward's own, unless its backward cannot take an LSE gradient that the call has (autograd asks with
+    `lse_gradient` = whether the LSE's gradient is not None)."""
+    why = backends.get(forward).why_not_backward(lse_gradient)
+    return (forward, None) if why is None else (lse_gradient_backend(p), why)
+
+
 @trace_constant
 def _env_backend() -> str:
     # read on every eager call; under torch.compile once, when traced (see dilated_attn.trace)
@@ -139,10 +158,24 @@ class Decision:
     note: Optional[str] = None  # a warning select() gives once (auto running the reference on a GPU)
     error: Optional[str] = None  # the ValueError dilated_attention raises when `backend` is None
     problem: Optional[Problem] = None
+    # The backward's backend where the LSE has a gradient, and why it is not `backend` (None: `backend`'s own).
+    # Without an LSE gradient the backward is always `backend`'s.
+    lse_gradient_backward: Optional[str] = None
+    lse_gradient_rule: Optional[str] = None
+
+    @property
+    def backward(self) -> Optional[str]:
+        """The backend whose backward runs where only the output has a gradient (the usual training step)."""
+        return self.backend
 
     def __str__(self) -> str:
         lines = [f"dilated_attn backend: {self.backend or 'none (dilated_attention raises ValueError)'}"]
         lines.append(f"  decided by: {self.decided_by}")
+        if self.backend is not None:
+            line = f"  backward: {self.backward}"
+            if self.lse_gradient_rule:
+                line += f"; where the LSE has a gradient: {self.lse_gradient_backward} ({self.lse_gradient_rule})"
+            lines.append(line)
         if self.fallback:
             lines.append(f"  fallback: {self.fallback}")
         if self.note:
@@ -184,7 +217,7 @@ def decide(p: Problem, backend: str) -> Decision:
             decided_by = f"the environment variable {ENV_VAR} (the backend argument is 'auto')"
     if backend != "auto":
         if found[backend] is None:
-            return Decision(backend, f"{label}: {decided_by}", found, problem=p)
+            return Decision(backend, f"{label}: {decided_by}", found, problem=p, **_lse_gradient_fields(p, backend))
         usable = ", ".join(n for n, why in found.items() if why is None)
         listing = "; ".join(f"{n}: {_verdict_text(why)}" for n, why in found.items())
         error = f"{label} cannot run this input: {found[backend]}. Backends that can: {usable} ({listing})"
@@ -203,7 +236,12 @@ def decide(p: Problem, backend: str) -> Decision:
         name = "reference"
     fallback = f"backend='auto' runs {name}: " + "; ".join(passed) if passed else None
     note = REFERENCE_ON_GPU_WARNING if name == "reference" and why_reference is not None else None
-    return Decision(name, rule, found, fallback=fallback, note=note, problem=p)
+    return Decision(name, rule, found, fallback=fallback, note=note, problem=p, **_lse_gradient_fields(p, name))
+
+
+def _lse_gradient_fields(p: Problem, name: str) -> dict:
+    backward, why = backward_backend(p, name, lse_gradient=True)
+    return dict(lse_gradient_backward=backward, lse_gradient_rule=why)
 
 
 def select(p: Problem, backend: str) -> backends.Backend:

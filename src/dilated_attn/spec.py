@@ -40,6 +40,11 @@ class Branch:
         return self.offset_base + (head - self.head_lo) // self.offset_div
 
 
+def covers_everything(br: Branch, n_heads: int) -> bool:
+    """A branch with dilation 1 over all heads has every (head, position) as a member of some segment."""
+    return br.dilation == 1 and br.head_lo == 0 and br.head_hi == n_heads
+
+
 def split_group_bounds(num_heads: int, num_groups: int, group: int) -> tuple[int, int]:
     """Head range [lo, hi) of `group` when `num_heads` heads are cut into `num_groups` contiguous groups,
     the first `num_heads % num_groups` groups holding one head more."""

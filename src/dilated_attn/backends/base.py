@@ -35,6 +35,10 @@ class Backend:
     # Packed sequences (dilated_attention_varlen): "kernels" (the whole pack in the kernels' launches),
     # "per_sequence" (forward_varlen's loop over the sequences), or None (why_not says it cannot).
     varlen: Optional[str] = None
+    # Its backward takes the LSE's gradient (grad_lse). Where one does not, autograd runs another backend's backward
+    # for calls whose LSE has a gradient (dispatch.backward_backend).
+    backward_takes_lse_gradient: bool = True
+    lse_gradient_rule: str = ""  # why it does not, said by explain()
 
     def supported_device_types(self) -> tuple[str, ...]:
         return self.device_types
@@ -63,6 +67,12 @@ class Backend:
                 return f"compute capability {have[0]}.{have[1]} < {need} ({self.capability_rule})"
         if p.varlen and self.varlen is None:
             return "packed sequences (varlen) are not implemented in this backend"
+        return None
+
+    def why_not_backward(self, lse_gradient: bool) -> Optional[str]:
+        """None if this backend's backward runs after its forward, else why not (for a problem it can run)."""
+        if lse_gradient and not self.backward_takes_lse_gradient:
+            return self.lse_gradient_rule
         return None
 
     def ops(self) -> tuple[Callable, Callable]:

@@ -4,14 +4,15 @@ no gather and no scatter; a CUDA kernel merges each call's result into the runni
 path on Hopper for large inputs (dispatch.auto_preference; the measurements are in benchmarks/README.md, "The cudnn
 backend").
 
-    ops.py    the call plan of a branch (`branch_calls`), its views packed as the steps of the C++ loops, and the
-              `torch.library.custom_op` registrations (`dilated_attn::cudnn_forward`, `cudnn_backward`)
+    ops.py    the call plan of a problem (`plan`: `branch_calls` per branch), its views packed as the steps of the C++
+              loops (`Plan.schedule`), and the `torch.library.custom_op` registrations (`dilated_attn::cudnn_forward`,
+              `cudnn_backward`)
     csrc/cuda/cudnn_steps.cpp, merge.cu
               the loops over the calls (`dilated_attn::cudnn_forward_steps`, `cudnn_backward_steps`) and the merge
               and gradient-addition kernels, in the compiled extension
 
-Like the triton backend, it imports its ops (and triton, which runs its backward when the LSE has a gradient) on
-first use.
+Like the triton backend, it imports its ops on first use; it needs no triton. Its backward takes no LSE gradient:
+where the LSE has one, autograd runs the backward of the backend dispatch.backward_backend names.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from ...spec import Problem
 from ...trace import trace_constant
 from .. import compiled
-from .. import triton as triton_backend
 from ..base import Backend
 
 __all__ = ["CUDNN", "MIN_CUDNN_VERSION"]
@@ -40,10 +40,7 @@ def load_error() -> Optional[str]:
     global _load_error, _loaded
     if not _loaded:
         _loaded = True
-        why = triton_backend.load_error()
-        if why is not None:
-            _load_error = f"its backward with an LSE gradient needs triton ({why})"
-        elif not compiled.has_kernel("cuda"):
+        if not compiled.has_kernel("cuda"):
             _load_error = ("its loops over the cuDNN calls are CUDA code of dilated_attn._C, "
                            + ("which was built without CUDA" if compiled.LOAD_ERROR is None else "which is not loaded"))
         elif not torch.backends.cudnn.is_available():
@@ -70,6 +67,8 @@ class CudnnBackend(Backend):
     max_head_dim = 128
     min_capability = (8, 0)
     capability_rule = "cuDNN's fused attention needs Ampere or newer"
+    backward_takes_lse_gradient = False
+    lse_gradient_rule = "cuDNN's backward takes no LSE gradient (it computes delta = rowsum(dO * out) itself)"
 
     def unavailable(self) -> Optional[str]:
         why = load_error()
@@ -81,8 +80,6 @@ class CudnnBackend(Backend):
             return why
         if p.head_dim % 8:
             return f"head_dim {p.head_dim} is not a multiple of 8 (cuDNN's 16-byte rows)"
-        if p.num_kv_heads != p.num_heads:
-            return f"grouped-query attention (Hkv={p.num_kv_heads} < Hq={p.num_heads}) is not mapped onto cuDNN"
         if _deterministic_algorithms():
             return ("torch.use_deterministic_algorithms is on, and cuDNN's backward adds up dQ with atomics "
                     "(not bitwise repeatable)")

@@ -16,7 +16,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from ...hilbert import hilbert_index
-from ...spec import branch_table
+from ...spec import branch_table, covers_everything
 from ..autograd import register_attention_autograd
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel
@@ -97,11 +97,6 @@ def _unread_int32(device) -> torch.Tensor:
     A fresh tensor, not a view of another argument: under torch.compile, arguments aliasing a tensor the kernel
     writes gave wrong results (the functionalised kernel's writes do not all reach the output)."""
     return torch.empty(1, dtype=torch.int32, device=device)
-
-
-def covers_everything(br, n_heads: int) -> bool:
-    """A branch with dilation 1 over all heads has every (head, position) as a member of some segment."""
-    return br.dilation == 1 and br.head_lo == 0 and br.head_hi == n_heads
 
 
 def _branch_geometry(br, N):
