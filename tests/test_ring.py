@@ -62,7 +62,10 @@ def _run(case, q, k, v, grad_out, grad_lse, ring: bool, backend="auto"):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse = _attention(case, *leaves, ring=ring, backend=backend)
     finite = torch.isfinite(lse)
-    torch.autograd.backward((out, lse), (grad_out, torch.where(finite, grad_lse, 0)))
+    if case.get("lse_gradient", True):
+        torch.autograd.backward((out, lse), (grad_out, torch.where(finite, grad_lse, 0)))
+    else:  # the usual training step: only the output has a gradient
+        out.backward(grad_out)
     return [out.detach(), lse.detach()] + [x.grad for x in leaves]
 
 
@@ -181,6 +184,10 @@ def _named_cases(P):
         dict(name="custom scale", shape=(1, N, 2, 2, 3), w=[N], r=[1], scale=0.37, causal=True),
         dict(name="reference blocks", shape=(1, N, 4, 2, 3), w=[4, N], r=[1, 2], causal=True, layout="zigzag",
              backend="reference"),
+        # no LSE gradient: the blocks' backward is given none (as the cudnn backend's needs)
+        dict(name="mixed causal zigzag, no LSE gradient", shape=(1, N, 8, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4],
+             causal=True, layout="zigzag", lse_gradient=False),
+        dict(name="dense, no LSE gradient", shape=(2, N, 4, 2, 5), lse_gradient=False),
     ]
     for c in cases:
         c["seed"] = zlib.crc32(c["name"].encode())
@@ -429,6 +436,15 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
         dict(name="unaligned split", shape=(1, N, 6, 3, 64), w=[300, 3 * L + 5], r=[3, 5], head_groups="split",
              causal=True),
     ]
+    if torch.cuda.get_device_capability() >= (8, 0):  # the cudnn backend's blocks, with and without an LSE gradient
+        cases += [
+            dict(name="cudnn dense causal zigzag", shape=(1, N, 8, 8, 128), causal=True, layout="zigzag",
+                 backend="cudnn", lse_gradient=False),
+            dict(name="cudnn LongNet GQA", shape=(1, N, 8, 2, 128), w=[256, L, N], r=[1, 2, 4], backend="cudnn",
+                 lse_gradient=False),
+            dict(name="cudnn LongNet, LSE gradient", shape=(1, N, 8, 4, 64), w=[128, 2 * L, N], r=[1, 2, 8],
+                 causal=True, layout="zigzag", backend="cudnn"),
+        ]
     _check(_spawn(world, "nccl", "compare_gpu", cases, tmp_path), cases)
 
 

@@ -1,9 +1,9 @@
 """The ring's autograd function: forward and exact backward of one ring_attention call on this rank.
 
 Forward: the local branches run as one single-device call; each head stack's compacted queries meet the blocks of
-keys of every rank (own rows first, then one received block per step) and their partials merge in float32, then
-into the local result, rounded once. Backward: the exact method of the spec (each block's backward with the merged
-out and LSE), K/V exchanged again, dK/dV of received rows sent back to their owner, dQ local.
+keys of every rank (own rows first, then one received block per step) and their partials merge into the local
+result. Backward: the exact method of the spec (each block's backward with the merged out and LSE), K/V exchanged
+again, dK/dV of received rows summed in float32 and sent back to their owner, dQ local.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .. import backends
+from .. import backends, dispatch
 from ..spec import lse_dtype
 from .blocks import merge_block, block_backward, block_forward
 from .comm import RingComm
@@ -103,24 +103,27 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, rank, group, local_problem, backend, scale, causal):
         forward_op, _ = backends.get(backend).ops()
         B, L, H, D = q.shape
-        acc_dtype = lse_dtype(q.dtype)
+        lse_type = lse_dtype(q.dtype)
         comm = RingComm(plan, rank, group, B, D, q.device)
         rows = compacted_rows(plan, rank, q.device)
         kc = [cp.kv.gather(k) for cp in rows]
         vc = [cp.kv.gather(v) for cp in rows]
         step = comm.post_kv(1, kc, vc)  # in flight while the local blocks compute
-        # The result starts as the local branches' (merged by the kernel, as on one device); the spanning
-        # branches' partials merge into their rows at the end, in float32, rounded once.
+        # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
+        # result merges into its rows: in place where a stack's rows are a block of the result (dense attention),
+        # else into the stack's own (out, lse), merged into its rows at the end.
         if plan.local_branches:
             p = local_problem
             out, lse = forward_op(q, k, v, list(p.segment_lengths), list(p.dilation_rates), p.split_heads, causal,
                                   scale)
         else:
             out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.full((B, H, L), -math.inf, dtype=acc_dtype, device=q.device)
+            lse = torch.full((B, H, L), -math.inf, dtype=lse_type, device=q.device)
         qc = [cp.q.gather(q) for cp in rows]
-        acc = [(torch.zeros(x.shape, dtype=acc_dtype, device=q.device),
-                torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=acc_dtype, device=q.device)) for x in qc]
+        acc = [(cp.q.gather(out), cp.q.gather_lse(lse)) if cp.q.slices is not None else
+               (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
+                torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
+               for cp, x in zip(rows, qc)]
         for t in range(plan.P):
             src = (rank - t) % plan.P
             if t == 0:
@@ -133,10 +136,11 @@ class RingAttention(torch.autograd.Function):
                 block_forward(forward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
                               acc[s][0][:, qs], acc[s][1][:, :, qs])
         for cp, (acc_out, acc_lse) in zip(rows, acc):
-            cur_out, cur_lse = cp.q.gather(out).to(acc_dtype), cp.q.gather_lse(lse)
-            merge_block(cur_out, cur_lse, acc_out, acc_lse)
-            cp.q.put(out, cur_out)
-            cp.q.put_lse(lse, cur_lse)
+            if cp.q.slices is None:
+                cur_out, cur_lse = cp.q.gather(out), cp.q.gather_lse(lse)
+                merge_block(cur_out, cur_lse, acc_out, acc_lse)
+                cp.q.put(out, cur_out)
+                cp.q.put_lse(lse, cur_lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.config = (plan, rank, group, local_problem, backend, scale, causal)
         return out, lse
@@ -145,18 +149,21 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
         plan, rank, group, local_problem, backend, scale, causal = ctx.config
-        _, backward_op = backends.get(backend).ops()
+        # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
+        # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
+        # take it, dispatch names the one that runs.
+        name, _ = dispatch.backward_backend(local_problem, backend, lse_gradient=d_lse is not None)
+        _, backward_op = backends.get(name).ops()
         B, L, H, D = q.shape
         acc_dtype = lse_dtype(q.dtype)
         d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
-        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
         comm = RingComm(plan, rank, group, B, D, q.device)
         rows = compacted_rows(plan, rank, q.device)
         kc = [cp.kv.gather(k) for cp in rows]
         vc = [cp.kv.gather(v) for cp in rows]
         step = comm.post_kv(1, kc, vc)
-        # As in the forward: the local branches' gradients (the kernel's, as on one device), then each head
-        # stack's float32 sums added to their rows with one rounding.
+        # As in the forward: the local branches' gradients (the kernel's, as on one device) while the first K/V
+        # block travels, then each head stack's float32 sums added to their rows with one rounding.
         if plan.local_branches:
             p = local_problem
             dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, list(p.segment_lengths),
@@ -164,24 +171,27 @@ class RingAttention(torch.autograd.Function):
         else:
             dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
-        lc, dlc = ([cp.q.gather_lse(x) for cp in rows] for x in (lse, d_lse))
+        lc = [cp.q.gather_lse(lse) for cp in rows]
+        dlc = [None if d_lse is None else cp.q.gather_lse(d_lse) for cp in rows]
         dqc, dkc, dvc = _zeros_like(qc, acc_dtype), _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
         returning = []  # the dK/dV of my rows coming back from the ranks that read them
-        for t in range(plan.P):
+        # The received blocks first, each one's dK/dV sent back as soon as they are complete; the own rows last,
+        # while the last of them travel.
+        for t in [*range(1, plan.P), 0]:
             src = (rank - t) % plan.P
             if t == 0:
                 keys, values, gk, gv = kc, vc, dkc, dvc
             else:
                 keys, values = comm.received_kv(step, t)
                 step = comm.post_kv(t + 1, kc, vc)
-                gk, gv = _zeros_like(keys, acc_dtype), _zeros_like(values, acc_dtype)
+                grads, gk, gv = comm.grad_buffer(t, acc_dtype)
             for task in plan.tasks[rank][src]:
                 s, qs, ks = _task_slices(task)
                 block_backward(backward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
-                               lc[s][:, :, qs], doc[s][:, qs], dlc[s][:, :, qs], task.causal, scale,
-                               dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
+                               lc[s][:, :, qs], doc[s][:, qs], None if dlc[s] is None else dlc[s][:, :, qs],
+                               task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
             if t > 0:
-                returning.append(comm.post_grads(t, gk, gv, acc_dtype))
+                returning.append(comm.post_grads(t, grads))
         for ret, dst in returning:
             comm.add_returned_grads(ret, dst, dkc, dvc)
         for cp, g_q, g_k, g_v in zip(rows, dqc, dkc, dvc):

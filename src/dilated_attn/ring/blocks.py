@@ -2,13 +2,16 @@
 
 A block runs a backend's single-device ops (dilated_attn.backends) with one branch `(n, 1)`: causal on a rank's own
 rows, full otherwise; unequal query and key lengths are cut into squares. So the ring and the single-device path
-share one kernel family. Partial results merge into float32 (float64 for float64) accumulators with merge.merge_into.
+share one kernel family. Each block's partial result merges in place into the rows' running `(out, lse)`: out in the
+inputs' dtype, the LSE in float32 (float64 for float64), with the CUDA merge kernel where it runs (one pass over the
+rows), else merge.merge_into.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..backends import compiled
 from ..merge import merge_into
 
 __all__ = ["block_forward", "block_backward", "merge_block"]
@@ -33,9 +36,17 @@ def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((x.shape[0], n - x.shape[1], *x.shape[2:]))], 1)
 
 
+def _merge_kernel_runs(acc_out, acc_lse, out, lse) -> bool:
+    return (acc_out.is_cuda and acc_out.dtype == out.dtype and acc_lse.dtype == lse.dtype == torch.float32
+            and acc_out.stride(-1) == 1 and out.stride(-1) == 1 and compiled.has_kernel("cuda"))
+
+
 def merge_block(acc_out, acc_lse, out, lse) -> None:
     """acc_out [B, n, H, D], acc_lse [B, H, n] <- their merge with (out, lse) of the same shapes, in place."""
-    merge_into(acc_out, acc_lse.transpose(1, 2), out, lse.transpose(1, 2))
+    if _merge_kernel_runs(acc_out, acc_lse, out, lse):
+        torch.ops.dilated_attn.cudnn_merge(acc_out.transpose(1, 2), acc_lse, out.transpose(1, 2), lse)
+    else:
+        merge_into(acc_out, acc_lse.transpose(1, 2), out, lse.transpose(1, 2))
 
 
 def block_forward(forward_op, q, k, v, causal, scale, acc_out, acc_lse) -> None:
@@ -51,12 +62,14 @@ def block_forward(forward_op, q, k, v, causal, scale, acc_out, acc_lse) -> None:
 
 
 def block_backward(backward_op, q, k, v, out, lse, d_out, d_lse, causal, scale, dq, dk, dv) -> None:
-    """Add one block's exact gradients (merged out/LSE of its query rows) into dq, dk, dv (accumulators)."""
+    """Add one block's exact gradients (merged out/LSE of its query rows, and the LSE's gradient d_lse, or None
+    where it has none) into dq, dk, dv (accumulators)."""
     squares = [(0, q.shape[1], 0, k.shape[1])] if causal else _squares(q.shape[1], k.shape[1])
     for q0, q1, k0, k1 in squares:
         n = k1 - k0
         rows = [_pad_rows(x[:, q0:q1], n) for x in (q, out, d_out)]
-        pad_l = [torch.nn.functional.pad(x[:, :, q0:q1], (0, n - (q1 - q0))) for x in (lse, d_lse)]
+        pad_l = [None if x is None else torch.nn.functional.pad(x[:, :, q0:q1], (0, n - (q1 - q0)))
+                 for x in (lse, d_lse)]
         gq, gk, gv = backward_op(rows[2], pad_l[1], rows[0], k[:, k0:k1], v[:, k0:k1], rows[1], pad_l[0], [n], [1],
                                  False, causal, scale)
         dq[:, q0:q1] += gq[:, : q1 - q0]

@@ -93,18 +93,25 @@ class RingComm:
         parts = _unpack(buf, shapes + shapes)
         return parts[: len(shapes)], parts[len(shapes):]
 
-    def post_grads(self, t: int, gk, gv, dtype) -> tuple[Step, int]:
-        """Send dK/dV of the rows received at step t back to their owner rank-t (float32 or float64); receive
+    def grad_buffer(self, t: int, dtype) -> tuple[torch.Tensor, list, list]:
+        """Zeroed float32 (float64) accumulators of dK and dV per stack for the rows received at step t, as views
+        of one buffer in the order post_grads sends it (all dK, then all dV): it travels without a copy."""
+        shapes = self.shapes(self.rank, (self.rank - t) % self.plan.P)
+        buf = torch.zeros(2 * sum(math.prod(x) for x in shapes), dtype=dtype, device=self.device)
+        parts = _unpack(buf, shapes + shapes)
+        return buf, parts[: len(shapes)], parts[len(shapes):]
+
+    def post_grads(self, t: int, grads: torch.Tensor) -> tuple[Step, int]:
+        """Send dK/dV of the rows received at step t (grad_buffer's buffer) back to their owner rank-t; receive
         those of my rows from rank+t."""
         P, me = self.plan.P, self.rank
         src, dst = (me - t) % P, (me + t) % P
         sends, recv = [], None
         if self.plan.rows_needed(me, src):
-            whole = [[(0, x.shape[1])] for x in gk]
-            sends.append((src, torch.cat([_pack(gk, whole, gk[0].dtype), _pack(gv, whole, gv[0].dtype)])))
+            sends.append((src, grads))
         rows = self.plan.rows_needed(dst, me)
         if rows:
-            recv = (dst, torch.empty(2 * rows * self.B * self.D, dtype=dtype, device=self.device))
+            recv = (dst, torch.empty(2 * rows * self.B * self.D, dtype=grads.dtype, device=self.device))
         return Step(self.group, sends, recv), dst
 
     def add_returned_grads(self, step: Step, dst: int, dkc, dvc) -> None:
