@@ -38,22 +38,44 @@ _CODES = {
 }
 _FIELDS = ("batch", "local length", "query heads", "kv heads", "head_dim", "dtype", "device type", "causal",
            "layout", "head_groups", "backend", "scale", "segment_lengths/dilation_rates")
+# A rank's row of the gather, as bytes: whether its own arguments are invalid, the fields, then the length and
+# the UTF-8 text of its error (cut to _MESSAGE_BYTES), so that its peers can say what was wrong.
+_HEADER = struct.Struct(f"<q{len(_FIELDS)}qq")
+_MESSAGE_BYTES = 1024
 
 
-def _check_same_config(group, device, fields: tuple[int, ...]) -> None:
-    """All-gather a small descriptor of the call and raise the same ValueError on every rank on a mismatch,
-    so a rank with a different configuration fails the call instead of hanging in a transfer."""
-    backend = dist.get_backend(group)
-    dev = device if "nccl" in str(backend).lower() else torch.device("cpu")
-    mine = torch.tensor(fields, dtype=torch.int64, device=dev)
+def _check_same_config(group, rank: int, q, fields: tuple[int, ...] | None, error: Exception | None) -> None:
+    """All-gather a small descriptor of the call (or this rank's own validation `error`) and raise on every
+    rank if any rank's arguments are invalid or the ranks' configurations differ. Every rank takes part in this
+    one collective whatever its arguments, so no rank is left waiting for a peer that raised."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        # NCCL gathers CUDA tensors only, and on a rank with bad arguments q may be a CPU tensor or no tensor.
+        cuda = isinstance(q, torch.Tensor) and q.is_cuda
+        dev = q.device if cuda else torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    message = str(error).encode()[:_MESSAGE_BYTES] if error is not None else b""
+    row = _HEADER.pack(int(error is not None), *(fields or (0,) * len(_FIELDS)), len(message))
+    mine = torch.frombuffer(bytearray(row + message.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.uint8).to(dev)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every).cpu()
-    for col, name in enumerate(_FIELDS):
-        values = table[:, col]
-        if (values != values[0]).any():
-            bad = int((values != values[0]).nonzero()[0])
-            shown = values.tolist() if name not in ("scale", "segment_lengths/dilation_rates") else "differs"
+    headers = [_HEADER.unpack(bytes(h)) for h in table[:, :_HEADER.size].tolist()]
+    if error is not None:
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(f"ring_attention: rank {rank}: {error}") from error
+    invalid = [j for j, h in enumerate(headers) if h[0]]
+    if invalid:
+        j = invalid[0]
+        text = bytes(table[j, _HEADER.size:_HEADER.size + headers[j][-1]].tolist()).decode(errors="ignore")
+        more = invalid[1:]
+        also = f" (and those of rank{'s' * (len(more) > 1)} {', '.join(map(str, more))})" if more else ""
+        raise ValueError(f"ring_attention: rank {j}'s arguments are invalid: {text}{also}")
+    for col, name in enumerate(_FIELDS, start=1):
+        values = [h[col] for h in headers]
+        if any(x != values[0] for x in values):
+            bad = next(j for j, x in enumerate(values) if x != values[0])
+            shown = values if name not in ("scale", "segment_lengths/dilation_rates") else "differs"
             raise ValueError(f"ring_attention: every rank of the group must pass the same {name}, but rank 0 and "
                              f"rank {bad} differ ({shown})")
 
@@ -72,41 +94,54 @@ def ring_attention(q, k, v, segment_lengths=None, dilation_rates=None, *, causal
     single-device kernels of the local blocks, as in `dilated_attention`.
 
     Every rank must pass the same configuration; the call all-gathers a small descriptor first and raises the
-    same ValueError on every rank if they differ. `dilated_attn.shard` / `unshard` cut and reassemble tensors.
+    same ValueError on every rank if they differ. Invalid arguments on one rank make every rank raise: that
+    rank its own error, the others a ValueError naming it. `dilated_attn.shard` / `unshard` cut and reassemble
+    tensors.
     """
-    layout = check_layout(layout)
-    if (segment_lengths is None) != (dilation_rates is None):
-        raise ValueError("segment_lengths and dilation_rates must both be None (dense ring attention) or both "
-                         "be given")
     P, rank = group_size_rank(group)
-    dense = segment_lengths is None
-    L = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
-    N = P * L
-    w, r = ([max(N, 1)], [1]) if dense else (segment_lengths, dilation_rates)
-    # validates the local tensors and every argument with the single-device rules
-    p = validate(q, k, v, w, r, causal=causal, scale=scale, head_groups=head_groups, return_lse=return_lse,
-                 backend=backend)
-    if layout == "zigzag" and L % 2:
-        raise ValueError(f"layout='zigzag' needs the global length N = P*L divisible by 2P, i.e. an even local "
-                         f"length L, got L={L} on {P} ranks")
+    # Every check of this rank's own arguments, before the gather: with P > 1 a failure is carried to the peers
+    # by _check_same_config (which every rank must reach) instead of raising here and leaving them waiting.
+    try:
+        layout = check_layout(layout)
+        if (segment_lengths is None) != (dilation_rates is None):
+            raise ValueError("segment_lengths and dilation_rates must both be None (dense ring attention) or both "
+                             "be given")
+        dense = segment_lengths is None
+        L = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+        N = P * L
+        w, r = ([max(N, 1)], [1]) if dense else (segment_lengths, dilation_rates)
+        # validates the local tensors and every argument with the single-device rules
+        p = validate(q, k, v, w, r, causal=causal, scale=scale, head_groups=head_groups, return_lse=return_lse,
+                     backend=backend)
+        if layout == "zigzag" and L % 2:
+            raise ValueError(f"layout='zigzag' needs the global length N = P*L divisible by 2P, i.e. an even "
+                             f"local length L, got L={L} on {P} ranks")
+        if P > 1:
+            plan = ring_plan(P, L, p.num_heads, p.num_kv_heads, p.segment_lengths, p.dilation_rates, head_groups,
+                             causal, layout)
+            # The kernels of the local blocks: the backend dilated_attention would pick for this shard (raises
+            # if an explicit backend cannot run it).
+            local = plan.local_branches
+            all_local = len(local) == len(p.segment_lengths)
+            local_problem = validate(q, k, v, [p.segment_lengths[i] for i in local] or [1],
+                                     [p.dilation_rates[i] for i in local] or [1], causal=causal, scale=p.scale,
+                                     head_groups=head_groups if all_local else "all", backend=backend)
+            chosen = dispatch.select(local_problem, backend).name
+    except (ValueError, TypeError) as exc:
+        if P == 1:
+            raise
+        _check_same_config(group, rank, q, None, exc)  # raises on every rank
+        raise AssertionError("unreachable") from exc
     if P == 1:
         return dilated_attention(q, k, v, w, r, causal=causal, scale=scale, head_groups=head_groups,
                                  return_lse=return_lse, backend=backend)
     branches = tuple(zip(p.segment_lengths, p.dilation_rates))
     digest = zlib.crc32(repr(("dense",) if dense else branches).encode())
     scale_bits = struct.unpack("<q", struct.pack("<d", p.scale))[0]
-    _check_same_config(group, q.device, (
+    _check_same_config(group, rank, q, (
         p.batch, L, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
         ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(causal),
         _CODES["layout"][layout], _CODES["head_groups"][head_groups], _CODES["backend"][backend], scale_bits,
-        digest))
-    plan = ring_plan(P, L, p.num_heads, p.num_kv_heads, p.segment_lengths, p.dilation_rates, head_groups,
-                     causal, layout)
-    # The kernels of the local blocks: the backend dilated_attention would pick for this shard.
-    local = plan.local_branches
-    local_problem = validate(q, k, v, [p.segment_lengths[i] for i in local] or [1],
-                             [p.dilation_rates[i] for i in local] or [1], causal=causal, scale=p.scale,
-                             head_groups=head_groups if len(local) == len(branches) else "all", backend=backend)
-    chosen = dispatch.select(local_problem, backend).name
+        digest), None)
     out, lse = RingAttention.apply(q, k, v, plan, rank, group, local_problem, chosen, p.scale, causal)
     return (out, lse) if return_lse else out
