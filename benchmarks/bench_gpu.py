@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu.py                 # bf16, B=1, H=16, D=128: the four configurations below
     python benchmarks/bench_gpu.py --quick         # the N = 65536 non-causal configuration only
     python benchmarks/bench_gpu.py --providers triton,triton_sweep --rounds 5   # shipped configs vs the sweep
+    python benchmarks/bench_gpu.py --quick --providers cudnn,triton --kv-heads 16,4,1   # grouped-query heads
 
 Configurations: N = 65536 with the LongNet branches (2048,1), (4096,2), (8192,4), (16384,8), non-causal and
 causal; N = 16384 with the same branches; N = 262144 with the long branches (2048,1), (8192,4), (32768,16),
@@ -152,6 +153,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only N = 65536, non-causal")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", default=None,
+                    help="comma-separated kv head counts, each a run of the configurations (default: --heads)")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--providers", default=None, help="comma-separated subset")
@@ -178,16 +181,18 @@ def main(argv=None):
                          repeats=args.repeats, rounds=args.rounds),
                     json_path=out, fp32_fma_peak_tflops=peak, tuned_kernel_check=check)
     presets = PRESETS[:1] if args.quick else PRESETS
-    for N, (segs, dils), causal in presets:
-        inputs = random_inputs(1, N, args.heads, args.dim, dtype=dtype, device="cuda")
+    kv_counts = [int(n) for n in args.kv_heads.split(",")] if args.kv_heads else [args.heads]
+    for kv_heads, (N, (segs, dils), causal) in ((kv, preset) for kv in kv_counts for preset in presets):
+        inputs = random_inputs(1, N, args.heads, args.dim, kv_heads=kv_heads, dtype=dtype, device="cuda")
         problem = validate(*inputs[:3], segs, dils, causal=causal)
+        where = f"N={N:>6} Hkv={kv_heads:>2} causal={causal!s:5}"
         runnable = {}
         for name, attention in providers(N, segs, dils, causal).items():
             if args.providers and name not in args.providers.split(","):
                 continue
             reason = backends.get(name).why_not(problem) if name in backends.REGISTRY else None
             if reason:
-                say(f"N={N:>6} causal={causal!s:5} {name:>20}: skipped ({reason})")
+                say(f"{where} {name:>20}: skipped ({reason})")
                 continue
             runnable[name] = attention
         for mode in ("fwd", "fwd+bwd"):
@@ -204,7 +209,7 @@ def main(argv=None):
                             if name not in extra:
                                 extra[name] = peak_memory_bytes(call, "cuda")
                     except Exception as exc:  # noqa: BLE001 - a baseline that cannot run this configuration
-                        say(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
+                        say(f"{where} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
                             f"{str(exc)[:120]})")
                         del rounds[name]
                         torch.cuda.empty_cache()
@@ -215,14 +220,15 @@ def main(argv=None):
                     rate /= ms * 1e9
                 else:
                     rate = tflops(problem, ms, backward)
-                row = dict(N=N, segment_lengths=segs, dilation_rates=dils, causal=causal, provider=name, mode=mode,
+                row = dict(N=N, kv_heads=kv_heads, segment_lengths=segs, dilation_rates=dils, causal=causal,
+                           provider=name, mode=mode,
                            median_ms=ms, tflops=rate, extra_memory_gib=extra[name] / 2**30,
                            fraction_of_fp32_peak=rate / peak)
                 if args.rounds > 1:
                     row["round_medians_ms"] = samples
                 record.add(row)
                 spread = f" (rounds {min(samples):.3f}-{max(samples):.3f})" if len(samples) > 1 else ""
-                say(f"N={N:>6} causal={causal!s:5} {name:>20} {mode:>7}: {ms:9.3f} ms{spread} {rate:7.1f} TFLOP/s"
+                say(f"{where} {name:>20} {mode:>7}: {ms:9.3f} ms{spread} {rate:7.1f} TFLOP/s"
                     f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
                     f"  extra {row['extra_memory_gib']:.2f} GiB")
         del inputs

@@ -13,6 +13,12 @@ after a barrier; the slowest rank's time counts). Times are medians over --repea
 (dilated_attn.benchmark.median_ms: CUDA events, L2 flushed before each run). Bytes sent per rank are the
 plan's forward K/V traffic (dilated_attn.ring.ring_plan), shown against the volume the branches select.
 Results go to benchmarks/results/ring_<device>_<P>gpu.json (or --out), rewritten after every preset.
+
+--profile adds, per preset and rank, where one ring forward and one forward+backward spend their GPU time
+(torch.profiler's kernel timeline): attention kernels (cuDNN's or Triton's), merges and gradient additions (the merge
+and addition kernels and PyTorch's elementwise, copy and reduction kernels), the communication kernels, the
+communication time no compute kernel overlaps (exposed), and the time no kernel runs (the host). benchmarks/ring_model.py
+projects the efficiency at more GPUs from these figures.
 """
 
 from __future__ import annotations
@@ -76,6 +82,60 @@ def p2p_bandwidth(mib: int = 256) -> float:
     return mib * 2**20 / timed(transfer, 2, 5, True) / 1e6
 
 
+ATTENTION_KERNELS = ("sdpa", "_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel", "dot_do_o", "convert_dq")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(xs, ys) -> float:
+    """Total length of the intersection of two unions of intervals."""
+    total, j = 0.0, 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(ys) and ys[k][0] < b:
+            total += min(b, ys[k][1]) - max(a, ys[k][0])
+            k += 1
+    return total
+
+
+def gpu_time_breakdown(fn) -> dict:
+    """Milliseconds of one call of fn by kind of kernel, from torch.profiler's timeline of this rank's GPU."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kinds = {"attention": [], "merge_and_accumulate": [], "communication": []}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
+            continue
+        name = e.name()
+        kind = ("communication" if "nccl" in name.lower() else
+                "attention" if any(k in name for k in ATTENTION_KERNELS) else "merge_and_accumulate")
+        kinds[kind].append((e.start_ns() / 1e6, (e.start_ns() + e.duration_ns()) / 1e6))
+    every = _union([iv for ivs in kinds.values() for iv in ivs])
+    compute = _union(kinds["attention"] + kinds["merge_and_accumulate"])
+    comm = _union(kinds["communication"])
+    wall = every[-1][1] - every[0][0] if every else 0.0
+    return dict(wall_ms=wall, attention_ms=_length(_union(kinds["attention"])),
+                merge_and_accumulate_ms=_length(_union(kinds["merge_and_accumulate"])),
+                communication_ms=_length(comm), exposed_communication_ms=_length(comm) - _overlap(comm, compute),
+                no_kernel_ms=wall - _length(every))
+
+
 def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) -> dict:
     P, rank = dist.get_world_size(), dist.get_rank()
     N, L = cfg["N"], cfg["N"] // P
@@ -90,21 +150,29 @@ def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) 
         t1 = dict(fwd_ms=timed(f, warmup, repeats, False), fwd_bwd_ms=timed(fb, warmup, repeats, False))
         p = validate(*inputs[:3], w or [N], r or [1], causal=cfg["causal"])
         row["tflops_1gpu_fwd_bwd"] = tflops(p, t1["fwd_bwd_ms"], backward=True)
+        row["t1_backend"] = dilated_attn.explain(*inputs[:3], w or [N], r or [1], causal=cfg["causal"]).backend
         del inputs, f, fb
         torch.cuda.empty_cache()
-        say(f"[{name}] 1 GPU: fwd {t1['fwd_ms']:.2f} ms, fwd+bwd {t1['fwd_bwd_ms']:.2f} ms")
+        say(f"[{name}] 1 GPU ({row['t1_backend']}): fwd {t1['fwd_ms']:.2f} ms, fwd+bwd {t1['fwd_bwd_ms']:.2f} ms")
     dist.barrier()
     inputs = random_inputs(B, L, H, D, dtype=DTYPE, device="cuda", seed=rank)
     f, fb = calls(lambda q, k, v: dilated_attn.ring_attention(
         q, k, v, w, r, causal=cfg["causal"], layout=cfg["layout"]), inputs)
     tp = dict(fwd_ms=timed(f, warmup, repeats, True), fwd_bwd_ms=timed(fb, warmup, repeats, True))
     if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fb()
-            torch.cuda.synchronize()
+        breakdown = {}
+        for mode, fn in (("fwd", f), ("fwd_bwd", fb)):
+            dist.barrier()
+            mine = gpu_time_breakdown(fn)
+            every = [None] * P
+            dist.all_gather_object(every, mine)
+            breakdown[mode] = every
         if rank == 0:
-            say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+            row["gpu_time_per_rank"] = breakdown
+            for mode, ranks in breakdown.items():
+                for j, b in enumerate(ranks):
+                    say(f"[{name}] {mode} rank {j}: " + ", ".join(f"{k.removesuffix('_ms')} {v:.2f} ms"
+                                                                 for k, v in b.items()))
     plan = ring_plan(P, L, H, H, tuple(w or [N]), tuple(r or [1]), "all", cfg["causal"], cfg["layout"])
     sent = torch.tensor([plan.bytes_sent(j, B, D, DTYPE.itemsize) for j in range(P)])
     # the peak of one forward+backward, inputs included (measured apart from the timing, whose L2 flush

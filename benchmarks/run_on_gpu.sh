@@ -7,7 +7,9 @@
 #        NCU_KERNELS, NCU_COUNT: the kernel regex and count, e.g. for NCU_ARGS="--backend cudnn"; NCU_METRICS: the
 #        metrics beside the sections, comma-separated, default the tensor pipe's activity)
 #   smem: tools/triton_shared_memory.py ${SMEM_ARGS} (the Triton configs' shared memory against the estimate)
-#   ring: the multi-GPU tests and the ring scaling benchmark on every GPU of the machine (torchrun)
+#   ring: the multi-GPU tests, then the ring scaling benchmark with its kernel-time profile (bench_ring.py --profile
+#         ${RING_ARGS}) on 2 GPUs and, where the machine has them, on 4, then benchmarks/ring_model.py on the
+#         2-GPU run (the efficiency at 4, 8 and 16 GPUs)
 #   tune: benchmarks/tune.py ${TUNE_ARGS} (the full sweep, merged into the source tree's tuned_configs.json when run
 #         with SKIP_BUILD=1 on a fresh machine, else into the installed package's; copied to $OUT either way)
 #   decode: benchmarks/bench_decode.py ${DECODE_ARGS} (KV-cache decoding against the copy bandwidth)
@@ -83,8 +85,12 @@ for stage in $stages; do
     ring)
       gpus=$(nvidia-smi -L | wc -l)
       python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider tests 2>&1 | tee "$OUT/ring_tests.log" | tail -20
-      torchrun --standalone --nproc_per_node="$gpus" benchmarks/bench_ring.py --out "$OUT/ring.json" 2>&1 \
-        | tee "$OUT/ring.log" ;;
+      for p in 2 4; do
+        [ "$p" -le "$gpus" ] || continue
+        torchrun --standalone --nproc_per_node="$p" benchmarks/bench_ring.py --profile ${RING_ARGS:-} \
+          --out "$OUT/ring_${p}gpu.json" 2>&1 | tee -a "$OUT/ring.log"
+      done
+      python3 benchmarks/ring_model.py "$OUT/ring_2gpu.json" --out "$OUT/ring_model.json" 2>&1 | tee -a "$OUT/ring.log" ;;
     main)
       python3 -m dilated_attn 2>&1 | tee "$OUT/main.log"
       python3 examples/train_longnet.py --device cuda --steps ${TRAIN_STEPS:-400} --seq-len 8192 --batch 4 --dim 512 --layers 6 \
