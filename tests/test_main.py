@@ -18,6 +18,7 @@ from dilated_attn import __main__ as cli
 from dilated_attn import backends
 from dilated_attn import benchmark as harness
 from dilated_attn.spec import flops, validate
+from dilated_attn.warmup import prepare_cudnn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny sizes: N values no segment length divides, GQA, two branches.
@@ -59,6 +60,12 @@ def test_check_and_bench_on_gpu(tmp_path, capsys):
     assert cli.main(["check", "--device", "cuda", "--dtype", "bfloat16", "float32"]) == 0
     out = capsys.readouterr().out
     assert "0 failed" in out and "reference  bfloat16" in out
+    # cudnn on its own problem: bfloat16 checked wherever it can run it, float32 skipped with its reason
+    device = torch.device("cuda", torch.cuda.current_device())
+    why = backends.CUDNN.why_not(cli.check_problems(device, ["bfloat16"], "cudnn")[0])
+    cudnn_bf16 = [line for line in out.splitlines() if line.startswith("  cudnn      bfloat16")]
+    assert len(cudnn_bf16) == 2 and all(line.endswith("PASS" if why is None else why) for line in cudnn_bf16)
+    assert "cudnn      float32   non-causal, all    SKIP: " in out
     path = tmp_path / "gpu.json"
     tiny = [flag if flag != "cpu" else "cuda" for flag in TINY]
     assert cli.main(["bench", *tiny, "--dtype", "bfloat16", "--json", str(path)]) == 0
@@ -83,6 +90,55 @@ def test_check_passes_on_cpu(capsys):
     out = capsys.readouterr().out
     assert out.count("PASS") == 8  # (cpu, reference) x 2 dtypes x 2 cases
     assert "self-check: 8 passed, 0 failed, 0 skipped" in out
+    assert "cudnn" not in out  # it applies to CUDA tensors only, like triton
+
+
+def _cudnn_on_cpu(monkeypatch) -> list:
+    """The cudnn backend made to apply to CPU tensors, its forward the cpu backend's: returns a list with, per
+    call, its problem and the gradients its out and LSE received in the backward."""
+    calls = []
+
+    def forward(q, k, v, p):
+        out, lse = backends.CPU.forward(q, k, v, p)
+        call = dict(problem=p, grad_out=[], grad_lse=[])
+        calls.append(call)
+        for x, grads in ((out, call["grad_out"]), (lse, call["grad_lse"])) if out.requires_grad else ():
+            x.register_hook(lambda g, grads=grads: grads.append(g) if g is not None else None)  # None: no gradient
+        return out, lse
+
+    monkeypatch.setattr(backends.CUDNN, "supported_device_types", lambda: ("cuda", "cpu"))
+    monkeypatch.setattr(backends.CUDNN, "unavailable", lambda: None)
+    monkeypatch.setattr(backends.CUDNN, "forward", forward)
+    return calls
+
+
+def test_check_runs_cudnn_on_its_own_problem_where_it_applies(capsys, monkeypatch):
+    """Where the cudnn backend applies to the device (CUDA tensors; here the CPU, made to), the check runs it on a
+    problem it takes, with no LSE term in the loss (so that cuDNN's backward runs), and skips float32 with the
+    backend's reason."""
+    calls = _cudnn_on_cpu(monkeypatch)
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "  cudnn on a problem it takes: B=2 N=448 H=4 D=64, branches (64, 1), (128, 2), (256, 4), no LSE term" in out
+    for case in ("non-causal, all   ", "causal, split     "):
+        assert f"cudnn      float32   {case} SKIP: dtype float32 is not supported (supported: float16, bfloat16)" in out
+        assert any(line.startswith(f"  cudnn      bfloat16  {case}") and line.endswith("PASS")
+                   for line in out.splitlines())
+    assert "self-check: 10 passed, 0 failed, 2 skipped" in out  # (cpu, reference) x 2 x 2, then cudnn's
+    assert [(c["problem"].seq_len, c["problem"].num_kv_heads, c["problem"].causal) for c in calls] == [
+        (448, 4, False), (448, 4, True)]
+    assert all(c["grad_out"] and not c["grad_lse"] for c in calls)  # the LSE had no gradient
+
+
+def test_check_named_cudnn_runs_its_problem_only(capsys, monkeypatch):
+    _cudnn_on_cpu(monkeypatch)
+    assert cli.main(["check", "--device", "cpu", "--dtype", "bfloat16", "--backends", "cudnn"]) == 0
+    out = capsys.readouterr().out
+    assert "self-check against the float64 reference: B=2 N=448 H=4 D=64, branches" in out
+    assert out.count("PASS") == 2 and "self-check: 2 passed, 0 failed, 0 skipped" in out
+    # float32 named: refused with its reason before anything runs
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cudnn"]) == cli.EXIT_CANNOT_RUN
+    assert "backend 'cudnn' cannot run here: dtype float32 is not supported" in capsys.readouterr().err
 
 
 def test_check_failure_gives_exit_status_1(capsys, monkeypatch):
@@ -103,10 +159,11 @@ def test_check_reports_a_backend_that_raises_as_failed(capsys, monkeypatch):
 
 def test_check_refuses_a_named_backend_that_cannot_run(capsys):
     # Named: a failure with the package's reason, before anything runs (the same status as `bench`).
-    status = cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cuda", "cpu"])
+    status = cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cuda", "cpu", "cudnn"])
     assert status == cli.EXIT_CANNOT_RUN == 3
     captured = capsys.readouterr()
     assert "backend 'cuda' cannot run here: needs CUDA tensors, got cpu" in captured.err
+    assert "backend 'cudnn' cannot run here: needs CUDA tensors, got cpu" in captured.err
     assert "PASS" not in captured.out
 
 
@@ -216,6 +273,40 @@ def test_warmup_without_cuda_is_a_clear_error(capsys):
         cli.main(["warmup"])
     assert exc.value.code == 2
     assert "warmup compiles the Triton kernels for a CUDA GPU, and CUDA is not available" in capsys.readouterr().err
+
+
+def test_prepare_cudnn_does_nothing_where_cudnn_does_not_run():
+    # CPU tensors (the default device without CUDA): no error, nothing run
+    assert prepare_cudnn(1, 256, 4, 64, [64, 128], [1, 2], device="cpu") is False
+    assert prepare_cudnn(1, 256, 4, 64, [64, 128], [1, 2], device="cpu", backend="cudnn", backward=False) is False
+    if not torch.cuda.is_available():
+        assert prepare_cudnn(2, 1024, 8, 128, [256, 512], [1, 2], causal=True) is False
+    with pytest.raises(ValueError, match="segment_lengths and dilation_rates must have the same length"):
+        prepare_cudnn(1, 256, 4, 64, [64, 128], [1], device="cpu")
+
+
+def test_prepare_cudnn_runs_forward_and_backward_where_cudnn_runs(monkeypatch):
+    calls = _cudnn_on_cpu(monkeypatch)  # cudnn made to run CPU tensors
+    # auto does not pick cudnn for CPU tensors: nothing runs
+    assert prepare_cudnn(2, 256, 4, 64, [64, 128], [1, 2], device="cpu") is False and not calls
+    assert prepare_cudnn(2, 256, 4, 64, [64, 128], [1, 2], device="cpu", backend="cudnn", causal=True) is True
+    (call,) = calls
+    p = call["problem"]
+    assert (p.batch, p.seq_len, p.num_heads, p.head_dim, p.dtype, p.causal) == (2, 256, 4, 64, torch.bfloat16, True)
+    assert call["grad_out"] and not call["grad_lse"]  # forward and backward, as a training step without the LSE
+    assert prepare_cudnn(2, 256, 4, 64, [64, 128], [1, 2], device="cpu", backend="cudnn", backward=False) is True
+    assert not calls[1]["grad_out"]  # forward only
+    # what cudnn does not take (float32): nothing, no error
+    assert prepare_cudnn(2, 256, 4, 64, [64, 128], [1, 2], device="cpu", backend="cudnn",
+                         dtype=torch.float32) is False and len(calls) == 2
+
+
+@pytest.mark.gpu
+def test_prepare_cudnn_on_gpu():
+    device = torch.device("cuda", torch.cuda.current_device())
+    p = harness.problem_for(device, torch.bfloat16, 1, 2048, 8, 8, 64, [512, 1024], [1, 2])
+    ran = prepare_cudnn(1, 2048, 8, 64, [512, 1024], [1, 2], backend="cudnn")
+    assert ran is (backends.CUDNN.why_not(p) is None)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,11 @@ before it starts training. Each family runs one small forward+backward per membe
 (the buckets whose configs, and so kernels, may differ), with the shapes' alignment of real calls (16 heads).
 With DILATED_ATTN_AUTOTUNE=1 it also sweeps each bucket (cached on disk too), one process at a time so that the
 timings are not disturbed.
+
+The cudnn backend has a first-call cost of its own that no other process can pay for it: cuDNN builds an execution
+plan for each shape of call it has not seen, and PyTorch keeps the plans in the process (a cache per thread).
+`prepare_cudnn` runs one forward and backward at a training run's shapes in the training process itself, before
+its first step (docs/backends.md, "The cuDNN backend").
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["Family", "families", "members_buckets", "warmup"]
+__all__ = ["Family", "families", "members_buckets", "prepare_cudnn", "warmup"]
 
 HEADS = 16  # the heads of a warm-up call: strides (heads x head dim) divisible by 16, like a model's
 
@@ -117,3 +122,50 @@ def warmup(device: torch.device, dtypes: Sequence[str] = ("bfloat16",), head_dim
                 f"{', '.join(map(str, family.members))}): {outcome}, {seconds:.1f} s")
     say(f"done in {time.perf_counter() - start:.1f} s")
     return results
+
+
+def prepare_cudnn(batch: int, seq_len: int, heads: int, head_dim: int, segment_lengths: Sequence[int],
+                  dilation_rates: Sequence[int], *, kv_heads: Optional[int] = None,
+                  dtype: torch.dtype = torch.bfloat16, causal: bool = False, head_groups: str = "all",
+                  device=None, backend: str = "auto", backward: bool = True) -> bool:
+    """Builds, in this process, the cuDNN plans that attention calls of these shapes will use, so that a training
+    run's first step does not build them: one forward (and backward) with the cudnn backend on random q, k, v
+    `[batch, seq_len, heads (kv_heads for k, v), head_dim]` of `dtype`, contiguous as the modules pass them.
+
+    cuDNN builds an execution plan the first time it sees a shape of call (sizes, strides, dtype, causal), and
+    PyTorch caches it in the process, per thread: call this in the training process, from the thread that runs
+    the steps (the backward runs in autograd's thread, in both). Calls of other shapes, or of q, k, v in another
+    layout (views of a fused projection have other strides), build plans of their own. `dilated-attn warmup` does
+    not do this: it fills Triton's on-disk cache, from other processes.
+
+    backend: the `backend` the training calls pass. With "auto" (the default; DILATED_ATTN_BACKEND counts, as in
+    those calls) it runs only where auto picks cudnn for these shapes, with "cudnn" wherever cudnn can run them.
+    backward: False for calls without a backward (inference): a forward under torch.no_grad, which is also how
+    auto then decides. device: default the current CUDA device, else the CPU.
+
+    Returns True when it ran cudnn, and False, having done nothing, where these calls would not run it (a CPU, a
+    GPU without cuDNN 9, float32, a smaller input than auto gives cudnn, ...). Raises the ValueError/TypeError of
+    dilated_attention for an invalid configuration.
+    """
+    from .dispatch import explain
+    from .functional import dilated_attention
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    kv_heads = heads if kv_heads is None else kv_heads
+    options = dict(causal=causal, head_groups=head_groups)
+    with torch.set_grad_enabled(backward):
+        # The decision needs the shapes only: placeholders of one element, expanded (no memory).
+        q, kv = (torch.empty((), dtype=dtype, device=device, requires_grad=backward).expand(
+            batch, seq_len, h, head_dim) for h in (heads, kv_heads))
+        if explain(q, kv, kv, segment_lengths, dilation_rates, backend=backend, **options).backend != "cudnn":
+            return False
+        q, k, v = (torch.randn(batch, seq_len, h, head_dim, dtype=dtype, device=device, requires_grad=backward)
+                   for h in (heads, kv_heads, kv_heads))
+        out = dilated_attention(q, k, v, segment_lengths, dilation_rates, backend="cudnn", **options)
+        if backward:
+            out.backward(torch.randn_like(out))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return True
