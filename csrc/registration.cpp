@@ -16,15 +16,15 @@ TORCH_LIBRARY(dilated_attn, m) {
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The cudnn backend's loops over cuDNN calls (CUDA only; src/dilated_attn/backends/cudnn/ops.py plans them):
   // `steps`, int64 on the CPU, holds one row per call: the call's view of each tensor (sizes, strides, storage
-  // offset). The forward merges each call's result into (out [B, N, H, D], lse float32 [B, N, H]); the backward
-  // adds each call's gradients into grad_q/k/v; both store them instead for the first `stored_steps` calls.
+  // offset; the results' views are of contiguous tensors). The forward returns the merge of the calls' results
+  // (out [B, N, H, D], lse float32 [B, N, H]); the backward the sum of their gradients; the first `stored_steps`
+  // calls store theirs instead (rows no call reached before).
   m.def(
-      "cudnn_forward_steps(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, Tensor steps, "
-      "int stored_steps, bool causal, float scale) -> ()");
+      "cudnn_forward_steps(Tensor q, Tensor k, Tensor v, Tensor steps, int stored_steps, bool causal, "
+      "float scale) -> (Tensor out, Tensor lse)");
   m.def(
-      "cudnn_backward_steps(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor(a!) grad_q, Tensor(b!) grad_k, Tensor(c!) grad_v, Tensor steps, int stored_steps, bool causal, "
-      "float scale) -> ()");
+      "cudnn_backward_steps(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor steps, "
+      "int stored_steps, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // Their merge kernel on whole [b, h, s, d] tensors: (out, lse) <- merge([out, part_out], [lse, part_lse]).
   m.def("cudnn_merge(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse) -> ()");
 }

@@ -119,14 +119,15 @@ def test_check_runs_cudnn_on_its_own_problem_where_it_applies(capsys, monkeypatc
     calls = _cudnn_on_cpu(monkeypatch)
     assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert "  cudnn on a problem it takes: B=2 N=448 H=4 D=64, branches (64, 1), (128, 2), (256, 4), no LSE term" in out
+    assert ("  cudnn on a problem it takes: B=2 N=448 Hq=4 Hkv=2 D=64, branches (64, 1), (128, 2), (256, 4), no LSE "
+            "term") in out
     for case in ("non-causal, all   ", "causal, split     "):
         assert f"cudnn      float32   {case} SKIP: dtype float32 is not supported (supported: float16, bfloat16)" in out
         assert any(line.startswith(f"  cudnn      bfloat16  {case}") and line.endswith("PASS")
                    for line in out.splitlines())
     assert "self-check: 10 passed, 0 failed, 2 skipped" in out  # (cpu, reference) x 2 x 2, then cudnn's
     assert [(c["problem"].seq_len, c["problem"].num_kv_heads, c["problem"].causal) for c in calls] == [
-        (448, 4, False), (448, 4, True)]
+        (448, 2, False), (448, 2, True)]
     assert all(c["grad_out"] and not c["grad_lse"] for c in calls)  # the LSE had no gradient
 
 
@@ -134,7 +135,7 @@ def test_check_named_cudnn_runs_its_problem_only(capsys, monkeypatch):
     _cudnn_on_cpu(monkeypatch)
     assert cli.main(["check", "--device", "cpu", "--dtype", "bfloat16", "--backends", "cudnn"]) == 0
     out = capsys.readouterr().out
-    assert "self-check against the float64 reference: B=2 N=448 H=4 D=64, branches" in out
+    assert "self-check against the float64 reference: B=2 N=448 Hq=4 Hkv=2 D=64, branches" in out
     assert out.count("PASS") == 2 and "self-check: 2 passed, 0 failed, 0 skipped" in out
     # float32 named: refused with its reason before anything runs
     assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cudnn"]) == cli.EXIT_CANNOT_RUN

@@ -1,7 +1,7 @@
-// The cudnn backend's loops (src/dilated_attn/backends/cudnn/ops.py plans them as a Schedule): each step runs cuDNN's fused
-// attention (ATen's _scaled_dot_product_cudnn_attention, or its backward) on strided views of the inputs and then
-// one kernel of merge.cu, which merges the step's (out, lse) into the running result, or adds its gradients into
-// the whole ones. In C++ because the problems this backend takes at its small end are bound by the host's time a
+// The cudnn backend's loops (src/dilated_attn/backends/cudnn/ops.py plans them as a Schedule): each step runs
+// cuDNN's fused attention (ATen's _scaled_dot_product_cudnn_attention, or its backward) on strided views of the
+// inputs and then one kernel of merge.cu, which merges the step's (out, lse) into the running result, or adds its
+// gradients into the whole ones. In C++ because the problems this backend takes at its small end are bound by the host's time a
 // step: here a step costs the cuDNN call and one launch, no Python.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "launch.h"
 #include "tensors.h"
@@ -107,16 +108,35 @@ void check_running_result(const at::Tensor& q, const at::Tensor& out, const at::
                    "out must have q's dtype and lse float32, got ", out.scalar_type(), " and ", lse.scalar_type());
 }
 
-// (out, lse) <- merge(out, lse, attention of each step's views): out [B, N, H, D], lse float32 [B, N, H]; the first
-// `stored_steps` steps store their result instead (rows no step reached before: out and lse are not read there).
-void cudnn_forward_steps(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                         const at::Tensor& lse, const at::Tensor& steps, int64_t stored_steps, bool causal,
-                         double scale) {
+// A step's result `part` [segments, heads, members, D] where the step's packed `view` is all of a contiguous
+// [B, N, H, D] tensor in cuDNN's layout (rows of one segment, then heads): the result itself, as that tensor, when
+// cuDNN wrote it in the view's layout; else undefined. The first step of a branch that reaches every row once in one
+// piece then costs no copy.
+at::Tensor whole_result(const at::Tensor& part, const int64_t* view, at::IntArrayRef shape) {
+  const int64_t n = view[0], h = view[1], s = view[2], d = view[3];
+  const bool whole = view[8] == 0 && n * s == shape[0] * shape[1] && h == shape[2] && d == shape[3] &&
+                     view[4] == s * h * d && view[5] == d && view[6] == h * d && view[7] == 1;
+  if (!whole || part.strides() != at::IntArrayRef(view + 4, 4)) return at::Tensor();
+  return part.transpose(1, 2).view(shape);
+}
+
+// Returns (out [B, N, H, D], lse float32 [B, N, H]): the merge of the attention of each step's views, the first
+// `stored_steps` steps storing theirs (rows no step reached before) instead of merging it. With `stored_steps`,
+// `out` and `lse` start uninitialised (or as the first step's result, see whole_result), else as (0, -inf).
+std::tuple<at::Tensor, at::Tensor> cudnn_forward_steps(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& steps, int64_t stored_steps, bool causal,
+                                                       double scale) {
   check_steps(steps, kForwardViews);
-  check_running_result(q, out, lse);
+  TORCH_CHECK_VALUE(q.is_cuda() && q.dim() == 4, "q must be a 4-D CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const ScalarKind kind = scalar_kind(q);
+  const std::vector<int64_t> lse_shape{q.size(0), q.size(1), q.size(2)};
+  at::Tensor out, lse;
+  if (stored_steps == 0 || steps.size(0) == 0) {
+    out = at::zeros(q.sizes(), q.options());
+    lse = at::full(lse_shape, -INFINITY, q.options().dtype(at::kFloat));
+  }
   const int64_t* view = steps.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < steps.size(0); ++i, view += kForwardViews * kViewInts) {
     // one step's result alive at a time: the caching allocator hands the next step the same memory
@@ -133,9 +153,22 @@ void cudnn_forward_steps(const at::Tensor& q, const at::Tensor& k, const at::Ten
       part_out = std::get<0>(result);
       part_lse = std::get<1>(result);
     }
+    if (!out.defined()) {  // the first step, which stores
+      // (not a one-key step's: its out is a view of v)
+      const bool whole = stored_steps == 1 && qs.size(2) > 1;
+      out = whole ? whole_result(part_out, view + 3 * kViewInts, q.sizes()) : at::Tensor();
+      if (out.defined()) {  // the LSE's rows [segments, heads, members] -> [B, N, H]: a small copy
+        const int64_t* lv = view + 4 * kViewInts;
+        lse = part_lse.reshape({lv[0], lv[1], lv[2]}).transpose(1, 2).reshape(lse_shape).to(at::kFloat);
+        continue;
+      }
+      out = at::empty(q.sizes(), q.options());
+      lse = at::empty(lse_shape, q.options().dtype(at::kFloat));
+    }
     merge_rows(rows_at(out, view + 3 * kViewInts), rows_at(lse, view + 4 * kViewInts), part_out, part_lse,
                i < stored_steps, kind, q.element_size(), stream);
   }
+  return {out, lse};
 }
 
 // dst[t] (+)= grads[t] for t < count, views of the packed `shape`: one launch.
@@ -151,24 +184,27 @@ void accumulate(const at::Tensor* grads, const RowsView* dst, int count, const i
   check_launch(launch_accumulate(p, kind, vectorized, stream), "gradient addition");
 }
 
-// grad_{q,k,v} += (or, for the first `stored_steps` steps, =) the gradients of each step's attention given the
-// merged out and lse [B, N, H] (cuDNN's P = exp(S - lse) and delta = rowsum(dO * out) are then the step's share of
-// the exact gradient). With grouped-query heads, cuDNN sums each kv head's dK and dV over its query heads.
-void cudnn_backward_steps(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_q,
-                          const at::Tensor& grad_k, const at::Tensor& grad_v, const at::Tensor& steps,
-                          int64_t stored_steps, bool causal, double scale) {
+// Returns (grad_q, grad_k, grad_v): the sum of the gradients of each step's attention given the merged out and lse
+// [B, N, H] (cuDNN's P = exp(S - lse) and delta = rowsum(dO * out) are then the step's share of the exact gradient),
+// the first `stored_steps` steps storing theirs (rows no step reached before) instead of adding them. With grouped-
+// query heads, cuDNN sums each kv head's dK and dV over its query heads. As in the forward, a first step that is
+// the whole gradients is taken as they are (whole_result).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward_steps(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& steps, int64_t stored_steps, bool causal, double scale) {
   check_steps(steps, kBackwardViews);
   check_running_result(q, out, lse);
-  TORCH_CHECK_VALUE(grad_v.strides() == grad_k.strides() && grad_v.storage_offset() == grad_k.storage_offset() &&
-                        grad_q.scalar_type() == q.scalar_type() && grad_k.scalar_type() == q.scalar_type() &&
-                        grad_v.scalar_type() == q.scalar_type(),
-                    "grad_k and grad_v must share one layout, and the gradients q's dtype");
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const ScalarKind kind = scalar_kind(q);
   const int64_t size = q.element_size();
   const at::Tensor no_philox = at::empty({0}, q.options().dtype(at::kLong));  // no dropout: no seed, no offset
+  at::Tensor grad_q, grad_k, grad_v;
+  if (stored_steps == 0 || steps.size(0) == 0) {
+    grad_q = at::zeros(q.sizes(), q.options());
+    grad_k = at::zeros(k.sizes(), q.options());
+    grad_v = at::zeros(k.sizes(), q.options());
+  }
   const int64_t* view = steps.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < steps.size(0); ++i, view += kBackwardViews * kViewInts) {
     at::Tensor xs[6];  // grad_out, q, k, v, out: [segments, heads, members, D]; lse [segments, heads, members]
@@ -183,9 +219,20 @@ void cudnn_backward_steps(const at::Tensor& grad_out, const at::Tensor& q, const
           xs[0], xs[1], xs[2], xs[3], xs[4], xs[5].unsqueeze(-1), no_philox, no_philox, /*attn_bias=*/at::Tensor(),
           /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), members, members, /*dropout_p=*/0.0, causal, scale);
     }
-    for (auto& g : grads) g = unit_stride_rows(g);
     const int64_t* q_target = view + 6 * kViewInts;
     const int64_t* kv_target = view + 7 * kViewInts;
+    if (!grad_q.defined()) {  // the first step, which stores
+      if (stored_steps == 1) {
+        grad_q = whole_result(grads[0], q_target, q.sizes());
+        grad_k = whole_result(grads[1], kv_target, k.sizes());
+        grad_v = whole_result(grads[2], kv_target, k.sizes());
+        if (grad_q.defined() && grad_k.defined() && grad_v.defined()) continue;
+      }
+      grad_q = at::empty(q.sizes(), q.options());
+      grad_k = at::empty(k.sizes(), q.options());
+      grad_v = at::empty(k.sizes(), q.options());
+    }
+    for (auto& g : grads) g = unit_stride_rows(g);
     const RowsView dst[3] = {rows_at(grad_q, q_target), rows_at(grad_k, kv_target), rows_at(grad_v, kv_target)};
     const bool store = i < stored_steps;
     if (std::equal(q_target, q_target + 4, kv_target)) {  // one head per kv head: one launch for all three
@@ -195,6 +242,7 @@ void cudnn_backward_steps(const at::Tensor& grad_out, const at::Tensor& q, const
       accumulate(grads.data() + 1, dst + 1, 2, kv_target, store, kind, size, stream);
     }
   }
+  return {grad_q, grad_k, grad_v};
 }
 
 // The merge kernel of cudnn_forward_steps on whole tensors: out, part_out [b, h, s, d], lse, part_lse [b, h, s]

@@ -47,13 +47,13 @@ CHECK_BRANCHES = ([64, 128, 256], [1, 2, 4])
 CHECK_CASES = (dict(causal=False, head_groups="all"), dict(causal=True, head_groups="split"))
 CHECK_DTYPES = ("float32", "bfloat16")
 
-# The cudnn backend's own problem: one it takes (CudnnBackend.why_not) whether or not it maps GQA, so no GQA, and
-# D = 64 (a multiple of 8, as cuDNN needs, and a head dim of real models). N is a multiple of the first segment, so
+# The cudnn backend's own problem: one it takes (CudnnBackend.why_not): D = 64 (a multiple of 8, as cuDNN needs,
+# and a head dim of real models), grouped-query heads as most models have them. N is a multiple of the first segment, so
 # that the first branch (dilation 1) gives the starting result; the two dilated branches, each with a shorter last
 # segment, are merged into it by the merge kernel in the forward and added by the gradient-addition kernel in the
 # backward. Its loss has no LSE term: given an LSE gradient, another backend's backward runs instead of cuDNN's
 # (which takes none).
-CUDNN_CHECK_SHAPE = dict(batch=2, seq_len=448, heads=4, kv_heads=4, head_dim=64)
+CUDNN_CHECK_SHAPE = dict(batch=2, seq_len=448, heads=4, kv_heads=2, head_dim=64)
 CUDNN_CHECK_BRANCHES = ([64, 128, 256], [1, 2, 4])
 OWN_PROBLEM = ("cudnn",)  # backends checked on a problem of their own (wherever they apply to the device)
 

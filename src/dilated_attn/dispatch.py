@@ -105,7 +105,7 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
 
     The cudnn backend comes first on GPUs of compute capability CUDNN_PREFERRED_FROM and newer, for q of at least
     CUDNN_MIN_ELEMENTS elements (CUDNN_MIN_ELEMENTS_WITH_BACKWARD where the call records its backward), where it
-    can run (16-bit, no GQA, head_dim a multiple of 8 up to 128): there it measured faster than triton
+    can run (16-bit, head_dim a multiple of 8 up to 128): there it measured faster than triton
     (benchmarks/README.md, "The cudnn backend"). It is listed only there, so other inputs go to triton without a
     warning.
     """

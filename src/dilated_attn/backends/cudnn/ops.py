@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -147,7 +146,8 @@ def _batch_merges(call: Call, shape, stride) -> bool:
 # The most elements (segments x heads x members x D) one cuDNN call takes in the forward and in the backward:
 # bounds what a call allocates beyond the result (its output in the forward; its gradients and cuDNN's float32 dQ
 # accumulator in the backward), while a call still has >= 1024 programs at the sizes that matter. The backward's
-# larger pieces take fewer calls (benchmarks/README.md, "The cudnn backend").
+# larger pieces take fewer calls (benchmarks/README.md, "The cudnn backend"). A first branch that is one call over
+# every row is not cut: its result is the whole one (Plan.schedule).
 MAX_CALL_ELEMENTS = 1 << 24
 MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
 
@@ -187,6 +187,11 @@ def _layouts(*tensors: torch.Tensor) -> tuple:
     return tuple((tuple(x.shape), x.stride(), x.storage_offset()) for x in tensors)
 
 
+def _contiguous(*shapes) -> tuple:
+    """The layouts of fresh contiguous tensors of `shapes`: the results the loops return."""
+    return tuple((tuple(shape), torch.empty(shape, device="meta").stride(), 0) for shape in shapes)
+
+
 def _packed(view: tuple) -> list[int]:
     sizes, strides, start = view
     pad = 4 - len(sizes)  # the LSE's views are 3-D
@@ -221,12 +226,15 @@ class Plan:
     @functools.lru_cache(maxsize=256)
     def schedule(self, layouts: tuple, kv: tuple, limit: int) -> Schedule:
         """The loop's steps over tensors of `layouts` (whose views are kv-side where `kv` says): every piece of every
-        call, branch after branch. Cached: a layout's steps are planned once and run without Python (the small
-        problems this backend runs are bound by the host's time per call)."""
+        call, branch after branch, pieces of at most `limit` elements, except a first branch of one call that
+        stores: it is one step, whose result the loops can take as the whole result without a copy. Cached: a
+        layout's steps are planned once and run without Python (the small problems this backend runs are bound by
+        the host's time per call)."""
         rows, first_branch_steps = [], 0
         for i, calls in enumerate(self.calls):
+            whole = i == 0 and self.first_stores and len(calls) == 1
             for call in calls:
-                for piece in _geometry(call, layouts, kv, limit):
+                for piece in _geometry(call, layouts, kv, None if whole else limit):
                     rows.append([n for view in piece for n in _packed(view)])
                     first_branch_steps += i == 0
         steps = torch.tensor(rows, dtype=torch.int64).view(len(rows), len(layouts) * VIEW_INTS)
@@ -273,14 +281,8 @@ def cudnn_forward(
     q, k, v = _cudnn_layout(q), _cudnn_layout(k), _cudnn_layout(v)
     B, N, H, D = q.shape
     p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads)
-    if p.first_stores:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse_rows = torch.empty((B, N, H), dtype=lse_dtype(q.dtype), device=q.device)
-    else:
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        lse_rows = torch.full((B, N, H), -math.inf, dtype=lse_dtype(q.dtype), device=q.device)
-    s = p.schedule(_layouts(q, k, v, out, lse_rows), FORWARD_KV, MAX_CALL_ELEMENTS)
-    torch.ops.dilated_attn.cudnn_forward_steps(q, k, v, out, lse_rows, s.steps, s.stored, causal, scale)
+    s = p.schedule(_layouts(q, k, v) + _contiguous(q.shape, (B, N, H)), FORWARD_KV, MAX_CALL_ELEMENTS)
+    out, lse_rows = torch.ops.dilated_attn.cudnn_forward_steps(q, k, v, s.steps, s.stored, causal, scale)
     return out, lse_rows.transpose(1, 2).contiguous()
 
 
@@ -311,13 +313,10 @@ def cudnn_backward(
     q, k, v, grad_out, out = (_cudnn_layout(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse_rows = lse.to(lse_dtype(q.dtype)).transpose(1, 2).contiguous()
     p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads)
-    new = torch.empty if p.first_stores else torch.zeros
-    dq = new(q.shape, dtype=q.dtype, device=q.device)
-    dk, dv = (new(k.shape, dtype=q.dtype, device=q.device) for _ in range(2))
-    s = p.schedule(_layouts(grad_out, q, k, v, out, lse_rows, dq, dk), BACKWARD_KV, MAX_BACKWARD_CALL_ELEMENTS)
-    torch.ops.dilated_attn.cudnn_backward_steps(grad_out, q, k, v, out, lse_rows, dq, dk, dv, s.steps, s.stored,
-                                                causal, scale)
-    return dq, dk, dv
+    layouts = _layouts(grad_out, q, k, v, out, lse_rows) + _contiguous(q.shape, k.shape)
+    s = p.schedule(layouts, BACKWARD_KV, MAX_BACKWARD_CALL_ELEMENTS)
+    return torch.ops.dilated_attn.cudnn_backward_steps(grad_out, q, k, v, out, lse_rows, s.steps, s.stored, causal,
+                                                       scale)
 
 
 @cudnn_backward.register_fake
