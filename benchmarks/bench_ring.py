@@ -17,8 +17,8 @@ Results go to benchmarks/results/ring_<device>_<P>gpu.json (or --out), rewritten
 --profile adds, per preset and rank, where one ring forward and one forward+backward spend their GPU time
 (torch.profiler's kernel timeline): attention kernels (cuDNN's or Triton's), merges and gradient additions (the merge
 and addition kernels and PyTorch's elementwise, copy and reduction kernels), the communication kernels, the
-communication time no compute kernel overlaps (exposed), and the time no kernel runs (the host). benchmarks/ring_model.py
-projects the efficiency at more GPUs from these figures.
+communication time no compute kernel overlaps (exposed), and the time no kernel runs (the host).
+benchmarks/ring_model.py projects the efficiency at more GPUs from these figures.
 """
 
 from __future__ import annotations
