@@ -13,7 +13,9 @@ point-to-point bandwidth). For each preset and P the model takes each rank's wor
   the bandwidth; a step's K/V travel while the previous step computes (the local branches and the own rows first),
   dK/dV while the following steps compute, the last of them while the own rows compute (as ring/autograd.py
   orders them); only what outlasts that compute is exposed;
-* the host time the run showed without any kernel (its slowest rank's), added as is.
+* the rest of the measured call's time (the host's, before, between and after the kernels: the measured time less
+  the slowest rank's kernel and exposed communication time), added as is, so the model gives the measured
+  efficiency at the measured P.
 
 T1 is the measured single-GPU time of the run, so the efficiency is T1 / (P * TP). Two links: the run's measured
 point-to-point bandwidth (one node, NVLink) and 50 GB/s (every transfer between nodes: a lower bound for a ring of
@@ -99,8 +101,10 @@ def model(row: dict, P: int, gbps: float, measured_P: int) -> dict:
             if worst is None or rate < worst:
                 worst = rate
         rates[mode] = worst
-        host[mode] = max(b["no_kernel_ms"] - b["exposed_communication_ms"] for b in prof[mode])
-        host[mode] = max(host[mode], 0.0)
+        # everything else the measured call took: the host's time before, between and after the kernels
+        tp = row["tp_fwd_ms"] if mode == "fwd" else row["tp_fwd_bwd_ms"]
+        host[mode] = max(0.0, tp - max(b["attention_ms"] + b["merge_and_accumulate_ms"] + b["exposed_communication_ms"]
+                                       for b in prof[mode]))
     out = {}
     for mode, factor in (("fwd", 1.0), ("fwd_bwd", 3.5)):
         slowest, exposed_max = 0.0, 0.0
@@ -136,9 +140,9 @@ def main(argv=None) -> None:
         data = json.load(f)
     measured_P = data["gpus"]
     links = {"one node": data["p2p_GBps"], "across nodes": CROSS_NODE_GBPS}
-    report = dict(source=os.path.basename(args.results), device=data.get("device"), measured_P=measured_P,
+    report = dict(source=os.path.basename(args.results), device=data["device"], measured_P=measured_P,
                   links_GBps=links, presets={})
-    for row in data["rows"]:
+    for row in data["results"]:
         if "gpu_time_per_rank" not in row:
             continue
         name = row["preset"]

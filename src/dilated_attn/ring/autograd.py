@@ -64,8 +64,8 @@ class RowSet:
         self.put(x.transpose(1, 2), values.transpose(1, 2))
 
     def add(self, acc, values):
-        """acc[rows, heads] += values (float32/64, one rounding to acc's dtype). Repeated columns are summed
-        first, in column order, so the result does not depend on the device's scheduling."""
+        """acc[rows, heads] += values (float32/64, one rounding to acc's dtype; `values` is consumed). Repeated
+        columns are summed first, in column order, so the result does not depend on the device's scheduling."""
         if len(self.unique) < len(self.merge):
             summed = values[:, :, self.unique].clone()
             slot = {c: i for i, c in enumerate(self.unique)}
@@ -74,7 +74,11 @@ class RowSet:
                     summed[:, :, slot[m]] += values[:, :, c]
             values = summed
         index = self._index(acc.shape[0], acc.device)
-        acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
+        if self.slices is not None:  # a view: added in place, two passes
+            view = acc[index]
+            view.copy_(values.add_(view))
+        else:
+            acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
 
 
 class CompactedRows:
@@ -143,6 +147,9 @@ class RingAttention(torch.autograd.Function):
                 cp.q.put_lse(lse, cur_lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.config = (plan, rank, group, local_problem, backend, scale, causal)
+        # An output without a gradient arrives as None, not as zeros: the blocks then get no LSE gradient, which
+        # the cudnn backend's backward needs in order to run at all.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
