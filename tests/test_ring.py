@@ -289,7 +289,68 @@ def _jitter(case, rank):
     return {} if len(digests) == 1 else {"differing results": len(digests)}
 
 
-JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter}
+# Invalid arguments on one rank only ("bad_rank"): every rank must raise, within RAISE_WITHIN_S of its call, naming
+# that rank, instead of the others waiting for it in the configuration check until the group's timeout. Each case:
+# the arguments of every rank ("args"), those that differ on the bad rank ("bad"), the type that rank raises and a
+# piece of the rule's message.
+RAISE_WITHIN_S = 10
+BAD_RANK_CASES = [
+    dict(name="zigzag odd L", bad_rank=1, args=dict(layout="zigzag"), bad=dict(L=17), error="ValueError",
+         rule="an even local length L, got L=17"),
+    dict(name="dilation rate 0", bad_rank=0, args={}, bad=dict(r=0), error="ValueError",
+         rule="dilation_rates[0] must be a positive integer, got 0"),
+    dict(name="integer inputs", bad_rank=1, args={}, bad=dict(dtype="int64"), error="TypeError",
+         rule="q must have a floating-point dtype, got torch.int64"),
+    dict(name="unknown layout", bad_rank=0, args={}, bad=dict(layout="diagonal"), error="ValueError",
+         rule="layout must be one of ('contiguous', 'zigzag'), got 'diagonal'"),
+]
+
+
+def _bad_rank(case, rank):
+    """One ring_attention call with this rank's arguments: what it raised and how long it took. The case "valid
+    call" after the others: the group is still usable and the result exact (its error)."""
+    device = f"cuda:{rank}" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+    if case["name"] == "valid call":
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 16, 2, 4, generator=g, dtype=torch.float64).to(device) for _ in range(3))
+        out = dilated_attn.ring_attention(*(dilated_attn.shard(x) for x in (q, k, v)), [4, 16], [1, 2], causal=True)
+        want = dilated_attn.dilated_attention(q, k, v, [4, 16], [1, 2], causal=True, backend="reference")
+        return {"error": (dilated_attn.unshard(out) - want).abs().max().item()}
+    a = dict(L=16, r=1, dtype="float32", layout="contiguous", device=device)
+    a.update(case["args"])
+    if rank == case["bad_rank"]:
+        a.update(case["bad"])
+    q = torch.ones(1, a["L"], 2, 4, dtype=getattr(torch, a["dtype"]), device=a["device"])
+    start = time.monotonic()
+    try:
+        dilated_attn.ring_attention(q, q, q, [8], [a["r"]], layout=a["layout"])
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
+        return {"raised": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"raised": None, "seconds": time.monotonic() - start}
+
+
+def _check_bad_rank(results, cases):
+    failures = []
+    for rank, per_rank in enumerate(results):
+        for case, res in zip(cases, per_rank):
+            if case["name"] == "valid call":
+                if not res.get("error", 1.0) < 1e-5:
+                    failures.append(f"rank {rank}, a valid call after the errors: {res}")
+                continue
+            bad = case["bad_rank"]
+            if rank == bad:
+                want_type, prefix = case["error"], f"ring_attention: rank {bad}: "
+            else:
+                want_type, prefix = "ValueError", f"ring_attention: rank {bad}'s arguments are invalid: "
+            message = res.get("message", "")
+            if (res.get("raised") != want_type or not message.startswith(prefix) or case["rule"] not in message
+                    or not res["seconds"] < RAISE_WITHIN_S):
+                failures.append(f"rank {rank}, {case['name']}: expected {want_type} {prefix!r}...{case['rule']!r} "
+                                f"within {RAISE_WITHIN_S} s, got {res}")
+    assert not failures, "\n".join(failures)
+
+
+JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,6 +383,19 @@ def test_mismatched_configuration_raises_on_every_rank(tmp_path):
         for field, res in zip(fields, per_rank):
             assert res.get("raised") == "ValueError", (rank, field, res)
             assert "every rank" in res["message"] or "same" in res["message"], (rank, field, res)
+
+
+def test_bad_arguments_on_one_rank_raise_on_every_rank_gloo(tmp_path):
+    cases = [*BAD_RANK_CASES, dict(name="valid call")]
+    _check_bad_rank(_spawn(2, "gloo", "bad_rank", cases, tmp_path), cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_bad_arguments_on_one_rank_raise_on_every_rank_nccl(tmp_path):
+    # odd L under zigzag; and integer CPU inputs on one rank, where the gather must still use a CUDA tensor
+    cases = [BAD_RANK_CASES[0], dict(BAD_RANK_CASES[2], bad=dict(dtype="int64", device="cpu")), dict(name="valid call")]
+    _check_bad_rank(_spawn(2, "nccl", "bad_rank", cases, tmp_path), cases)
 
 
 def test_rank_dying_mid_call_fails_the_others(tmp_path):
