@@ -277,6 +277,12 @@ def test_env_var_errors(monkeypatch):
 # --- explain --------------------------------------------------------------------------------------------------
 
 
+def test_explain_names_itself_for_an_unknown_keyword():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"explain\(\) got unexpected keyword arguments \['foo'\]"):
+        dilated_attn.explain(q, k, v, SEGS, DILS, foo=1)
+
+
 def test_explain_reports_without_running(runs):
     q, k, v = _qkv()
     d = dilated_attn.explain(q, k, v, SEGS, DILS, causal=True, return_lse=True)

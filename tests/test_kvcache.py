@@ -198,3 +198,13 @@ def test_bad_calls_raise_naming_the_argument(change, error, message):
     with pytest.raises(error, match=message):
         dilated_attn.dilated_attention_with_kvcache(**args)
     assert torch.equal(args["k_cache"], before), "a refused call wrote the cache"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("lengths", [0, torch.zeros(0, dtype=torch.int64)])
+def test_no_batch_element_gives_empty_results(backend, lengths):
+    q, new = torch.randn(0, 2, 4, 8), torch.randn(0, 2, 2, 8)
+    cache = torch.zeros(0, 10, 2, 8)
+    out, lse = dilated_attn.dilated_attention_with_kvcache(q, cache, cache, lengths, [4, 8], [1, 2], k=new, v=new,
+                                                           return_lse=True, backend=backend)
+    assert out.shape == (0, 2, 4, 8) and lse.shape == (0, 4, 2) and lse.dtype == torch.float32

@@ -429,6 +429,14 @@ def test_shard_round_trip_single_process():
     for layout in ("contiguous", "zigzag"):
         assert torch.equal(dilated_attn.shard(x, layout=layout), x)
         assert torch.equal(dilated_attn.unshard(x, layout=layout), x)
+    assert torch.equal(dilated_attn.shard(x, dim=-3), x)
+
+
+@pytest.mark.parametrize("dim, error", [(7, ValueError), (-5, ValueError), (1.0, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("fn", [dilated_attn.shard, dilated_attn.unshard])
+def test_shard_dim_outside_the_tensor_is_refused(fn, dim, error):
+    with pytest.raises(error, match="dim must be"):
+        fn(torch.randn(2, 12, 3, 4), dim=dim)
 
 
 @pytest.mark.parametrize(

@@ -256,9 +256,16 @@ def select(p: Problem, backend: str) -> backends.Backend:
     return backends.REGISTRY[d.backend]
 
 
+_DILATED_ATTENTION_KEYWORDS = frozenset(("causal", "scale", "head_groups", "return_lse", "backend"))
+
+
 def explain(q, k, v, segment_lengths, dilation_rates, **kwargs) -> Decision:
     """Which backend `dilated_attention(q, k, v, segment_lengths, dilation_rates, **kwargs)` would run, every
     backend's verdict, and what decided; `print()` it for a table. Validates like dilated_attention (and
     raises the same errors for invalid arguments), but does not run attention."""
+    unknown = sorted(set(kwargs) - _DILATED_ATTENTION_KEYWORDS)
+    if unknown:
+        raise TypeError(f"explain() got unexpected keyword arguments {unknown}: it takes dilated_attention's "
+                        f"({', '.join(sorted(_DILATED_ATTENTION_KEYWORDS))})")
     p = validate(q, k, v, segment_lengths, dilation_rates, **kwargs)
     return decide(p, kwargs.get("backend", "auto"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .spec import validate, validate_kvcache, validate_varlen
+from .spec import lse_dtype, validate, validate_kvcache, validate_varlen
 
 
 def dilated_attention(
@@ -152,6 +152,10 @@ def dilated_attention_with_kvcache(
         backend=backend,
     )
     chosen = dispatch.select(cp.problem, backend)
+    if q.shape[0] == 0:  # no batch element: nothing to write or attend
+        out, lse = torch.empty_like(q), torch.empty((0, q.shape[2], q.shape[1]), dtype=lse_dtype(q.dtype),
+                                                    device=q.device)
+        return (out, lse) if return_lse else out
     with torch.no_grad():
         if k is not None:
             chosen.append_kvcache(k_cache, v_cache, k, v, cp)

@@ -37,12 +37,22 @@ def chunks(rank: int, P: int, L: int, layout: str) -> list[tuple[int, int]]:
     return [(rank * C, (rank + 1) * C), ((2 * P - 1 - rank) * C, (2 * P - rank) * C)]
 
 
+def check_dim(x: torch.Tensor, dim) -> int:
+    """`dim` as a dimension of `x` (negative counts from the end), or ValueError/TypeError."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be a dimension of x ({x.dim()}-D: {-x.dim()} to {x.dim() - 1}), got {dim}")
+    return dim % x.dim()
+
+
 def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
     """This rank's shard of a full tensor `x` (the same on every rank) along `dim` (the sequence dim of
     `[B, N, H, D]` by default), for `ring_attention` with the same group and layout. Returns a copy."""
     layout = check_layout(layout)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    dim = check_dim(x, dim)
     P, rank = group_size_rank(group)
     N = x.shape[dim]
     parts = 2 * P if layout == "zigzag" else P
@@ -58,6 +68,7 @@ def unshard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 
     layout = check_layout(layout)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    dim = check_dim(x, dim)
     P, _ = group_size_rank(group)
     if P == 1:
         return x.clone()
