@@ -191,6 +191,7 @@ def test_dim_and_autograd():
 @pytest.mark.parametrize("shape, exc", [
     (5, TypeError), ("ab", TypeError), ((2.0, 3), TypeError), ((True, 3), TypeError),
     ((), ValueError), ((2, 3, 4, 5), ValueError), ((0, 3), ValueError), ((3, -1), ValueError),
+    ((2**31, 2**31), ValueError), ((2**11, 2**10, 2**10 + 1), ValueError),  # more than 2^31 cells: refused
 ])
 def test_bad_shape(shape, exc):
     with pytest.raises(exc, match="shape"):

@@ -424,6 +424,15 @@ def test_hilbert_equals_raster_for_permutation_equivariant_attention(shape, sepa
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+def test_hilbert_modules_own_their_permutation():
+    """A module's curve buffers are its own: changing one module's leaves another's and hilbert_index's alone."""
+    a = MultiheadDilatedAttention(32, 4, [1, 2], [8, 16], spatial_shape=(4, 4), ordering="hilbert")
+    b = MultiheadDilatedAttention(32, 4, [1, 2], [8, 16], spatial_shape=(4, 4), ordering="hilbert")
+    want = hilbert_index((4, 4)).clone()
+    a._curve_perm.zero_()
+    assert torch.equal(b._curve_perm, want) and torch.equal(hilbert_index((4, 4)), want)
+
+
 def test_hilbert_differs_from_raster_with_several_branches():
     # Catches a hilbert ordering that silently does nothing: sparse branches see different neighbours.
     hil, ras = _pair((8, 8))

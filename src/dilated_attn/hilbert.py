@@ -57,6 +57,9 @@ import torch
 __all__ = ["hilbert_index", "serialize", "deserialize", "clear_cache"]
 
 
+MAX_CELLS = 1 << 31
+
+
 def _check_shape(shape) -> tuple[int, ...]:
     if not isinstance(shape, (tuple, list)):  # torch.Size is a tuple
         raise TypeError(f"shape: expected a tuple or list of 1, 2 or 3 ints, got {type(shape).__name__}")
@@ -74,6 +77,9 @@ def _check_shape(shape) -> tuple[int, ...]:
         if s < 1:
             raise ValueError(f"shape: sizes must be positive, got {tuple(shape)}")
         out.append(s)
+    if math.prod(out) > MAX_CELLS:
+        raise ValueError(f"shape: a grid of at most {MAX_CELLS} = 2^31 cells (the longest sequence the kernels "
+                         f"take), got {tuple(out)} = {math.prod(out)} cells")
     return tuple(out)
 
 

@@ -367,7 +367,8 @@ class MultiheadDilatedAttention(nn.Module):
         # The permutation lives in buffers rather than being looked up per call: hilbert's cache is a Python
         # lru_cache keyed by device, which torch.compile cannot trace, while a buffer is a plain graph input
         # that follows .to(). Non-persistent: the ordering has no parameters, so checkpoints do not depend on it.
-        perm = hilbert_index(self.spatial_shape, device)  # a shared cache entry; never modified in place
+        # a copy of the shared cache entry: a module's buffers are its own to change
+        perm = hilbert_index(self.spatial_shape, device).clone()
         self.register_buffer("_curve_perm", perm, persistent=False)
         # Undo with index_select by the inverse (argsort of a permutation) rather than a scatter by perm.
         self.register_buffer("_curve_inverse", torch.argsort(perm), persistent=False)
