@@ -542,3 +542,21 @@ def test_multihead_kv_cache_decoding_matches_the_causal_forward():
     with torch.no_grad(), pytest.raises(ValueError, match="the cache is too short"):
         mha(x[:, :8], is_causal=True, kv_cache=cache)
     assert cache.length == 23
+    # a cache built for other kv heads is named, not the keys the module made
+    wrong = dilated_attn.KVCache(2, 30, 4, 8, dtype=torch.float64)
+    with torch.no_grad(), pytest.raises(ValueError, match="kv_cache was built for batch=2, num_kv_heads=4"):
+        mha(x[:, :1], is_causal=True, kv_cache=wrong)
+    assert wrong.length == 0
+
+
+def test_kv_cache_decoding_needs_the_new_keys_and_values():
+    """DilatedAttention with a cache but no key or value: refused, the cache untouched (it used to advance its
+    length and write nothing)."""
+    attention = DilatedAttention([8, 16], [1, 2]).eval()
+    cache = dilated_attn.KVCache(1, 16, 2, 8)
+    q = torch.randn(1, 1, 2, 8)
+    with torch.no_grad():
+        for key, value in ((None, None), (q, None)):
+            with pytest.raises(TypeError, match="key and value must be tensors"):
+                attention(q, key, value, is_causal=True, kv_cache=cache)
+    assert cache.length == 0

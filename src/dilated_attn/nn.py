@@ -233,6 +233,14 @@ class DilatedAttention(nn.Module):
         if torch.is_grad_enabled():
             raise ValueError("kv_cache decoding is inference only: run it under torch.no_grad() or "
                              "torch.inference_mode()")
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+            raise TypeError("kv_cache decoding writes the new tokens' keys and values into the cache: key and value "
+                            f"must be tensors, got {type(key).__name__} and {type(value).__name__}")
+        batch, _, kv_heads, head_dim = cache.k.shape
+        if key.dim() == 4 and (key.shape[0], key.shape[2], key.shape[3]) != (batch, kv_heads, head_dim):
+            raise ValueError(f"kv_cache was built for batch={batch}, num_kv_heads={kv_heads}, head_dim={head_dim}, "
+                             f"but this layer's new keys have batch={key.shape[0]}, {key.shape[2]} kv heads of "
+                             f"head_dim {key.shape[3]}: build the KVCache with those")
         out = dilated_attention_with_kvcache(query, cache.k, cache.v, cache.length, self.segment_lengths,
                                              self.dilation_rates, k=key, v=value, scale=self.softmax_scale,
                                              head_groups=self.head_groups, backend=self.backend)
