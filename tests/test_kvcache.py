@@ -208,3 +208,45 @@ def test_no_batch_element_gives_empty_results(backend, lengths):
     out, lse = dilated_attn.dilated_attention_with_kvcache(q, cache, cache, lengths, [4, 8], [1, 2], k=new, v=new,
                                                            return_lse=True, backend=backend)
     assert out.shape == (0, 2, 4, 8) and lse.shape == (0, 4, 2) and lse.dtype == torch.float32
+
+
+def _shared_memory_cases():
+    B, Nmax, Hkv, D = 2, 16, 2, 8
+    broadcast = torch.zeros(1, Nmax, Hkv, D).expand(B, -1, -1, -1)  # one batch row's memory for both
+    cache = torch.zeros(B, Nmax, Hkv, D)
+    return [
+        (dict(v_cache=broadcast), "v_cache has elements that share memory"),
+        (dict(k_cache=broadcast), "k_cache has elements that share memory"),
+        (dict(k_cache=cache, v_cache=cache), "k_cache and v_cache share memory"),
+        (dict(v_cache=cache, v=cache[:, 4:5]), "v and v_cache share memory"),
+        (dict(k_cache=cache, v=cache[:, 2:3]), "v and k_cache share memory"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize("lengths", [3, torch.tensor([3, 5])])
+@pytest.mark.parametrize("index", range(5))
+def test_caches_sharing_memory_are_refused_before_any_write(index, lengths, backend):
+    """A cache whose rows share memory (an expand()), or caches and new tokens that overlap: refused before either
+    cache is written (they used to raise after k_cache was written, or write batch 1's row into batch 0's)."""
+    change, message = _shared_memory_cases()[index]
+    args = dict(q=torch.randn(2, 1, 4, 8), k_cache=torch.zeros(2, 16, 2, 8), v_cache=torch.zeros(2, 16, 2, 8),
+                cache_seqlens=lengths, segment_lengths=[4, 8], dilation_rates=[1, 2], k=torch.randn(2, 1, 2, 8),
+                v=torch.randn(2, 1, 2, 8), backend=backend)
+    args.update(change)
+    before = [args[name].clone() for name in ("k_cache", "v_cache")]
+    with pytest.raises(ValueError, match=message):
+        dilated_attn.dilated_attention_with_kvcache(**args)
+    assert all(torch.equal(args[name], b) for name, b in zip(("k_cache", "v_cache"), before))
+
+
+def test_interleaved_kv_cache_views_are_accepted():
+    """k_cache and v_cache as the two halves of one packed [B, N, 2, Hkv, D] buffer: views that interleave without
+    sharing an element, accepted and equal to separate caches."""
+    kv = torch.randn(2, 16, 2, 2, 8, dtype=torch.float64)
+    separate = [kv[:, :, i].clone() for i in range(2)]
+    q, new_k, new_v = (torch.randn(2, 3, 4 if i == 0 else 2, 8, dtype=torch.float64) for i in range(3))
+    kw = dict(k=new_k, v=new_v, backend="cpu")
+    out = dilated_attn.dilated_attention_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], 5, [4, 8], [1, 2], **kw)
+    want = dilated_attn.dilated_attention_with_kvcache(q, *separate, 5, [4, 8], [1, 2], **kw)
+    assert torch.equal(out, want) and torch.equal(kv[:, :, 0], separate[0]) and torch.equal(kv[:, :, 1], separate[1])

@@ -302,6 +302,33 @@ class CacheProblem:
     given_seqlens: object  # cache_seqlens as the caller gave it: an int, or a tensor [B] kernels may read
 
 
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte of x's elements."""
+    start = x.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if n > 1)
+    return start, start + (last + 1) * x.element_size()
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """x's elements fill its span without gaps or repeats (a permutation of a contiguous layout)."""
+    expected = 1
+    for s, n in sorted((s, n) for n, s in zip(x.shape, x.stride()) if n > 1):
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor, dense_only: bool) -> bool:
+    """Whether a and b, views of one storage, may refer to one element: their spans intersect (with `dense_only`,
+    and both are dense, the rule of PyTorch's copies, which lets interleaved views such as kv[:, :, 0] and
+    kv[:, :, 1] be)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1 and (not dense_only or (_dense(a) and _dense(b)))
+
+
 def reads_cache_seqlens(cache_seqlens) -> bool:
     """Whether the KV-cache call reads `cache_seqlens` on the host: an int or a CPU tensor, in eager mode. A GPU
     tensor is left on the GPU (no device-to-host copy: the call stays asynchronous and can be captured in a CUDA
@@ -355,6 +382,23 @@ def validate_kvcache(
     for name, x in (("k", k), ("v", v)):
         if x is not None and tuple(x.shape) != (B, Sq, Hkv, D):
             raise ValueError(f"{name} must be [B, Sq, Hkv, D] = {(B, Sq, Hkv, D)}, got {tuple(x.shape)}")
+    # The caches are written in place: every element needs memory of its own, checked before anything is written.
+    # A traced call (torch.compile) has no memory to look at: there only strides of 0 can be seen.
+    eager = not torch.compiler.is_compiling()
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)) or (
+                eager and torch._debug_has_internal_overlap(x) == 1):
+            raise ValueError(f"{name} has elements that share memory (a stride of 0, as expand() makes, or "
+                             f"overlapping strides): the cache is written in place, so each row needs its own memory")
+    pairs = [("k_cache", k_cache, "v_cache", v_cache, True)]
+    if k is not None:
+        pairs += [(n, x, c, cache, False) for n, x in (("k", k), ("v", v))
+                  for c, cache in (("k_cache", k_cache), ("v_cache", v_cache))]
+    storage = {name: x.untyped_storage().data_ptr() for name, x in given[1:]} if eager else {}
+    for a, x, b, y, dense_only in pairs if eager else ():
+        if storage[a] == storage[b] and _share_memory(x, y, dense_only):
+            raise ValueError(f"{a} and {b} share memory: the new tokens are written into the caches in place, so "
+                             f"they need memory apart from each other's")
     if isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"cache_seqlens must be an int or an int32/int64 tensor, got dtype {cache_seqlens.dtype}")
