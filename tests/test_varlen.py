@@ -201,3 +201,18 @@ def test_varlen_flops_count_each_sequence_alone():
     alone = [validate(q[None, :n], k[None, :n], v[None, :n], [16], [2]) for n in (5, 40)]
     assert flops(packed) == sum(flops(p) for p in alone) > 0
     assert packed.max_seqlen == 40 and [b.seg_len for b in packed.branches] == [16]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_bad_offsets_under_torch_compile_are_refused(backend):
+    """Under torch.compile validate_varlen cannot read cu_seqlens; the backends that run one call per sequence
+    read them anyway, and check them there: decreasing offsets raise instead of giving 57 rows for 40."""
+    q = torch.randn(40, 2, 8, dtype=torch.float64)
+
+    def run(cu):
+        return dilated_attn.dilated_attention_varlen(q, q, q, cu, [8], [1], max_seqlen=30, backend=backend)
+
+    compiled = torch.compile(run, backend="aot_eager")
+    assert compiled(torch.tensor([0, 13, 30, 40])).shape == (40, 2, 8)
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        compiled(torch.tensor([0, 30, 13, 40]))

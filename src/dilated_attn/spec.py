@@ -221,6 +221,25 @@ def validate(
     )
 
 
+def check_offsets(offsets: list[int], total: int, max_seqlen: Optional[int]) -> int:
+    """The rules of cu_seqlens' values (0 first, `total` last, non-decreasing, no sequence longer than max_seqlen
+    where given); returns the longest sequence. Wherever the offsets are read on the host, they are checked."""
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {offsets[0]}")
+    if offsets[-1] != total:
+        raise ValueError(f"cu_seqlens[-1] must be the total number of tokens, q.shape[0] = {total}, got "
+                         f"{offsets[-1]}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    for j, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{j}] = {offsets[j]} > "
+                             f"cu_seqlens[{j + 1}] = {offsets[j + 1]}")
+    longest = max(lengths, default=0)
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"max_seqlen ({max_seqlen}) must be at least the longest sequence ({longest})")
+    return longest
+
+
 def validate_varlen(
     q,
     k,
@@ -240,7 +259,8 @@ def validate_varlen(
 
     The offsets' values (0 first, T last, non-decreasing, the longest sequence <= max_seqlen) are read back to
     the host and checked, except under torch.compile, where reading them would break the graph: there
-    `max_seqlen` is required and trusted, and the kernels keep every access inside the pack whatever the offsets.
+    `max_seqlen` is required and trusted, the kernels keep every access inside the pack whatever the offsets, and
+    the backends that read the offsets on the host (one call per sequence) check them there (check_offsets).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -273,21 +293,9 @@ def validate_varlen(
             raise ValueError("max_seqlen is required under torch.compile: finding the longest sequence would read "
                              "cu_seqlens back to the host and break the graph")
     else:
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0:
-            raise ValueError(f"cu_seqlens[0] must be 0, got {offsets[0]}")
-        if offsets[-1] != T:
-            raise ValueError(f"cu_seqlens[-1] must be the total number of tokens, q.shape[0] = {T}, got {offsets[-1]}")
-        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-        for j, n in enumerate(lengths):
-            if n < 0:
-                raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{j}] = {offsets[j]} > "
-                                 f"cu_seqlens[{j + 1}] = {offsets[j + 1]}")
-        longest = max(lengths, default=0)
+        longest = check_offsets(cu_seqlens.tolist(), T, max_seqlen)
         if max_seqlen is None:
             max_seqlen = longest
-        elif max_seqlen < longest:
-            raise ValueError(f"max_seqlen ({max_seqlen}) must be at least the longest sequence ({longest})")
     return dataclasses.replace(p, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
 
 
