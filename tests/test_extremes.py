@@ -18,7 +18,7 @@ import torch
 
 import dilated_attn
 from dilated_attn.backends import CPU, TRITON
-from dilated_attn.reference import dilated_attention_reference
+from dilated_attn.reference import dilated_attention_bruteforce, dilated_attention_reference
 
 from cases import make_tensor
 from parity import FACTOR, FLOOR, GRAD_FLOOR, _err, _grads
@@ -314,6 +314,29 @@ def test_one_long_segment(causal):
         assert_close(lse, ref_lse, tol, f"lse {dtype}")
         for name, a, b in zip(("dq", "dk", "dv"), _grads(out, lse, x), ref_grads):
             assert_close(a, b, grad_tol, f"{name} {dtype}")
+
+
+# ---- segment lengths and dilation rates beyond int64 ----------------------------------------------------------
+
+HUGE = [([16, 2**63 - 1], [2**63 - 1, 3]), ([2**63, 8], [1, 2**70]), ([2**64 + 7], [5])]
+
+
+@pytest.mark.parametrize("index", range(len(HUGE)))
+@pytest.mark.parametrize("backend, dtype", combos((F64, F32)))
+def test_huge_segment_lengths_and_dilations_equal_the_reference(backend, dtype, index):
+    """The spec bounds neither w nor r: values near and beyond 2^63 give what the spec's definitions give (the ops
+    get the same branches bounded by the sequence: Problem.op_branches); they used to overflow the kernels' int64
+    (all-zero output, LSE -inf) or fail inside the op."""
+    segs, dils = HUGE[index]
+    inputs = qkv(2, 21, 4, 2, 8)
+    # the brute force, written from the spec's definitions, takes the values as they are
+    ref_out, ref_lse = dilated_attention_bruteforce(*inputs, segs, dils, causal=True)
+    x = [leaf(t, dtype, device_of(backend)) for t in inputs]
+    out, lse = attend(*x, segs, dils, backend, causal=True)
+    assert_close(out.cpu(), ref_out, TOL[dtype], "out")
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    assert_close(lse.cpu()[finite], ref_lse[finite], lse_tol(dtype), "lse")
 
 
 # ---- tiny and huge scales ------------------------------------------------------------------------------------

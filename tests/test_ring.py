@@ -188,6 +188,9 @@ def _named_cases(P):
         dict(name="mixed causal zigzag, no LSE gradient", shape=(1, N, 8, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4],
              causal=True, layout="zigzag", lse_gradient=False),
         dict(name="dense, no LSE gradient", shape=(2, N, 4, 2, 5), lse_gradient=False),
+        # beyond int64: the same branches as (N, N) and (4, 2), which the plan and the ops get
+        dict(name="huge w and r", shape=(1, N, 4, 2, 4), w=[2**64 + 1, 4], r=[2**70 + 5, 2], causal=True,
+             layout="zigzag"),
     ]
     for c in cases:
         c["seed"] = zlib.crc32(c["name"].encode())

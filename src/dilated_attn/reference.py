@@ -139,13 +139,14 @@ def dilated_attention_bruteforce(
         for h in range(Hq):
             if p.head_groups == "all":
                 takes_part[h] = True
-                offset[h] = h // math.ceil(Hq / r)
+                offset[h] = h // -(-Hq // r)  # ceil(Hq / r) in integers, r any size
             else:
                 lo, hi = split_group_bounds(Hq, m, i)
                 takes_part[h] = lo <= h < hi
                 offset[h] = i % r
         offset, takes_part = offset.to(dev), takes_part.to(dev)
-        member = takes_part[:, None] & ((pos % s) % r == offset[:, None])  # [Hq, N]
+        # (pos % s) % r, r any size (pos % s < s: a larger r changes nothing)
+        member = takes_part[:, None] & ((pos % s) % min(r, s) == offset[:, None])  # [Hq, N]
         segment = pos // s
         mask = member[:, :, None] & member[:, None, :] & (segment[:, None] == segment[None, :])
         if causal:

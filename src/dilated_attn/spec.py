@@ -123,11 +123,24 @@ class Problem:
         """The branch table; for packed sequences segments are clipped to max_seqlen (the kernels clip them to
         each sequence's length)."""
         length = self.max_seqlen if self.varlen else self.seq_len
-        return branch_table(self.segment_lengths, self.dilation_rates, length, self.num_heads, self.head_groups)
+        return branch_table(*self.op_branches(), length, self.num_heads, self.head_groups)
 
     @property
     def split_heads(self) -> bool:
         return self.head_groups == "split"
+
+    def op_branches(self, seq_len: Optional[int] = None) -> tuple[list[int], list[int]]:
+        """(segment_lengths, dilation_rates) as the ops take them: the same branches with every value bounded by
+        the sequence (`seq_len`: default the problem's; the ring's is the global one), so that no kernel meets an
+        int that overflows (the spec puts no bound on w and r). A segment longer than the sequence (the longest
+        packed sequence) is clipped to it, as the spec clips it; a dilation of at least max(s, Hq) leaves each
+        segment's one member per head at offset p % s, and any larger one gives the same members and offsets
+        ((p mod s) mod r = p mod s, ceil(Hq / r) = 1, group % r = group)."""
+        if seq_len is None:
+            seq_len = self.max_seqlen if self.varlen else self.seq_len
+        length = max(seq_len, 1)
+        w = [min(x, length) for x in self.segment_lengths]
+        return w, [min(r, max(s, self.num_heads)) for s, r in zip(w, self.dilation_rates)]
 
 
 def _check_tensor(name: str, x) -> None:

@@ -117,15 +117,15 @@ def ring_attention(q, k, v, segment_lengths=None, dilation_rates=None, *, causal
             raise ValueError(f"layout='zigzag' needs the global length N = P*L divisible by 2P, i.e. an even "
                              f"local length L, got L={L} on {P} ranks")
         if P > 1:
-            plan = ring_plan(P, L, p.num_heads, p.num_kv_heads, p.segment_lengths, p.dilation_rates, head_groups,
-                             causal, layout)
+            gw, gr = p.op_branches(N)  # the branches bounded by the global sequence (the plan's ints stay small)
+            plan = ring_plan(P, L, p.num_heads, p.num_kv_heads, tuple(gw), tuple(gr), head_groups, causal, layout)
             # The kernels of the local blocks: the backend dilated_attention would pick for this shard (raises
             # if an explicit backend cannot run it).
             local = plan.local_branches
-            all_local = len(local) == len(p.segment_lengths)
-            local_problem = validate(q, k, v, [p.segment_lengths[i] for i in local] or [1],
-                                     [p.dilation_rates[i] for i in local] or [1], causal=causal, scale=p.scale,
-                                     head_groups=head_groups if all_local else "all", backend=backend)
+            all_local = len(local) == len(gw)
+            local_problem = validate(q, k, v, [gw[i] for i in local] or [1], [gr[i] for i in local] or [1],
+                                     causal=causal, scale=p.scale, head_groups=head_groups if all_local else "all",
+                                     backend=backend)
             chosen = dispatch.select(local_problem, backend).name
     except (ValueError, TypeError) as exc:
         if P == 1:
@@ -135,7 +135,7 @@ def ring_attention(q, k, v, segment_lengths=None, dilation_rates=None, *, causal
     if P == 1:
         return dilated_attention(q, k, v, w, r, causal=causal, scale=scale, head_groups=head_groups,
                                  return_lse=return_lse, backend=backend)
-    branches = tuple(zip(p.segment_lengths, p.dilation_rates))
+    branches = tuple(zip(gw, gr))
     digest = zlib.crc32(repr(("dense",) if dense else branches).encode())
     scale_bits = struct.unpack("<q", struct.pack("<d", p.scale))[0]
     _check_same_config(group, rank, q, (

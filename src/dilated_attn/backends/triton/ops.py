@@ -302,7 +302,7 @@ _prepared: set = set()
 def collect_launches(q, k, v, p, backward: bool) -> list:
     """The Triton launches (kernel, grid, args, kwargs) a call on these inputs makes, its backward's too with
     `backward`: the launchers run with their launches recorded instead of made (configs.collecting)."""
-    args = (list(p.segment_lengths), list(p.dilation_rates), p.split_heads, p.causal, p.scale)
+    args = (*p.op_branches(), p.split_heads, p.causal, p.scale)
     with torch.no_grad(), configs.collecting() as launches:
         out, lse = triton_forward(q, k, v, *args)  # out and lse are left unwritten: nothing is launched
         if backward:
@@ -429,7 +429,7 @@ def _lengths(cache_seqlens, device):
 def decode(q, k_cache, v_cache, cp):
     """dilated_attention_with_kvcache's computation on the Triton backend (the cache already written)."""
     p = cp.problem
-    branches = _branch_rows(p.segment_lengths, p.dilation_rates, p.num_heads, p.head_groups, q.device)
+    branches = _branch_rows(*map(tuple, p.op_branches()), p.num_heads, p.head_groups, q.device)
     k_cache, v_cache = _rows_contiguous(k_cache), _rows_contiguous(v_cache)
     lengths, cache_len = _lengths(cp.given_seqlens, q.device)
     if torch.compiler.is_compiling():
