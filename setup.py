@@ -69,7 +69,8 @@ setup(
     # installed package (with its compiled _C), never the unbuilt source tree.
     package_dir={"": "src"},
     packages=find_packages("src", include=["dilated_attn", "dilated_attn.*"]),
-    package_data={"dilated_attn.backends.triton": ["tuned_configs.json"]},  # the Triton kernels' block shapes
+    # the Triton kernels' block shapes; py.typed: the package's type hints are for type checkers
+    package_data={"dilated_attn": ["py.typed"], "dilated_attn.backends.triton": ["tuned_configs.json"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

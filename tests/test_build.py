@@ -23,3 +23,16 @@ def test_ops_are_registered_with_a_cpu_kernel():
 def test_a_cpu_only_build_has_no_cuda_kernel():
     if not dilated_attn.build_info()["with_cuda"]:
         assert not compiled.has_kernel("cuda")
+
+
+def test_package_is_typed_and_licensed():
+    """The type hints reach type checkers (py.typed is installed), and the license file matches pyproject's."""
+    import importlib.resources
+    import os
+
+    assert importlib.resources.files("dilated_attn").joinpath("py.typed").is_file()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "LICENSE")) as f:
+        assert f.readline().strip() == "MIT License"
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        assert 'license = { text = "MIT" }' in f.read()

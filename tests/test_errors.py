@@ -1,6 +1,7 @@
 """Every invalid input of the spec's Errors section raises ValueError/TypeError naming the argument."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -108,3 +109,17 @@ def test_direct_op_calls_are_checked_too():
         op(q, k, v, [1] * 5, [1] * 5, True, False, 1.0)
     with pytest.raises(ValueError, match="4-D"):
         op(q[0], k, v, [4], [1], False, False, 1.0)
+
+
+def test_heads_first_layout_is_warned_about():
+    """q, k, v in PyTorch SDPA's [B, H, N, D] layout pass every check and give a wrong result: with far more
+    "heads" than positions, and more heads than models have, the call warns, naming both layouts."""
+    x = torch.randn(1, 7, 2048, 8)  # 7 heads of 2048 positions, the wrong way round
+    with pytest.warns(UserWarning, match=r"q has 2048 heads of 7 positions each.*\[batch, seq, heads, head_dim\].*"
+                                         r"\[batch, heads, seq, head_dim\].*transpose\(1, 2\)"):
+        dilated_attn.dilated_attention(x, x, x, [4], [1])
+    with warnings.catch_warnings():  # a decoding step's many heads of one position, or GQA's 128 heads: no warning
+        warnings.simplefilter("error")
+        for shape in ((2, 1, 64, 8), (1, 3, 128, 8)):
+            y = torch.randn(shape)
+            dilated_attn.dilated_attention(y, y, y, [4], [1])

@@ -417,3 +417,9 @@ def test_console_script_entry_point():
         target = tomllib.load(f)["project"]["scripts"]["dilated-attn"]
     module, func = target.split(":")
     assert module == "dilated_attn.__main__" and getattr(cli, func) is cli.main
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.split()[-1] == dilated_attn.__version__

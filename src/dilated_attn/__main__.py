@@ -345,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.set_defaults(command=None, fail=parser.error)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="{env,check,bench,warmup}")
     env = sub.add_parser("env", help="report the environment and what each backend can run")
     env.add_argument("--device", type=device_arg, default=None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -259,7 +259,8 @@ def select(p: Problem, backend: str) -> backends.Backend:
 _DILATED_ATTENTION_KEYWORDS = frozenset(("causal", "scale", "head_groups", "return_lse", "backend"))
 
 
-def explain(q, k, v, segment_lengths, dilation_rates, **kwargs) -> Decision:
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Sequence[int],
+            dilation_rates: Sequence[int], **kwargs) -> Decision:
     """Which backend `dilated_attention(q, k, v, segment_lengths, dilation_rates, **kwargs)` would run, every
     backend's verdict, and what decided; `print()` it for a table. Validates like dilated_attention (and
     raises the same errors for invalid arguments), but does not run attention."""

@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Optional, Sequence, Union
+
 import torch
 
 from . import dispatch
 from .spec import lse_dtype, validate, validate_kvcache, validate_varlen
 
 
+# What the functions return: `out`, or `(out, lse)` with return_lse=True.
+Attention = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
 def dilated_attention(
-    q,
-    k,
-    v,
-    segment_lengths,
-    dilation_rates,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
     *,
-    causal=False,
-    scale=None,
-    head_groups="all",
-    return_lse=False,
-    backend="auto",
-):
+    causal: bool = False,
+    scale: Optional[float] = None,
+    head_groups: str = "all",
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Attention:
     """LongNet dilated attention, exactly as docs/SPEC.md defines it.
 
     Args:
@@ -32,7 +38,7 @@ def dilated_attention(
         head_groups: "all" (LongNet/torchscale: every head in every branch, head offsets
             `h // ceil(Hq / r)`) or "split" (heads cut into one group per branch, offset `i % r`).
         return_lse: also return the merged log-sum-exp `[B, Hq, N]` (float32; float64 for float64).
-        backend: "auto", "cuda", "triton", "cpu" or "reference". "auto" follows the environment variable
+        backend: "auto", "cuda", "triton", "cudnn", "cpu" or "reference". "auto" follows the environment variable
             DILATED_ATTN_BACKEND when it names a backend, else `dispatch.auto_preference`;
             `dilated_attn.explain(...)` tells which backend runs and why.
 
@@ -56,20 +62,20 @@ def dilated_attention(
 
 
 def dilated_attention_varlen(
-    q,
-    k,
-    v,
-    cu_seqlens,
-    segment_lengths,
-    dilation_rates,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
     *,
-    max_seqlen=None,
-    causal=False,
-    scale=None,
-    head_groups="all",
-    return_lse=False,
-    backend="auto",
-):
+    max_seqlen: Optional[int] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    head_groups: str = "all",
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Attention:
     """Dilated attention over packed sequences of different lengths, the layout of flash-attn's varlen functions
     (docs/SPEC.md, "Packed variable-length sequences (varlen)").
 
@@ -104,20 +110,20 @@ def dilated_attention_varlen(
 
 
 def dilated_attention_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    segment_lengths,
-    dilation_rates,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: Union[int, torch.Tensor],
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
     *,
-    k=None,
-    v=None,
-    scale=None,
-    head_groups="all",
-    return_lse=False,
-    backend="auto",
-):
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    head_groups: str = "all",
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Attention:
     """Dilated attention for decoding with a KV cache, like flash-attn's `flash_attn_with_kvcache` (docs/SPEC.md,
     "Decoding with a KV cache"). Inference only.
 

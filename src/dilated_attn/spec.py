@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .trace import warn_once
+
 HEAD_GROUPS = ("all", "split")
 BACKEND_NAMES = ("cuda", "triton", "cudnn", "cpu", "reference")  # dilated_attn.backends.REGISTRY, in its order
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # what the `backend` argument accepts
@@ -143,6 +145,11 @@ class Problem:
         return w, [min(r, max(s, self.num_heads)) for s, r in zip(w, self.dilation_rates)]
 
 
+# More query heads than any model has, and many more than positions: validate() warns that q is likely
+# [B, H, N, D] (transposed).
+LIKELY_MAX_HEADS = 256
+
+
 def _check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -188,6 +195,11 @@ def validate(
         raise ValueError("q, k and v must have head_dim >= 1, got 0")
     if Hq % Hkv != 0:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) (Hq % Hkv == 0, GQA/MQA)")
+    if Hq > LIKELY_MAX_HEADS and Hq >= 8 * N:
+        # a [B, H, N, D] tensor (PyTorch SDPA's layout) passes every check and gives a wrong result
+        warn_once(f"dilated_attn: q has {Hq} heads of {N} positions each: dilated_attention takes [batch, seq, heads, "
+                  f"head_dim] (flash-attn's layout); if q, k and v are [batch, heads, seq, head_dim] (PyTorch SDPA's), "
+                  f"pass them .transpose(1, 2)", stacklevel=3)
 
     w = _int_list("segment_lengths", segment_lengths)
     r = _int_list("dilation_rates", dilation_rates)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import dispatch
-from ..functional import dilated_attention
+from ..functional import Attention, dilated_attention
 from ..spec import BACKEND_CHOICES, validate
 from .autograd import RingAttention
 from .layout import LAYOUTS, check_layout, group_size_rank, shard, unshard
@@ -80,8 +81,11 @@ def _check_same_config(group, rank: int, q, fields: tuple[int, ...] | None, erro
                              f"rank {bad} differ ({shown})")
 
 
-def ring_attention(q, k, v, segment_lengths=None, dilation_rates=None, *, causal=False, scale=None,
-                   head_groups="all", group=None, layout="contiguous", return_lse=False, backend="auto"):
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
+                   dilation_rates: Optional[Sequence[int]] = None, *, causal: bool = False,
+                   scale: Optional[float] = None, head_groups: str = "all",
+                   group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous", return_lse: bool = False,
+                   backend: str = "auto") -> Attention:
     """Dilated attention over a sequence sharded across the ranks of `group` (docs/SPEC.md, docs/ring.md).
 
     Each rank passes its shard `q` `[B, L, Hq, D]`, `k`, `v` `[B, L, Hkv, D]` of a global sequence of

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -46,7 +48,8 @@ def check_dim(x: torch.Tensor, dim) -> int:
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+def shard(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+          dim: int = 1) -> torch.Tensor:
     """This rank's shard of a full tensor `x` (the same on every rank) along `dim` (the sequence dim of
     `[B, N, H, D]` by default), for `ring_attention` with the same group and layout. Returns a copy."""
     layout = check_layout(layout)
@@ -63,7 +66,8 @@ def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1)
     return torch.cat([x.narrow(dim, a, b - a) for a, b in chunks(rank, P, L, layout)], dim).contiguous()
 
 
-def unshard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+def unshard(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+            dim: int = 1) -> torch.Tensor:
     """The full tensor from every rank's shard `x` (all-gather, then the layout's order); not differentiable."""
     layout = check_layout(layout)
     if not isinstance(x, torch.Tensor):
