@@ -118,7 +118,9 @@ class RingAttention(torch.autograd.Function):
         # else into the stack's own (out, lse), merged into its rows at the end.
         if plan.local_branches:
             p = local_problem
-            out, lse = forward_op(q, k, v, *p.op_branches(), p.split_heads, causal, scale)
+            w, r = p.op_branches()
+            out, lse = forward_op(q, k, v, segment_lengths=w, dilation_rates=r, split_heads=p.split_heads,
+                                  causal=causal, scale=scale)
         else:
             out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.full((B, H, L), -math.inf, dtype=lse_type, device=q.device)
@@ -172,8 +174,9 @@ class RingAttention(torch.autograd.Function):
         # block travels, then each head stack's float32 sums added to their rows with one rounding.
         if plan.local_branches:
             p = local_problem
-            dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, *p.op_branches(), p.split_heads, causal,
-                                     scale)
+            w, r = p.op_branches()
+            dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, segment_lengths=w, dilation_rates=r,
+                                     split_heads=p.split_heads, causal=causal, scale=scale)
         else:
             dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))

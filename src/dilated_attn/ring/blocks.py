@@ -49,15 +49,20 @@ def merge_block(acc_out, acc_lse, out, lse) -> None:
         merge_into(acc_out, acc_lse.transpose(1, 2), out, lse.transpose(1, 2))
 
 
+def _dense(n: int, causal: bool, scale: float) -> dict:
+    """The op arguments of one dense branch (n, 1) over n rows."""
+    return dict(segment_lengths=[n], dilation_rates=[1], split_heads=False, causal=causal, scale=scale)
+
+
 def block_forward(forward_op, q, k, v, causal, scale, acc_out, acc_lse) -> None:
     """Merge the attention of q [B, nq, H, D] over k, v [B, nk, Hk, D] (one dense block) into acc_out/acc_lse."""
     if causal:  # own rows: nq == nk
-        out, lse = forward_op(q, k, v, [q.shape[1]], [1], False, True, scale)
+        out, lse = forward_op(q, k, v, **_dense(q.shape[1], True, scale))
         merge_block(acc_out, acc_lse, out, lse)
         return
     for q0, q1, k0, k1 in _squares(q.shape[1], k.shape[1]):
         n = k1 - k0
-        out, lse = forward_op(_pad_rows(q[:, q0:q1], n), k[:, k0:k1], v[:, k0:k1], [n], [1], False, False, scale)
+        out, lse = forward_op(_pad_rows(q[:, q0:q1], n), k[:, k0:k1], v[:, k0:k1], **_dense(n, False, scale))
         merge_block(acc_out[:, q0:q1], acc_lse[:, :, q0:q1], out[:, : q1 - q0], lse[:, :, : q1 - q0])
 
 
@@ -70,8 +75,8 @@ def block_backward(backward_op, q, k, v, out, lse, d_out, d_lse, causal, scale, 
         rows = [_pad_rows(x[:, q0:q1], n) for x in (q, out, d_out)]
         pad_l = [None if x is None else torch.nn.functional.pad(x[:, :, q0:q1], (0, n - (q1 - q0)))
                  for x in (lse, d_lse)]
-        gq, gk, gv = backward_op(rows[2], pad_l[1], rows[0], k[:, k0:k1], v[:, k0:k1], rows[1], pad_l[0], [n], [1],
-                                 False, causal, scale)
+        gq, gk, gv = backward_op(rows[2], pad_l[1], rows[0], k[:, k0:k1], v[:, k0:k1], rows[1], pad_l[0],
+                                 **_dense(n, causal, scale))
         dq[:, q0:q1] += gq[:, : q1 - q0]
         dk[:, k0:k1] += gk
         dv[:, k0:k1] += gv
