@@ -1,8 +1,8 @@
 // The cudnn backend's loops (src/dilated_attn/backends/cudnn/ops.py plans them as a Schedule): each step runs
 // cuDNN's fused attention (ATen's _scaled_dot_product_cudnn_attention, or its backward) on strided views of the
 // inputs and then one kernel of merge.cu, which merges the step's (out, lse) into the running result, or adds its
-// gradients into the whole ones. In C++ because the problems this backend takes at its small end are bound by the host's time a
-// step: here a step costs the cuDNN call and one launch, no Python.
+// gradients into the whole ones. In C++ because the problems this backend takes at its small end are bound by the
+// host's time a step: here a step costs the cuDNN call and one launch, no Python.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

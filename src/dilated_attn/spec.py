@@ -144,6 +144,13 @@ class Problem:
         w = [min(x, length) for x in self.segment_lengths]
         return w, [min(r, max(s, self.num_heads)) for s, r in zip(w, self.dilation_rates)]
 
+    def op_arguments(self) -> dict:
+        """The keyword arguments of the backends' ops after the tensors (segment_lengths, dilation_rates,
+        split_heads, causal, scale; the branches as op_branches gives them)."""
+        w, r = self.op_branches()
+        return dict(segment_lengths=w, dilation_rates=r, split_heads=self.split_heads, causal=self.causal,
+                    scale=self.scale)
+
 
 # More query heads than any model has, and many more than positions: validate() warns that q is likely
 # [B, H, N, D] (transposed).

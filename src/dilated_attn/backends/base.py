@@ -82,7 +82,7 @@ class Backend:
     def forward(self, q, k, v, p: Problem):
         """The forward op on a validated problem: returns the differentiable `(out, lse)`."""
         forward, _ = self.ops()
-        return forward(q, k, v, *p.op_branches(), p.split_heads, p.causal, p.scale)
+        return forward(q, k, v, **p.op_arguments())
 
     def forward_varlen(self, q, k, v, p: Problem):
         """The forward of packed sequences (q `[T, Hq, D]`): `(out [T, Hq, D], lse [Hq, T])`, differentiable.

@@ -117,10 +117,7 @@ class RingAttention(torch.autograd.Function):
         # result merges into its rows: in place where a stack's rows are a block of the result (dense attention),
         # else into the stack's own (out, lse), merged into its rows at the end.
         if plan.local_branches:
-            p = local_problem
-            w, r = p.op_branches()
-            out, lse = forward_op(q, k, v, segment_lengths=w, dilation_rates=r, split_heads=p.split_heads,
-                                  causal=causal, scale=scale)
+            out, lse = forward_op(q, k, v, **local_problem.op_arguments())
         else:
             out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.full((B, H, L), -math.inf, dtype=lse_type, device=q.device)
@@ -173,10 +170,7 @@ class RingAttention(torch.autograd.Function):
         # As in the forward: the local branches' gradients (the kernel's, as on one device) while the first K/V
         # block travels, then each head stack's float32 sums added to their rows with one rounding.
         if plan.local_branches:
-            p = local_problem
-            w, r = p.op_branches()
-            dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, segment_lengths=w, dilation_rates=r,
-                                     split_heads=p.split_heads, causal=causal, scale=scale)
+            dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
         else:
             dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))

@@ -302,11 +302,11 @@ _prepared: set = set()
 def collect_launches(q, k, v, p, backward: bool) -> list:
     """The Triton launches (kernel, grid, args, kwargs) a call on these inputs makes, its backward's too with
     `backward`: the launchers run with their launches recorded instead of made (configs.collecting)."""
-    args = (*p.op_branches(), p.split_heads, p.causal, p.scale)
+    args = p.op_arguments()
     with torch.no_grad(), configs.collecting() as launches:
-        out, lse = triton_forward(q, k, v, *args)  # out and lse are left unwritten: nothing is launched
+        out, lse = triton_forward(q, k, v, **args)  # out and lse are left unwritten: nothing is launched
         if backward:
-            triton_backward(out, None, q, k, v, out, lse, *args)
+            triton_backward(out, None, q, k, v, out, lse, **args)
     return launches
 
 
