@@ -1,8 +1,9 @@
 """Builds dilated_attn._C: a CPU-only extension, or CPU + CUDA where torch has CUDA and a toolkit exists.
 
 Install with `pip install --no-build-isolation .` after torch: build isolation would fetch a fresh torch.
-Honours MAX_JOBS (parallel compile jobs), TORCH_CUDA_ARCH_LIST (GPU targets) and
-DILATED_ATTN_FORCE_CPU=1 (skip the CUDA part even where it could be built).
+Honours MAX_JOBS (parallel compile jobs), TORCH_CUDA_ARCH_LIST (GPU targets),
+DILATED_ATTN_FORCE_CPU=1 (skip the CUDA part even where it could be built) and DILATED_ATTN_PASCAL_PROXY=1
+(Pascal's tile table in the sm_70+ code too, to run and test it on a newer GPU).
 """
 
 import glob
@@ -55,6 +56,10 @@ def extension():
         ("DILATED_ATTN_CUDA_VERSION", f'"{torch.version.cuda}"'),
         ("DILATED_ATTN_CUDA_ARCHS", f'"{archs or "torch default"}"'),
     ]
+    if os.environ.get("DILATED_ATTN_PASCAL_PROXY") == "1":
+        # Pascal's tile table in the sm_70+ code too, so that a newer GPU can run and test it
+        # (DILATED_ATTN_CUDA_TILES=pascal); a user's build holds each architecture's own table only.
+        macros.append(("DILATED_ATTN_PASCAL_PROXY", "1"))
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr", "-std=c++17"]
     return cpp_extension.CUDAExtension(
         "dilated_attn._C",

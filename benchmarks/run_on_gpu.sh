@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the extension, run the GPU tests, run the GPU benchmark. Logs and
 # JSON go under $OUT (default ./gpu_out).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|smem|bench|auto|quick|ring|main|tune|first_call|varlen|decode|tile_order|ncu|all]...
+# The build holds Pascal's tile tables in the sm_70+ code too (DILATED_ATTN_PASCAL_PROXY=1), so that the tests, the
+# sanitizers and bench_cuda_kernels.py run them on this GPU (DILATED_ATTN_CUDA_TILES=pascal or gp100).
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|ring|main|tune|first_call|varlen|decode|tile_order|ncu|all]...
+#   cuda_kernels: benchmarks/bench_cuda_kernels.py ${CUDA_KERNELS_ARGS} (both tile tables against the fp32 FMA peak)
 #   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
 #   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS};
 #        NCU_KERNELS, NCU_COUNT: the kernel regex and count, e.g. for NCU_ARGS="--backend cudnn"; NCU_METRICS: the
@@ -30,7 +33,7 @@ if [ "${SKIP_BUILD:-0}" = 1 ]; then
   if ! python3 -c "import dilated_attn._C" 2>/dev/null; then
     export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
   fi
-elif ! MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; then
+elif ! DILATED_ATTN_PASCAL_PROXY=1 MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"
   exit 1
 else
@@ -46,8 +49,8 @@ for stage in $stages; do
       python3 -m pytest -m "gpu" -k "${PYTEST_K:-}" -q -rfEs --maxfail=10 -p no:cacheprovider \
         --durations=10 $workers tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;&
     sanitize)
-      # both tile tables: the device's (70 here) and Pascal's (csrc/cuda/launch.h)
-      for tiles in 70 61; do
+      # both tile tables (csrc/cuda/launch.h)
+      for tiles in volta pascal gp100; do
         for tool in memcheck racecheck initcheck; do
           log="$OUT/sanitize_${tool}_tiles$tiles.log"
           DILATED_ATTN_CUDA_TILES=$tiles compute-sanitizer --tool $tool --error-exitcode 1 \
@@ -55,6 +58,9 @@ for stage in $stages; do
           echo "compute-sanitizer $tool, tile table $tiles: exit $? ($(tail -1 "$log"))"
         done
       done ;;
+    cuda_kernels)
+      python3 benchmarks/bench_cuda_kernels.py ${CUDA_KERNELS_ARGS:-} --out "$OUT/cuda_kernels.json" 2>&1 \
+        | tee "$OUT/cuda_kernels.log" ;;
     smem)
       python3 tools/triton_shared_memory.py ${SMEM_ARGS:-} 2>&1 | tee "$OUT/smem.log" ;;
     auto)

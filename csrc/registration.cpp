@@ -44,10 +44,16 @@ static pybind11::dict build_info() {
   info["with_cuda"] = true;
   info["cuda_version"] = DILATED_ATTN_CUDA_VERSION;
   info["cuda_archs"] = DILATED_ATTN_CUDA_ARCHS;
+#ifdef DILATED_ATTN_PASCAL_PROXY
+  info["pascal_tiles_on_newer_gpus"] = true;
+#else
+  info["pascal_tiles_on_newer_gpus"] = false;
+#endif
 #else
   info["with_cuda"] = false;
   info["cuda_version"] = pybind11::none();
   info["cuda_archs"] = "";
+  info["pascal_tiles_on_newer_gpus"] = false;
 #endif
   info["cpu_isa"] = dilated_attn::cpu::selected_isa();
   return info;

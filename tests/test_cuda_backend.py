@@ -18,12 +18,19 @@ def _needs_cuda_kernels():
         pytest.fail("a GPU is present but dilated_attn._C was built without CUDA kernels")
 
 
-# Each test runs with the device's own tile table and with Pascal's (csrc/cuda/launch.h), which a newer GPU runs
-# when DILATED_ATTN_CUDA_TILES=61: Pascal's kernels are tested here even though no Pascal GPU is at hand.
-@pytest.fixture(autouse=True, params=["device-tiles", "pascal-tiles"])
+def _pascal_tiles_run_here() -> bool:
+    return torch.cuda.get_device_capability()[0] < 7 or dilated_attn.build_info()["pascal_tiles_on_newer_gpus"]
+
+
+# Each test runs with the device's own tile table and with Pascal's two (csrc/cuda/launch.h), which a newer GPU runs
+# when DILATED_ATTN_CUDA_TILES=pascal or gp100 in a build with DILATED_ATTN_PASCAL_PROXY=1 (benchmarks/run_on_gpu.sh
+# makes one): Pascal's kernels are tested here even though no Pascal GPU is at hand.
+@pytest.fixture(autouse=True, params=["device-tiles", "pascal-tiles", "gp100-tiles"])
 def tile_table(request, monkeypatch):
-    if request.param == "pascal-tiles":
-        monkeypatch.setenv("DILATED_ATTN_CUDA_TILES", "61")
+    if request.param != "device-tiles":
+        if not _pascal_tiles_run_here():
+            pytest.skip("this build holds Pascal's tiles only for Pascal GPUs (build with DILATED_ATTN_PASCAL_PROXY=1)")
+        monkeypatch.setenv("DILATED_ATTN_CUDA_TILES", request.param.split("-")[0])
     else:
         monkeypatch.delenv("DILATED_ATTN_CUDA_TILES", raising=False)
     return request.param
@@ -107,6 +114,17 @@ def test_bad_input_raises():
 
 def test_tile_table_override_is_checked(monkeypatch):
     q = torch.randn(1, 16, 2, 8, device="cuda")
-    monkeypatch.setenv("DILATED_ATTN_CUDA_TILES", "75")
-    with pytest.raises(ValueError, match="DILATED_ATTN_CUDA_TILES must be 61"):
+    monkeypatch.setenv("DILATED_ATTN_CUDA_TILES", "61")
+    with pytest.raises(ValueError, match="DILATED_ATTN_CUDA_TILES must be 'pascal', 'gp100' or 'volta'"):
+        dilated_attn.dilated_attention(q, q, q, [8], [1], backend="cuda")
+
+
+def test_tile_table_missing_from_the_build_is_refused(monkeypatch):
+    # Each architecture's code holds its own table: asking for the other one raises instead of launching nothing.
+    q = torch.randn(1, 16, 2, 8, device="cuda")
+    other = "volta" if torch.cuda.get_device_capability()[0] < 7 else "pascal"
+    if other == "pascal" and _pascal_tiles_run_here():
+        pytest.skip("this build holds Pascal's tiles for newer GPUs too (DILATED_ATTN_PASCAL_PROXY=1)")
+    monkeypatch.setenv("DILATED_ATTN_CUDA_TILES", other)
+    with pytest.raises(ValueError, match="holds no code of that tile table"):
         dilated_attn.dilated_attention(q, q, q, [8], [1], backend="cuda")

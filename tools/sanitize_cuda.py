@@ -20,7 +20,7 @@ def main():
         (2, 97, 3, 1, 64, [32, 50, 97], [2, 1, 4], "split", False),
         (1, 70, 6, 3, 40, [16, 40], [4, 2], "all", False),
         (1, 90, 2, 1, 128, [48, 90], [1, 2], "all", True),
-        # dK/dV's output dims split over blocks: Pascal's tiles at 96, both tables at 256
+        # dK/dV's output dims split over two blocks at 256
         (1, 45, 2, 1, 96, [16, 45], [1, 2], "split", False),
         (1, 40, 2, 2, 256, [40], [2], "all", True),
     ]

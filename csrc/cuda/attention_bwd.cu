@@ -15,22 +15,21 @@
 //   dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q.
 // Both run two roles of 128 threads side by side (kBackwardThreads), each the 8 x 16 thread grid of common.cuh
 // over one of the two score products and one of the two accumulations: role 0 reduces S, role 1 dP; both tiles go
-// to shared memory and all the threads compute P and dS elementwise (in dQ from Volta on; on Pascal role 0 turns S
-// into P, then role 1 P into dS); in dK/dV role 0 accumulates dV and role 1 dK, in dQ each role half of dQ's dims
-// (from Volta on up to head dim 64: all dims over half of each chunk's keys, DqTiles::kSplitKeys).
-// A thread so holds one score tile and one accumulator tile, half the registers of holding both, and an SM runs
-// twice the warps to hide the gathers' memory latency.
-// From Volta on, each gather's global loads are issued into registers before the computation on the previous
-// gather's tile and stored after it (common.cuh: split gathers), each product step's shared operands are loaded a
-// step ahead (accumulate_products), and, up to head dim 128 where two blocks an SM fit, the block's own pair stays
-// resident in shared memory for all its steps (dQ: Q^T and dO^T; dK/dV: K^T and V^T of the current head), so that the
-// steps gather only the other pair; up to head dim 64 a step gathers that pair in one chunk of all dims, and the
-// accumulations read it there, transposed, instead of gathering its rows again (kWholeStep). Pascal's 64 registers a
-// thread leave no room for the first two, nor its shared memory for the third.
-// The tile structs hold the sizes per tile table (launch.h): Volta and newer, within 128 registers a thread (two
-// blocks an SM), 64 x 64 for dq (32 queries at head dim 256) and 64 keys x 32 queries for dK/dV (64 queries up to
-// head dim 64); Pascal, within 64 (four blocks), 16 x 32 (8 queries at head dim 256) and 8 x 16. dK/dV's output
-// dims split over blocks at head dim 256 (2 on Volta, 4 on Pascal) and on Pascal at 96 (2).
+// to shared memory and all the threads compute P and dS elementwise; in dK/dV role 0 accumulates dV and role 1 dK,
+// in dQ each role half of dQ's dims (up to head dim 64: all dims over half of each chunk's keys,
+// DqTiles::kSplitKeys). A thread so holds one score tile and one accumulator tile, half the registers of holding
+// both, and an SM runs twice the warps to hide the gathers' memory latency.
+// Each gather's global loads are issued into registers before the computation on the previous gather's tile and
+// stored after it (common.cuh: split gathers), and each product step's shared operands are loaded a step ahead
+// (accumulate_products). With Volta's tiles, up to head dim 128 where two blocks an SM fit, the block's own pair
+// also stays resident in shared memory for all its steps (dQ: Q^T and dO^T; dK/dV: K^T and V^T of the current
+// head), so that the steps gather only the other pair; up to head dim 64 a step gathers that pair in one chunk of all
+// dims, and the accumulations read it there, transposed, instead of gathering its rows again (kWholeStep). Pascal's
+// 32 KiB a block leave room for neither.
+// The tile structs hold the sizes per tile table (launch.h), within 128 registers a thread (two blocks an SM): 64 x
+// 64 for dq (32 queries at head dim 256) and 64 keys x 32 queries for dK/dV (64 queries up to head dim 64 from Volta
+// on), with 16-dim chunks on Pascal (32 from Volta on up to head dim 64). dK/dV's output dims split over two blocks
+// at head dim 256.
 // Every block adds its fp32 sums into fp32 accumulators with a plain read-add-write: within one launch no
 // two blocks write the same position (the blocks of a segment own disjoint members, heads of one block
 // are visited by the same threads in turn), so there are no atomics and results are deterministic.
@@ -76,20 +75,6 @@ struct ScoreChunks {
     }
   }
 
-  // Loads and stores one tile at a time (one tile's registers): without prefetching.
-  __device__ __forceinline__ static void gather(float* q_t, float* do_t, float* k_t, float* v_t,
-                                                const volatile DilatedRows<T> (&rows)[4], int start_m, int start_n,
-                                                int d0, int dim) {
-    if constexpr (QUERIES) {
-      gather_transposed<T, BM, CHUNK, LDM, kBackwardThreads>(q_t, rows[0], start_m, d0, dim);
-      gather_transposed<T, BM, CHUNK, LDM, kBackwardThreads>(do_t, rows[1], start_m, d0, dim);
-    }
-    if constexpr (KEYS) {
-      gather_transposed<T, BN, CHUNK, LDN, kBackwardThreads>(k_t, rows[2], start_n, d0, dim);
-      gather_transposed<T, BN, CHUNK, LDN, kBackwardThreads>(v_t, rows[3], start_n, d0, dim);
-    }
-  }
-
   __device__ __forceinline__ static void store(float* q_t, float* do_t, float* k_t, float* v_t, const T* x) {
     if constexpr (QUERIES) {
       QueryTile::store(q_t, x);
@@ -125,36 +110,30 @@ __host__ __device__ constexpr int row_chunk(int floats) {
 // step. Q^T and dO^T (kLdM), K^T and V^T (kLdN) chunks, then K row chunks, share kTileFloats; P^T, then dS^T in
 // place, is [key][query]. All in dynamic shared memory (smem_floats), after Q^T and dO^T whole where they are
 // resident.
-template <int TILES, int DMAX>
+template <TileTable TILES, int DMAX>
 struct DqTiles {
-  static constexpr bool kPascal = TILES == kPascalTiles;
-  // A thread's dQ (R x J) and score (R x C) tiles fit its registers: 128 on Volta (32 queries at head dim 256), 64
-  // on Pascal (few queries and keys).
-  static constexpr int kBlockM = DMAX > 128 ? (kPascal ? 8 : 32) : (kPascal ? 16 : 64);
-  static constexpr int kBlockN = kPascal ? 32 : 64;
+  static constexpr bool kPascal = is_pascal(TILES);
+  // A thread's dQ (R x J) and score (R x C) tiles fit 128 registers (32 queries at head dim 256). The P100's table: 32
+  // queries, so that two blocks fit its 64 KiB an SM (64 queries take 35 KiB).
+  static constexpr int kBlockM = TILES == TileTable::kGp100 || DMAX > 128 ? 32 : 64;
+  static constexpr int kBlockN = 64;
   static constexpr int kLdM = transposed_ld(kBlockM), kLdN = transposed_ld(kBlockN);
   // Head-dim chunk of the score reductions: 32 from Volta on up to head dim 64 (half the barriers of 16, in the
   // registers the row gathers' stage takes anyway), else kChunkD.
   static constexpr int kChunk = !kPascal && DMAX <= 64 ? 32 : kChunkD;
   static constexpr int kTileFloats = 2 * kChunk * (kLdM + kLdN);
-  // From Volta on: split gathers (common.cuh) and the products' operands loaded a step ahead (accumulate_products);
-  // Pascal's 64 registers a thread have room for neither.
-  static constexpr bool kPrefetch = !kPascal;
   // RESIDENT: the block's Q^T and dO^T, whole, stay in shared memory for all its key steps, which then gather only
   // K^T and V^T: half the gathers. Volta's tiles up to head dim 128, where two blocks an SM still fit
   // (launch_backward: on an H100 up to head dim 128, an A100 up to 32 (at 64 the 32-dim chunks take the room), a V100
   // or an sm_8x GeForce never).
   static constexpr bool kMayReside = !kPascal && DMAX <= 128;
-  // kBalanced: S and dP go to shared memory and all the block's threads compute P and dS elementwise (as in
-  // dkdv_kernel), dP^T in the tiles' space, which holds a [key][query] tile. From Volta on (a thread's 16 queries of a
-  // key, 8 at head dim 256); Pascal's tiles give a thread 2, and there role 0 computes P, then role 1 dS.
-  static constexpr bool kBalanced = !kPascal;
-  static_assert(!kBalanced || kTileFloats >= kBlockN * kLdM, "dP^T fits the tiles' space");
+  // S and dP go to shared memory and all the block's threads compute P and dS elementwise (as in dkdv_kernel), dP^T
+  // in the tiles' space, which holds a [key][query] tile.
+  static_assert(kTileFloats >= kBlockN * kLdM, "dP^T fits the tiles' space");
   // kSplitKeys: in dQ += dS K the roles take half the keys of each chunk each, over all of dQ's dims, rather than half
   // the dims over all keys: up to head dim 64 a thread's 8 queries x 4 dims take 3 shared loads per 32 FMAs (8 x 2 by
-  // dims: 3 per 16). Role 1's sums join role 0's through the tiles' space at the end.
-  static constexpr bool kSplitKeys = kBalanced && DMAX <= 64;
-  static_assert(!kSplitKeys || kTileFloats >= kBlockM * DMAX, "role 1's dQ fits the tiles' space");
+  // dims: 3 per 16). Role 1's sums join role 0's through the tiles' space at the end, where they fit.
+  static constexpr bool kSplitKeys = DMAX <= 64 && kTileFloats >= kBlockM * DMAX;
   // kWholeStep: with Q^T and dO^T resident (and kSplitKeys), a step gathers K^T and V^T in one chunk of all dims
   // (kResidentChunk), and dQ += dS K reads K^T there (accumulate_products_b_transposed) instead of gathering K's rows
   // again: half the gathers, five barriers a step instead of eight. dP^T then takes V^T's place.
@@ -176,8 +155,11 @@ struct DqTiles {
     constexpr int scores = Scores<T, RESIDENT>::kRegs;
     return scores > KeyRows<T>::kRegs ? scores : KeyRows<T>::kRegs;
   }
-  // Blocks of 256 threads per SM for __launch_bounds__: Pascal 4 (64 registers a thread), else 2 (128).
-  static constexpr int kMinBlocks = kPascal ? 4 : 2;
+  // Blocks of 256 threads per SM for __launch_bounds__: 2 (128 registers a thread).
+  static constexpr int kMinBlocks = 2;
+  // dQ += dS K loads each step's operands a step ahead (accumulate_products' PIPELINE) except on Pascal, whose code
+  // (no uniform registers: the block's addresses take a thread's registers too) would spill the second set.
+  static constexpr bool kPipelineDq = !kPascal;
   template <bool RESIDENT>
   static constexpr int smem_floats() {
     return (RESIDENT ? 2 * DMAX * kLdM : 0) + kTileFloats + kBlockN * kLdM;
@@ -187,29 +169,25 @@ struct DqTiles {
 // dkdv_kernel's tiles: kBlockN keys per block against kBlockM queries per step. K^T, V^T (kLdN), Q^T and dO^T
 // (kLdM) chunks, then Q and dO row chunks, share kTileFloats; P and dS are [query][key]. All in dynamic shared
 // memory (smem_floats), after K^T and V^T whole where they are resident.
-template <int TILES, int DMAX>
+template <TileTable TILES, int DMAX>
 struct DkdvTiles {
-  static constexpr bool kPascal = TILES == kPascalTiles;
-  // A thread's dK or dV tile is (kBlockN / 8) x (kOutDims / 16) registers: Volta 64 keys (at most 64 registers),
-  // Pascal 8 (a row a thread, at most 8).
-  static constexpr int kBlockN = kPascal ? 8 : 64;
+  static constexpr bool kPascal = is_pascal(TILES);
+  // A thread's dK or dV tile is (kBlockN / 8) x (kOutDims / 16) registers: 64 keys, at most 64 registers.
+  static constexpr int kBlockN = 64;
   // Queries per step. From Volta on 64 up to head dim 64: a thread's 8 keys x 4 queries of S and dP take 3 shared
-  // loads per 32 FMAs (8 x 2: 3 per 16) and still fit 128 registers; at 96 and 128 they would spill.
-  static constexpr int kBlockM = kPascal ? 16 : (DMAX <= 64 ? 64 : 32);
+  // loads per 32 FMAs (8 x 2: 3 per 16) and still fit 128 registers; at 96 and 128 they would spill. Pascal: 32, as
+  // P and dS of 64 queries would not fit 32 KiB beside the chunks.
+  static constexpr int kBlockM = !kPascal && DMAX <= 64 ? 64 : 32;
   static constexpr int kLdN = transposed_ld(kBlockN), kLdM = transposed_ld(kBlockM);
   // The dims of dK and dV split over kDimParts blocks (grid y) of kOutDims each where a thread's accumulators and
-  // operands would not fit its registers: at head dim 256 (2 parts on Volta, 4 on Pascal) and on Pascal at 96 (2).
-  // Each part recomputes S and dP over all dims.
-  static constexpr int kDimParts = DMAX > 128 ? (kPascal ? 4 : 2) : (kPascal && DMAX == 96 ? 2 : 1);
+  // operands would not fit its registers: 2 at head dim 256. Each part recomputes S and dP over all dims.
+  static constexpr int kDimParts = DMAX > 128 ? 2 : 1;
   static constexpr int kOutDims = DMAX / kDimParts;
-  // Room for the score chunks, or for the Q and dO rows of a whole step (Pascal) or 16 queries (Volta).
+  // Room for the score chunks, or for the Q and dO rows of 16 queries (8 on Pascal, within 32 KiB).
   static constexpr int kChunk = !kPascal && DMAX <= 64 ? 32 : kChunkD;  // as in DqTiles
   static constexpr int kScoreFloats = 2 * kChunk * (kLdN + kLdM);
-  static constexpr int kRowFloats = 2 * (kPascal ? kBlockM : 16) * kOutDims;
+  static constexpr int kRowFloats = 2 * (kPascal ? 8 : 16) * kOutDims;
   static constexpr int kTileFloats = kScoreFloats > kRowFloats ? kScoreFloats : kRowFloats;
-  // From Volta on: split gathers (common.cuh) and the products' operands loaded a step ahead (accumulate_products);
-  // Pascal's 64 registers a thread have room for neither.
-  static constexpr bool kPrefetch = !kPascal;
   // RESIDENT: the block's K^T and V^T, whole, stay in shared memory for all the query steps of a head, which then
   // gather only Q^T and dO^T chunks. Volta's tiles up to head dim 128 (one dim part), where two blocks an SM still
   // fit (launch_backward).
@@ -223,7 +201,7 @@ struct DkdvTiles {
   template <typename T, bool RESIDENT = false>
   using Scores = ScoreChunks<T, kBlockM, kLdM, kBlockN, kLdN, RESIDENT ? kResidentChunk : kChunk, true, !RESIDENT>;
   // Q and dO rows side by side, in the tiles' space and in no more registers a thread than the score chunks of both
-  // pairs (so one stage holds either; Pascal's dK/dV at head dim 128 spill otherwise)
+  // pairs (so one stage holds either)
   static constexpr int kRowBudget = Scores<float>::kRegs * kBackwardThreads;
   static constexpr int kQueryChunk =
       row_chunk<kBlockM, kOutDims>(kRowBudget < kTileFloats ? kRowBudget : kTileFloats) / 2;
@@ -234,7 +212,10 @@ struct DkdvTiles {
     constexpr int scores = Scores<T, RESIDENT>::kRegs;
     return scores > 2 * QueryRows<T>::kRegs ? scores : 2 * QueryRows<T>::kRegs;
   }
-  static constexpr int kMinBlocks = kPascal ? 4 : 2;
+  // Blocks of 256 threads per SM for __launch_bounds__: 2 (128 registers a thread), except with Pascal's tiles above
+  // head dim 64: 1 (up to 255), as a thread's dK or dV tile, the gathers' stage and the products' operands spill in
+  // 128 there (sm_6x has no uniform registers, so the block's addresses and counters take a thread's registers too).
+  static constexpr int kMinBlocks = kPascal && DMAX > 64 ? 1 : 2;
   static_assert(!kWholeStep || kTileFloats >= 2 * DMAX * kLdM, "Q^T and dO^T of a step fit the tiles' space");
   template <bool RESIDENT>
   static constexpr int smem_floats() {
@@ -270,9 +251,8 @@ __device__ __forceinline__ void set_block_rows(DilatedRows<T> (&rows)[4], const 
   rows[3] = rows_of<T>(p.v, p.sv, b, kvh, mem, dilation);
 }
 
-template <typename T, int DMAX, int TILES, bool RESIDENT>
-__global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBlocks)
-    dq_kernel(const BackwardParams p) {
+template <typename T, int DMAX, TileTable TILES, bool RESIDENT>
+__device__ __forceinline__ void dq_block(const BackwardParams& p) {
   using Tiles = DqTiles<TILES, DMAX>;
   constexpr int BM = Tiles::kBlockM, BN = Tiles::kBlockN, LDM = Tiles::kLdM, LDN = Tiles::kLdN;
   // query rows, key columns and dims of the role's share of dQ per thread
@@ -283,7 +263,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   float* resident = smem;  // RESIDENT: Q^T and dO^T, [DMAX][LDM] each
   float* tiles = smem + (RESIDENT ? 2 * DMAX * LDM : 0);  // Q^T, dO^T (unless resident), K^T, V^T chunks; K rows
   float* ps_t = tiles + Tiles::kTileFloats;                 // P^T (or S^T), then dS^T: [key][query]
-  // kBalanced: dP^T, [key][query], between the gathers (WHOLE: in V^T's place, after K^T)
+  // dP^T, [key][query], between the gathers (WHOLE: in V^T's place, after K^T)
   float* dp_t = tiles + (WHOLE ? DMAX * LDN : 0);
   // lse * log2(e) and delta of the block's queries: in shared memory rather than registers, which the score loop
   // needs
@@ -328,13 +308,13 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
     for (int j = 0; j < J; ++j) dq[r][j] = 0.f;
 
   const int key_end = sh.causal ? min(mem.count, start_m + BM) : mem.count;
-  // A key step gathers the score chunks d0 = 0, CH, ..., then K's row chunks k0 = 0, KC, ...; with kPrefetch
+  // A key step gathers the score chunks d0 = 0, CH, ..., then K's row chunks k0 = 0, KC, ...;
   // each one's loads are issued into `stage` right after the barrier that publishes the one before.
   using Scores = typename Tiles::template Scores<T, RESIDENT>;
   using KeyRows = typename Tiles::template KeyRows<T>;
   T stage[Tiles::template stage_regs<T, RESIDENT>()];
-  if constexpr (Tiles::kPrefetch || RESIDENT) __syncthreads();  // block_rows written
-  if constexpr (Tiles::kPrefetch) Scores::load(stage, block_rows, start_m, 0, 0, dim);
+  __syncthreads();  // block_rows written
+  Scores::load(stage, block_rows, start_m, 0, 0, dim);
   if constexpr (RESIDENT)  // published by the first chunk's barrier
     gather_resident_pair<T, BM, LDM, DMAX>(resident, block_rows[0], block_rows[1], start_m, dim);
   for (int start_n = 0; start_n < key_end; start_n += BN) {
@@ -345,82 +325,44 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
       for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
     for (int d0 = 0; d0 < DMAX; d0 += CH) {
       __syncthreads();
-      if constexpr (Tiles::kPrefetch)
-        Scores::store(q_t, do_t, k_t, v_t, stage);
-      else
-        Scores::gather(q_t, do_t, k_t, v_t, block_rows, start_m, start_n, d0, dim);
+      Scores::store(q_t, do_t, k_t, v_t, stage);
       __syncthreads();
-      if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-        if (d0 + CH < DMAX) {
-          Scores::load(stage, block_rows, start_m, start_n, d0 + CH, dim);
-        } else if (WHOLE) {
-          if (start_n + BN < key_end) Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
-        } else {
-          KeyRows::load(stage, k_rows, start_n, 0, dim);
-        }
+      // the next gather's loads
+      if (d0 + CH < DMAX) {
+        Scores::load(stage, block_rows, start_m, start_n, d0 + CH, dim);
+      } else if (WHOLE) {
+        if (start_n + BN < key_end) Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
+      } else {
+        KeyRows::load(stage, k_rows, start_n, 0, dim);
       }
-      accumulate_products<CH, LDM, LDN, 4, Tiles::kPrefetch>(
-          acc, rows_t + (RESIDENT ? d0 * LDM : 0) + ty * R, cols_t, tx);
+      accumulate_products<CH, LDM, LDN, 4, true>(acc, rows_t + (RESIDENT ? d0 * LDM : 0) + ty * R, cols_t, tx);
     }
-    if constexpr (Tiles::kBalanced) {
-      // S^T (role 0) and dP^T (role 1) to shared memory, then dS^T = P^T (dP^T - delta) elementwise by all the
-      // block's threads (dkdv_kernel's reason): kQueriesPerThread consecutive queries of one key a thread (threads
-      // of a warp: consecutive keys, one row each, conflict-free), in groups of 4. dP^T overwrites the last score
-      // chunk, hence the barrier first.
-      __syncthreads();
-      store_tile_columns<LDM>(role == 0 ? ps_t : dp_t, acc, ty, tx);
-      __syncthreads();
-      constexpr int kQueriesPerThread = BM * BN / kBackwardThreads;
-      static_assert(kQueriesPerThread % 4 == 0, "groups of 4 queries");
-      const int key = threadIdx.x % BN, q0 = threadIdx.x / BN * kQueriesPerThread;
-      const int kj = start_n + key;
+    // S^T (role 0) and dP^T (role 1) to shared memory, then dS^T = P^T (dP^T - delta) elementwise by all the
+    // block's threads (dkdv_kernel's reason): kQueriesPerThread consecutive queries of one key a thread (threads
+    // of a warp: consecutive keys, one row each, conflict-free), in groups of 4. dP^T overwrites the last score
+    // chunk, hence the barrier first.
+    __syncthreads();
+    store_tile_columns<LDM>(role == 0 ? ps_t : dp_t, acc, ty, tx);
+    __syncthreads();
+    constexpr int kQueriesPerThread = BM * BN / kBackwardThreads;
+    static_assert(kQueriesPerThread % 4 == 0, "groups of 4 queries");
+    const int key = threadIdx.x % BN, q0 = threadIdx.x / BN * kQueriesPerThread;
+    const int kj = start_n + key;
 #pragma unroll
-      for (int i0 = 0; i0 < kQueriesPerThread; i0 += 4) {
-        float sp[4], dp[4], lse2[4], delta[4];
-        load_row_values(sp, ps_t + key * LDM + q0 + i0);
-        load_row_values(dp, dp_t + key * LDM + q0 + i0);
-        load_row_values(lse2, row_stats + q0 + i0);
-        load_row_values(delta, row_stats + BM + q0 + i0);
+    for (int i0 = 0; i0 < kQueriesPerThread; i0 += 4) {
+      float sp[4], dp[4], lse2[4], delta[4];
+      load_row_values(sp, ps_t + key * LDM + q0 + i0);
+      load_row_values(dp, dp_t + key * LDM + q0 + i0);
+      load_row_values(lse2, row_stats + q0 + i0);
+      load_row_values(delta, row_stats + BM + q0 + i0);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int qi = start_m + q0 + i0 + i;
-          const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
-          const float prob = visible ? exp2f(sp[i] * scale2 - lse2[i]) : 0.f;
-          dp[i] = prob * (dp[i] - delta[i]);
-        }
-        store_row_values(ps_t + key * LDM + q0 + i0, dp);
+      for (int i = 0; i < 4; ++i) {
+        const int qi = start_m + q0 + i0 + i;
+        const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
+        const float prob = visible ? exp2f(sp[i] * scale2 - lse2[i]) : 0.f;
+        dp[i] = prob * (dp[i] - delta[i]);
       }
-    } else {
-      if (role == 0) {  // P^T
-        float lse2[R];
-        load_row_values(lse2, row_stats + ty * R);
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          const int kj = start_n + thread_col<C>(tx, c);
-          float col[R];
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const int qi = start_m + ty * R + r;
-            const bool visible = qi < mem.count && kj < mem.count && (!sh.causal || kj <= qi);
-            col[r] = visible ? exp2f(acc[r][c] * scale2 - lse2[r]) : 0.f;
-          }
-          store_row_values(ps_t + thread_col<C>(tx, c) * LDM + ty * R, col);
-        }
-      }
-      __syncthreads();
-      if (role == 1) {  // dS^T = P^T (dP^T - delta), in place
-        float delta[R];
-        load_row_values(delta, row_stats + BM + ty * R);
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          float* at = ps_t + thread_col<C>(tx, c) * LDM + ty * R;
-          float col[R];
-          load_row_values(col, at);
-#pragma unroll
-          for (int r = 0; r < R; ++r) col[r] *= acc[r][c] - delta[r];
-          store_row_values(at, col);
-        }
-      }
+      store_row_values(ps_t + key * LDM + q0 + i0, dp);
     }
     if constexpr (WHOLE) {  // the role's half of the keys (kSplitKeys), from the step's K^T
       constexpr int kHalf = BN / 2;
@@ -429,22 +371,21 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
     } else {
       for (int k0 = 0; k0 < BN; k0 += KC) {
         __syncthreads();
-        if constexpr (!Tiles::kPrefetch) KeyRows::load(stage, k_rows, start_n + k0, 0, dim);
         KeyRows::store(tiles, stage);
         __syncthreads();
-        if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-          if (k0 + KC < BN) {
-            KeyRows::load(stage, k_rows, start_n + k0 + KC, 0, dim);
-          } else if (start_n + BN < key_end) {
-            Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
-          }
+        // the next gather's loads
+        if (k0 + KC < BN) {
+          KeyRows::load(stage, k_rows, start_n + k0 + KC, 0, dim);
+        } else if (start_n + BN < key_end) {
+          Scores::load(stage, block_rows, start_m, start_n + BN, 0, dim);
         }
         if constexpr (Tiles::kSplitKeys) {
           constexpr int kHalf = KC / 2;
-          accumulate_products<kHalf, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + (k0 + role * kHalf) * LDM + ty * R,
-                                                                     tiles + role * kHalf * DMAX, tx);
+          accumulate_products<kHalf, LDM, DMAX, 4, Tiles::kPipelineDq>(
+              dq, ps_t + (k0 + role * kHalf) * LDM + ty * R, tiles + role * kHalf * DMAX, tx);
         } else {
-          accumulate_products<KC, LDM, DMAX, 4, Tiles::kPrefetch>(dq, ps_t + k0 * LDM + ty * R, tiles + d_half, tx);
+          accumulate_products<KC, LDM, DMAX, 4, Tiles::kPipelineDq>(dq, ps_t + k0 * LDM + ty * R, tiles + d_half,
+                                                                     tx);
         }
       }
     }
@@ -484,9 +425,8 @@ __global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBl
   }
 }
 
-template <typename T, int DMAX, int TILES, bool RESIDENT>
-__global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMinBlocks)
-    dkdv_kernel(const BackwardParams p) {
+template <typename T, int DMAX, TileTable TILES, bool RESIDENT>
+__device__ __forceinline__ void dkdv_block(const BackwardParams& p) {
   using Tiles = DkdvTiles<TILES, DMAX>;
   constexpr int BN = Tiles::kBlockN, BM = Tiles::kBlockM, LDN = Tiles::kLdN, LDM = Tiles::kLdM;
   constexpr int OUT_DIMS = Tiles::kOutDims;
@@ -552,7 +492,7 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
     // A query step gathers the score chunks, then the Q and dO row chunks, prefetched as in dq_kernel.
     // Causal: queries before the block's first key never see it.
     const int first_m = sh.causal ? start_n / BM * BM : 0;
-    if constexpr (Tiles::kPrefetch) Scores::load(stage, block_rows, first_m, start_n, 0, dim);
+    Scores::load(stage, block_rows, first_m, start_n, 0, dim);
     if constexpr (RESIDENT)  // published by the first chunk's barrier
       gather_resident_pair<T, BN, LDN, DMAX>(resident, block_rows[2], block_rows[3], start_n, dim);
     for (int start_m = first_m; start_m < mem.count; start_m += BM) {
@@ -563,23 +503,19 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
         for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
       for (int d0 = 0; d0 < DMAX; d0 += CH) {
         __syncthreads();
-        if constexpr (Tiles::kPrefetch)
-          Scores::store(q_t, do_t, k_t, v_t, stage);
-        else
-          Scores::gather(q_t, do_t, k_t, v_t, block_rows, start_m, start_n, d0, dim);
+        Scores::store(q_t, do_t, k_t, v_t, stage);
         __syncthreads();
-        if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-          if (d0 + CH < DMAX) {
-            Scores::load(stage, block_rows, start_m, start_n, d0 + CH, dim);
-          } else if (WHOLE) {
-            if (start_m + BM < mem.count) Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
-          } else {
-            QueryRows::load(stage, q_rows, start_m, d_out, dim);
-            QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m, d_out, dim);
-          }
+        // the next gather's loads
+        if (d0 + CH < DMAX) {
+          Scores::load(stage, block_rows, start_m, start_n, d0 + CH, dim);
+        } else if (WHOLE) {
+          if (start_m + BM < mem.count) Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
+        } else {
+          QueryRows::load(stage, q_rows, start_m, d_out, dim);
+          QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m, d_out, dim);
         }
-        accumulate_products<CH, LDN, LDM, Tiles::kPascal ? 1 : 4, Tiles::kPrefetch>(
-            acc, rows_t + (RESIDENT ? d0 * LDN : 0) + ty * R, cols_t, tx);
+        accumulate_products<CH, LDN, LDM, 4, true>(acc, rows_t + (RESIDENT ? d0 * LDN : 0) + ty * R, cols_t,
+                                                               tx);
       }
       // S (role 0) and dP (role 1) to shared memory, then P = exp2(S * scale2 - lse2) (0 where the key is not
       // visible) and dS = P (dP - delta) elementwise by all the block's threads, so that neither role waits while the
@@ -614,26 +550,18 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
       } else {
         for (int q0 = 0; q0 < BM; q0 += QC) {
           __syncthreads();
-          if constexpr (Tiles::kPrefetch) {
-            QueryRows::store(tiles, stage);
-            QueryRows::store(tiles + QC * OUT_DIMS, stage + QueryRows::kRegs);
-          } else {  // one tile's registers at a time
-            QueryRows::load(stage, q_rows, start_m + q0, d_out, dim);
-            QueryRows::store(tiles, stage);
-            QueryRows::load(stage, do_rows, start_m + q0, d_out, dim);
-            QueryRows::store(tiles + QC * OUT_DIMS, stage);
-          }
+          QueryRows::store(tiles, stage);
+          QueryRows::store(tiles + QC * OUT_DIMS, stage + QueryRows::kRegs);
           __syncthreads();
-          if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-            if (q0 + QC < BM) {
-              QueryRows::load(stage, q_rows, start_m + q0 + QC, d_out, dim);
-              QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m + q0 + QC, d_out, dim);
-            } else if (start_m + BM < mem.count) {
-              Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
-            }
+          // the next gather's loads
+          if (q0 + QC < BM) {
+            QueryRows::load(stage, q_rows, start_m + q0 + QC, d_out, dim);
+            QueryRows::load(stage + QueryRows::kRegs, do_rows, start_m + q0 + QC, d_out, dim);
+          } else if (start_m + BM < mem.count) {
+            Scores::load(stage, block_rows, start_m + BM, start_n, 0, dim);
           }
-          accumulate_products<QC, LDN, OUT_DIMS, Tiles::kPascal ? 1 : 2, Tiles::kPrefetch>(
-              grad, weights + q0 * LDN + ty * R, values, tx);
+          accumulate_products<QC, LDN, OUT_DIMS, 2, true>(grad, weights + q0 * LDN + ty * R, values,
+                                                                            tx);
         }
       }
     }
@@ -656,8 +584,29 @@ __global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMin
   }
 }
 
+// The kernels: the blocks above where this architecture's code holds TILES (common.cuh: tiles_built); the launchers
+// never start the others.
+template <typename T, int DMAX, TileTable TILES, bool RESIDENT>
+__global__ void __launch_bounds__(kBackwardThreads, DqTiles<TILES, DMAX>::kMinBlocks)
+    dq_kernel(const BackwardParams p) {
+  if constexpr (tiles_built<TILES>())
+    dq_block<T, DMAX, TILES, RESIDENT>(p);
+  else
+    __trap();
+}
+
+template <typename T, int DMAX, TileTable TILES, bool RESIDENT>
+__global__ void __launch_bounds__(kBackwardThreads, DkdvTiles<TILES, DMAX>::kMinBlocks)
+    dkdv_kernel(const BackwardParams p) {
+  if constexpr (tiles_built<TILES>())
+    dkdv_block<T, DMAX, TILES, RESIDENT>(p);
+  else
+    __trap();
+}
+
 }  // namespace
 
+#ifndef __CUDACC_RTC__  // host code (common.cuh)
 cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t stream) {
   const int64_t rows = p.shape.batch * p.shape.seq_len * p.shape.num_heads;
   const int64_t blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
@@ -681,14 +630,16 @@ cudaError_t launch_maybe_resident(Launch&& launch) {
   return launch(std::false_type{}, Tiles::template smem_floats<false>() * sizeof(float));
 }
 
-cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream) {
+cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, TileTable tiles, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   const Branch& br = p.branch;
   return dispatch_tiles(tiles, [&](auto table) {
-    constexpr int TILES = decltype(table)::value;
+    constexpr TileTable TILES = decltype(table)::value;
+    // the P100's table differs from Pascal's in dQ's tiles only: one dK/dV kernel serves both
+    constexpr TileTable KV_TILES = TILES == TileTable::kGp100 ? TileTable::kPascal : TILES;
     return dispatch_head_dim(sh.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
-      using KvTiles = DkdvTiles<TILES, DMAX>;
+      using KvTiles = DkdvTiles<KV_TILES, DMAX>;
       using QTiles = DqTiles<TILES, DMAX>;
       const int64_t kv_blocks = kv_grid(br, sh, KvTiles::kBlockN).blocks();
       const int64_t q_blocks = query_grid(br, sh, QTiles::kBlockM).blocks();
@@ -698,7 +649,7 @@ cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles,
         using T = decltype(tag);
         const dim3 kv_grid_dims(static_cast<unsigned>(kv_blocks), KvTiles::kDimParts);
         const cudaError_t err = launch_maybe_resident<KvTiles>([&](auto resident, size_t bytes) {
-          return launch_with_shared(dkdv_kernel<T, DMAX, TILES, decltype(resident)::value>, kv_grid_dims,
+          return launch_with_shared(dkdv_kernel<T, DMAX, KV_TILES, decltype(resident)::value>, kv_grid_dims,
                                     kBackwardThreads, bytes, stream, p);
         });
         if (err != cudaSuccess) return err;
@@ -710,6 +661,8 @@ cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles,
     });
   });
 }
+
+#endif  // __CUDACC_RTC__
 
 }  // namespace cuda
 }  // namespace dilated_attn

@@ -30,19 +30,27 @@ void check_cuda_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   scalar_kind(q);
 }
 
-// The kernels' tile table for the current device (launch.h): Pascal's below compute capability 7.0, Volta's
-// from 7.0 on. DILATED_ATTN_CUDA_TILES=61 or 70 picks one by hand, so that a newer GPU can run (and test)
-// Pascal's tiles.
-int tile_table() {
+// The kernels' tile table for the current device (launch.h): the P100's at compute capability 6.0, Pascal's at 6.1
+// and 6.2, Volta's from 7.0 on. DILATED_ATTN_CUDA_TILES=pascal, gp100 or volta picks one by hand, so that a newer GPU
+// can run (and test) Pascal's tables; its code holds them only in a build with DILATED_ATTN_PASCAL_PROXY=1
+// (common.cuh: tiles_built).
+TileTable tile_table() {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int major = props->major;
+  const TileTable own =
+      major >= 7 ? TileTable::kVolta : (props->minor == 0 ? TileTable::kGp100 : TileTable::kPascal);
   const char* env = std::getenv("DILATED_ATTN_CUDA_TILES");
-  if (env != nullptr && *env != '\0') {
-    const std::string name(env);
-    TORCH_CHECK_VALUE(name == "61" || name == "70",
-                      "DILATED_ATTN_CUDA_TILES must be 61 (Pascal's tiles) or 70 (Volta's and newer), got '", name,
-                      "'");
-    return name == "61" ? kPascalTiles : kVoltaTiles;
-  }
-  return at::cuda::getCurrentDeviceProperties()->major < 7 ? kPascalTiles : kVoltaTiles;
+  if (env == nullptr || *env == '\0') return own;
+  const std::string name(env);
+  TORCH_CHECK_VALUE(name == "pascal" || name == "gp100" || name == "volta",
+                    "DILATED_ATTN_CUDA_TILES must be 'pascal', 'gp100' or 'volta' (the tile table), got '", name, "'");
+  const TileTable table =
+      name == "pascal" ? TileTable::kPascal : (name == "gp100" ? TileTable::kGp100 : TileTable::kVolta);
+  TORCH_CHECK_VALUE(is_pascal(table) == is_pascal(own) || (is_pascal(table) && kPascalProxy),
+                    "DILATED_ATTN_CUDA_TILES=", name, ": this build holds no code of that tile table for compute ",
+                    "capability ", major, ".x (each architecture's code holds its own table; Pascal's runs on newer ",
+                    "GPUs in a build made with DILATED_ATTN_PASCAL_PROXY=1)");
+  return table;
 }
 
 AttentionShape shape_of(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
@@ -65,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
   ForwardParams p{q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
                   strides_of(q), strides_of(k), strides_of(v), strides_of(out), sh, Branch{}};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int tiles = tile_table();
+  const TileTable tiles = tile_table();
   for (const Branch& br : table) {
     p.branch = br;
     check_launch(launch_forward(p, scalar_kind(q), tiles, stream), "forward");
@@ -105,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   BackwardParams p{q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), lse.data_ptr<float>(),
                    delta.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(),
                    strides_of(q), strides_of(k), strides_of(v), strides_of(grad_out), sh, Branch{}};
-  const int tiles = tile_table();
+  const TileTable tiles = tile_table();
   for (const Branch& br : table) {
     p.branch = br;
     check_launch(launch_backward(p, kind, tiles, stream), "backward");

@@ -9,8 +9,8 @@
 // chunks. Each chunk's global loads are issued into registers before the computation on the chunk before it and
 // stored after it (common.cuh: split gathers), so that memory latency overlaps the FMAs. All math is fp32; inputs
 // may be fp16, bf16 or fp32. No tensor cores, so the same code runs from Pascal up. ForwardTiles holds the sizes
-// of each tile table: 64 queries and 32-dim chunks from Volta on (128 queries and 256 threads at head dim 64), 16
-// queries (8 at head dim 256) and 16-dim chunks on Pascal.
+// of each tile table: 64 queries a block (128 over 256 threads from Volta on at head dim 64), 32-dim chunks from
+// Volta on and 16 on Pascal.
 #include "common.cuh"
 
 namespace dilated_attn {
@@ -18,42 +18,42 @@ namespace cuda {
 namespace {
 
 // The forward's tiles per tile table (launch.h) and head dim.
-template <int TILES, int DMAX>
+template <TileTable TILES, int DMAX>
 struct ForwardTiles {
-  static constexpr bool kPascal = TILES == kPascalTiles;
-  // Threads and queries per block. Pascal: few queries, so that the output rows (R x J registers a thread) fit 64
-  // registers. From Volta on at head dim 64: 256 threads (a 16 x 16 thread grid) over 128 queries, so that each
-  // K and V tile gathered serves twice the queries, a thread's register stage of a gather is half as large (no
-  // spills), and the V rows of a step fit one chunk: H100, float32, 7.1 -> 6.9 ms.
+  static constexpr bool kPascal = is_pascal(TILES);
+  // Threads and queries per block: a thread holds kRows x J outputs and kRows x kCols scores. From Volta on at head
+  // dim 64: 256 threads (a 16 x 16 thread grid) over 128 queries, so that each K and V tile gathered serves twice
+  // the queries, a thread's register stage of a gather is half as large (no spills), and the V rows of a step fit
+  // one chunk. Pascal's tiles keep 128 threads: the wider block needs 45 KiB, one block on a P100's SM.
   static constexpr bool kWide = !kPascal && DMAX == 64;
   static constexpr int kThreads = kWide ? 2 * cuda::kThreads : cuda::kThreads;
-  static constexpr int kBlockM = kPascal ? (DMAX > 128 ? 8 : 16) : (kWide ? 128 : 64);
+  static constexpr int kBlockM = kWide ? 128 : 64;
   // Keys per step: 128 from Volta on at head dims 65-128, where a thread's 8 x 8 score tile takes 4 shared loads per
-  // 64 FMAs (8 x 4: 3 per 32) at two blocks an SM; at 64 the four blocks an SM of 64 keys ran faster.
+  // 64 FMAs (8 x 4: 3 per 32) at two blocks an SM; at 64 the four blocks an SM of 64 keys ran faster. Pascal: 64,
+  // since P^T of 128 keys alone would take 34 KiB.
   static constexpr int kBlockN = !kPascal && DMAX > 64 && DMAX <= 128 ? 128 : 64;
-  static constexpr int kChunkD = kPascal ? 16 : 32;  // head-dim chunk of the score reduction
+  // Head-dim chunk of the score reduction: 16 on Pascal, which keeps the block within 26 KiB.
+  static constexpr int kChunkD = kPascal ? 16 : 32;
   static constexpr int kRows = kBlockM / (kThreads / kColsX);  // query rows per thread
   static constexpr int kCols = kBlockN / kColsX;                 // key columns per thread
   static constexpr int kLdM = transposed_ld(kBlockM);  // Q^T and P^T (indexed by query)
   static constexpr int kLdN = transposed_ld(kBlockN);  // K^T (indexed by key)
   static constexpr int kScoreTiles = kChunkD * (kLdM + kLdN);  // Q and K chunks (floats)
-  // Blocks per SM the register budget is sized for (__launch_bounds__). Pascal: 8 (64 registers a thread).
-  // Volta and newer: 128 registers a thread up to head dim 64 (4 blocks of 128 threads at 32, 2 of 256 at 64), 255
-  // above (2 blocks). At head dim 64, 3 blocks of 128 threads (168 registers) ran slower than 4 (7.4 against 7.1 ms).
-  static constexpr int kMinBlocks = kPascal ? 8 : (DMAX <= 32 ? 4 : 2);
+  // Blocks per SM the register budget is sized for (__launch_bounds__): 128 registers a thread up to head dim 64 from
+  // Volta on (4 blocks of 128 threads at 32, 2 of 256 at 64), else 255 (2 blocks of 128 threads).
+  static constexpr int kMinBlocks = !kPascal && DMAX <= 32 ? 4 : 2;
 
   // The block's gathers: K^T chunks, then V row chunks of kValueRows keys, each no more elements a thread than a K^T
-  // chunk takes with 128 threads (half as many on Pascal), so that one register stage a thread (stage_regs) holds
-  // either (common.cuh: split gathers). kPrefetch: the next gather's loads are issued before the computation on the
-  // current one; Pascal's tiles at head dim 128 have no registers left for that within 64 and load right before
-  // storing.
+  // chunk takes with 128 threads, so that one register stage a thread (stage_regs) holds either (common.cuh: split
+  // gathers); on Pascal as many rows as the tiles' space holds. The next gather's loads are issued before the
+  // computation on the current one.
   static constexpr int value_rows() {
     int rows = kBlockN;
-    while (rows * DMAX * cuda::kThreads > kBlockN * kChunkD * kThreads / (kPascal ? 2 : 1)) rows /= 2;
+    while (rows * DMAX > (kPascal ? kScoreTiles : kBlockN * kChunkD * kThreads / cuda::kThreads)) rows /= 2;
     return rows;
   }
   static constexpr int kValueRows = value_rows();
-  static constexpr bool kPrefetch = !(kPascal && DMAX == 128);
+  static_assert(kValueRows * DMAX <= kScoreTiles, "a V chunk fits the tiles' space");
   template <typename T>
   using KeyTile = TransposedTile<T, kBlockN, kChunkD, kLdN, kThreads>;
   template <typename T>
@@ -72,9 +72,8 @@ struct ForwardTiles {
   }
 };
 
-template <typename T, int DMAX, int TILES, bool RESIDENT_Q>
-__global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTiles<TILES, DMAX>::kMinBlocks)
-    forward_kernel(const ForwardParams p) {
+template <typename T, int DMAX, TileTable TILES, bool RESIDENT_Q>
+__device__ __forceinline__ void forward_block(const ForwardParams& p) {
   using Tiles = ForwardTiles<TILES, DMAX>;
   constexpr int kBlockM = Tiles::kBlockM, kBlockN = Tiles::kBlockN, kChunkD = Tiles::kChunkD;
   constexpr int kRows = Tiles::kRows, kCols = Tiles::kCols, kLdM = Tiles::kLdM, kLdN = Tiles::kLdN;
@@ -123,12 +122,12 @@ __global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTi
 
   // Causal: keys after the block's last query are never seen.
   const int key_end = sh.causal ? min(mem.count, start_m + kBlockM) : mem.count;
-  // A key step gathers the K^T chunks d0 = 0, kChunkD, ..., then the V row chunks k0 = 0, KC, ...; with kPrefetch
-  // each one's loads are issued into `stage` right after the barrier that publishes the one before.
+  // A key step gathers the K^T chunks d0 = 0, kChunkD, ..., then the V row chunks k0 = 0, KC, ...; each one's loads
+  // are issued into `stage` right after the barrier that publishes the one before.
   using KeyTile = typename Tiles::template KeyTile<T>;
   using ValueTile = typename Tiles::template ValueTile<T>;
   T stage[Tiles::template stage_regs<T>()];
-  if constexpr (Tiles::kPrefetch) KeyTile::load(stage, k_rows, 0, 0, dim);
+  KeyTile::load(stage, k_rows, 0, 0, dim);
   for (int start_n = 0; start_n < key_end; start_n += kBlockN) {
     float s[kRows][kCols];
 #pragma unroll
@@ -141,17 +140,15 @@ __global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTi
       const float* q_t = RESIDENT_Q ? q_resident + d0 * kLdM : tiles;
       if constexpr (!RESIDENT_Q)
         gather_transposed<T, kBlockM, kChunkD, kLdM, Tiles::kThreads>(tiles, q_rows, start_m, d0, dim);
-      if constexpr (!Tiles::kPrefetch) KeyTile::load(stage, k_rows, start_n, d0, dim);
       KeyTile::store(k_t, stage);
       __syncthreads();
-      if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-        if (d0 + kChunkD < DMAX)
-          KeyTile::load(stage, k_rows, start_n, d0 + kChunkD, dim);
-        else
-          ValueTile::load(stage, v_rows, start_n, 0, dim);
-      }
-      // Not pipelined (accumulate_products): the second operand set spills at head dim 128 and the forward ran 5-10%
-      // slower with it at 64 and 128.
+      // the next gather's loads
+      if (d0 + kChunkD < DMAX)
+        KeyTile::load(stage, k_rows, start_n, d0 + kChunkD, dim);
+      else
+        ValueTile::load(stage, v_rows, start_n, 0, dim);
+      // Not pipelined (accumulate_products): the second operand set spills at head dim 128, and the forward ran
+      // slower with it at 64 and 128 (benchmarks/README.md, the CUDA kernels).
       accumulate_products<kChunkD, kLdM, kLdN, 8, false>(s, q_t + ty * kRows, k_t, tx);
     }
 
@@ -203,15 +200,13 @@ __global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTi
     // O += P V, streaming KC key rows of V at a time through the tiles' space.
     for (int k0 = 0; k0 < kBlockN; k0 += KC) {
       __syncthreads();  // probs written; tiles free
-      if constexpr (!Tiles::kPrefetch) ValueTile::load(stage, v_rows, start_n + k0, 0, dim);
       ValueTile::store(tiles, stage);
       __syncthreads();
-      if constexpr (Tiles::kPrefetch) {  // the next gather's loads
-        if (k0 + KC < kBlockN)
-          ValueTile::load(stage, v_rows, start_n + k0 + KC, 0, dim);
-        else if (start_n + kBlockN < key_end)
-          KeyTile::load(stage, k_rows, start_n + kBlockN, 0, dim);
-      }
+      // the next gather's loads
+      if (k0 + KC < kBlockN)
+        ValueTile::load(stage, v_rows, start_n + k0 + KC, 0, dim);
+      else if (start_n + kBlockN < key_end)
+        KeyTile::load(stage, k_rows, start_n + kBlockN, 0, dim);
       // 8 steps unrolled up to head dim 64 (4 above, where a thread's 8 x 8 outputs leave no registers for more)
       accumulate_products<KC, kLdM, DMAX, DMAX <= 64 ? 8 : 4, false>(o, probs + k0 * kLdM + ty * kRows, tiles, tx);
     }
@@ -260,11 +255,24 @@ __global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTi
   }
 }
 
+// The kernel: forward_block where this architecture's code holds TILES (common.cuh: tiles_built); the launchers
+// never start the other.
+template <typename T, int DMAX, TileTable TILES, bool RESIDENT_Q>
+__global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTiles<TILES, DMAX>::kMinBlocks)
+    forward_kernel(const ForwardParams p) {
+  if constexpr (tiles_built<TILES>())
+    forward_block<T, DMAX, TILES, RESIDENT_Q>(p);
+  else
+    __trap();
+}
+
 }  // namespace
 
-cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream) {
-  return dispatch_tiles(tiles, [&](auto table) {
-    constexpr int TILES = decltype(table)::value;
+#ifndef __CUDACC_RTC__  // host code (common.cuh)
+cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, TileTable tiles, cudaStream_t stream) {
+  // Pascal's two tables differ in dQ's tiles only: one forward kernel serves both
+  auto run = [&](auto table) {
+    constexpr TileTable TILES = decltype(table)::value;
     return dispatch_head_dim(p.shape.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
       using Tiles = ForwardTiles<TILES, DMAX>;
@@ -275,7 +283,7 @@ cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, c
         using T = decltype(tag);
         // Q stays resident where a block fits the device and either kMinBlocks blocks an SM still fit, or streaming
         // Q would not fit them either (an A100 at head dim 64 streams it at two blocks an SM rather than keep it at
-        // one). Pascal's tiles never keep Q resident: their budget is 12 KiB a block.
+        // one). Pascal's tiles never keep Q resident: they keep two blocks within a P100's 64 KiB an SM.
         const dim3 grid(static_cast<unsigned>(blocks));
         constexpr size_t kStreamed = Tiles::template smem_floats<false>() * sizeof(float);
         if constexpr (!Tiles::kPascal) {
@@ -289,8 +297,12 @@ cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, c
         return launch_with_shared(forward_kernel<T, DMAX, TILES, false>, grid, Tiles::kThreads, kStreamed, stream, p);
       });
     });
-  });
+  };
+  if (is_pascal(tiles)) return run(std::integral_constant<TileTable, TileTable::kPascal>{});
+  return run(std::integral_constant<TileTable, TileTable::kVolta>{});
 }
+
+#endif  // __CUDACC_RTC__
 
 }  // namespace cuda
 }  // namespace dilated_attn

@@ -60,7 +60,7 @@ __device__ __forceinline__ float half_warp_sum(float x) {
 
 // The members of one segment for one query head: positions first + dilation * j, j < count. Positions and
 // member indices are 32-bit in the kernels (the launchers take seq_len < kMaxSeqLen, 2^31): fewer registers,
-// which Pascal's 64 a thread needs.
+// which the tiles need.
 struct Members {
   int first, count;
 };
@@ -120,7 +120,7 @@ constexpr int64_t kMaxGridBlocks = 0x7fffffffLL;
 //
 // The kernels keep theirs in shared memory (thread 0 writes them before a barrier) and read them through a
 // SharedRows reference: they are the same for the whole block, and Pascal has no uniform registers, so held in
-// registers the three or four of a kernel take about 15 of its 64 a thread and the tiles spill. `volatile`
+// registers the three or four of a kernel take about 15 a thread from the tiles. `volatile`
 // makes the compiler read them where a gather uses them instead of hoisting them back into registers.
 template <typename T>
 struct DilatedRows {
@@ -401,6 +401,26 @@ __device__ __forceinline__ void accumulate_products_b_transposed(float (&acc)[R]
   }
 }
 
+// Whether this compilation's device code holds the kernels of tile table TILES (launch.h): code for sm_6x holds
+// Pascal's two, code for sm_70 and newer Volta's (and Pascal's too in a DILATED_ATTN_PASCAL_PROXY build). The kernels
+// of the other tables compile to an empty body there: an architecture's code holds only what it can launch (sm_6x
+// code holds both Pascal tables, since a build for 6.0 also runs on a 6.1 GPU). The host pass, without
+// __CUDA_ARCH__, sees all.
+template <TileTable TILES>
+__host__ __device__ constexpr bool tiles_built() {
+#if !defined(__CUDA_ARCH__)
+  return true;
+#elif __CUDA_ARCH__ < 700
+  return is_pascal(TILES);
+#else
+  return TILES == TileTable::kVolta || kPascalProxy;
+#endif
+}
+
+// The host side of the launches. NVRTC, which the compile check for Pascal uses (tools/check_cuda_kernels.sh),
+// takes device code only.
+#ifndef __CUDACC_RTC__
+
 // The current device's shared memory per block with opt-in (48 KiB without).
 inline size_t max_shared_memory_per_block() {
   int device = 0, bytes = 48 * 1024;
@@ -447,10 +467,10 @@ cudaError_t dispatch_head_dim(int64_t dim, F&& launch) {
 
 // The tile table as a compile-time constant for the kernel templates.
 template <typename F>
-cudaError_t dispatch_tiles(int tiles, F&& launch) {
-  if (tiles == kPascalTiles) return launch(std::integral_constant<int, kPascalTiles>{});
-  if (tiles == kVoltaTiles) return launch(std::integral_constant<int, kVoltaTiles>{});
-  return cudaErrorInvalidValue;
+cudaError_t dispatch_tiles(TileTable tiles, F&& launch) {
+  if (tiles == TileTable::kPascal) return launch(std::integral_constant<TileTable, TileTable::kPascal>{});
+  if (tiles == TileTable::kGp100) return launch(std::integral_constant<TileTable, TileTable::kGp100>{});
+  return launch(std::integral_constant<TileTable, TileTable::kVolta>{});
 }
 
 // Storage types: the kernel template argument for a ScalarKind.
@@ -463,6 +483,8 @@ cudaError_t dispatch_scalar(ScalarKind kind, F&& launch) {
   }
   return cudaErrorInvalidValue;
 }
+
+#endif  // __CUDACC_RTC__
 
 }  // namespace cuda
 }  // namespace dilated_attn

@@ -12,23 +12,34 @@ namespace cuda {
 
 enum class ScalarKind { kHalf, kBFloat16, kFloat };
 
-// Tile tables. Every kernel is compiled with the tiles of two GPU generations, and the launchers take the one to
-// run (attention_cuda.cpp picks it from the device's compute capability). The kernels' tile structs hold the
-// sizes:
-// - kPascalTiles, below sm_70 (Pascal: 64K registers, 96 KiB of shared memory an SM, no tensor cores): small tiles,
-//   at most 64 registers a thread and 12 KiB (forward, 128 threads) or 24 KiB (backward, 256 threads) of shared
-//   memory a block, so that 32 warps (50% occupancy) are resident and hide latency. tools/check_cuda_kernels.sh
-//   fails when a Pascal variant spills or needs more.
-// - kVoltaTiles, sm_70 and newer (up to 255 registers and 227 KiB of shared memory a block): larger tiles, more
-//   products per load, 2-4 blocks an SM.
-constexpr int kPascalTiles = 61;
-constexpr int kVoltaTiles = 70;
+// Tile tables: the tile sizes of every kernel, per GPU generation; the kernels' tile structs hold them.
+// - kPascal, sm_61 and sm_62 (GP10x: 64K registers and 96 KiB of shared memory an SM, at most 48 KiB a block, no
+//   tensor cores).
+// - kGp100, sm_60 (the P100: 64 KiB of shared memory an SM): Pascal's, with 32-query dQ blocks so that two fit.
+// - kVolta, sm_70 and newer (up to 227 KiB of shared memory a block on Hopper).
+// Both give a thread a large register tile (up to 128 or 255 registers, two blocks an SM: 16 or 8 warps), so that
+// each shared-memory load feeds several FMAs: the rate of an FMA-bound kernel comes from its tile, not from
+// occupancy. Pascal's tables keep every block within 48 KiB and two blocks within an SM; Volta's may use more, and
+// keeps operands resident in shared memory where the device has room.
+// Each architecture's code holds only its own tables (common.cuh: tiles_built): sm_6x code both Pascal tables, sm_70+
+// code Volta's. A build with DILATED_ATTN_PASCAL_PROXY=1 also puts the Pascal tables into sm_70+ code, so that a
+// newer GPU can run and test them (DILATED_ATTN_CUDA_TILES=pascal or gp100).
+enum class TileTable { kPascal, kGp100, kVolta };
+
+// Pascal's tables (kPascal and kGp100) share every tile but the dQ blocks'.
+constexpr bool is_pascal(TileTable t) { return t != TileTable::kVolta; }
+
+#ifdef DILATED_ATTN_PASCAL_PROXY
+constexpr bool kPascalProxy = DILATED_ATTN_PASCAL_PROXY;
+#else
+constexpr bool kPascalProxy = false;
+#endif
 
 // Head dims are compiled for 32, 64, 96, 128 and 256; other sizes up to 256 run in the next larger one
 // with the extra columns zero.
 constexpr int64_t kMaxHeadDim = 256;
 
-// Positions and member indices are 32-bit in the kernels (fewer registers, which Pascal's tiles need).
+// Positions and member indices are 32-bit in the kernels (fewer registers for the tiles).
 constexpr int64_t kMaxSeqLen = int64_t{1} << 31;
 
 // One branch of the forward: merges the branch's (out_i, lse_i) into the running (out, lse) in place.
@@ -61,11 +72,11 @@ struct BackwardParams {
   Branch branch;
 };
 
-// Each returns the launch's error (cudaSuccess when it was queued). `tiles` names the tile table the kernels
-// run with: kPascalTiles or kVoltaTiles.
-cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream);
+// Each returns the launch's error (cudaSuccess when it was queued; cudaErrorInvalidDeviceFunction where this build
+// holds no code of `tiles` for the device).
+cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, TileTable tiles, cudaStream_t stream);
 cudaError_t launch_delta(const DeltaParams& p, ScalarKind kind, cudaStream_t stream);
-cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, int tiles, cudaStream_t stream);
+cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, TileTable tiles, cudaStream_t stream);
 
 // The cudnn backend's kernels (merge.cu), over [b, h, s, d] views given by their first element and the element
 // strides of b, h and s (d has unit stride).
