@@ -2,7 +2,7 @@
 PyTorch SDPA with its log-sum-exp, scatter back, merge branches by a softmax over the stacked LSEs), with
 the flash or cuDNN kernel, eager or under torch.compile (`compiled_recipe`). Compiled with cuDNN attention
 it is the strongest baseline we know: on an H100 its training step is within a few percent of the `triton`
-backend's, with about 4x its extra memory (benchmarks/README.md, "The compiled cuDNN recipe").
+backend's, with about 4x its extra memory (benchmarks/README.md, "The training step on one GPU").
 
 Like torchscale, its gradient treats the merge weights as constants (SDPA's LSE has no gradient), so it is
 a speed baseline only; dilated_attn.reference is the truth. It needs N % w == 0 and w % r == 0.

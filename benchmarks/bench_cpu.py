@@ -4,7 +4,7 @@
                                                           # branches (512,1), (1024,2), (2048,4)
     python benchmarks/bench_cpu.py --causal --seq 16384   # any other
 
-The measurement of `dilated-attn bench --device cpu --backends cpu reference` (dilated_attn.benchmark):
+The measurement of `dilated-attn bench --device cpu --backends cpu reference` (dilated_attn.cli.bench):
 medians over --repeats runs after --warmup runs, time.perf_counter around each call (CPU ops are
 synchronous), both backends in the same process on the same inputs. Each row is printed as it is measured
 and the JSON (benchmarks/results/cpu_<config>.json, or --out) is rewritten after every row; it ends with
@@ -19,7 +19,8 @@ import os
 import torch
 
 import dilated_attn
-from dilated_attn.benchmark import DTYPES, BenchConfig, Record, plan, print_table, run_bench, say
+from dilated_attn.cli.bench import BenchConfig, plan, print_table, run_bench
+from dilated_attn.cli.harness import DTYPES, Record, say
 
 PROVIDERS = ("cpu", "reference")
 

@@ -10,7 +10,7 @@ Presets (bf16, B=1, H=16, D=128):
 efficiency = T1 / (P * TP): T1 is forward+backward of dilated_attention on one GPU (rank 0 alone, the others
 wait) for the global tensors, TP the forward+backward of ring_attention on P GPUs (each iteration starts
 after a barrier; the slowest rank's time counts). Times are medians over --repeats after --warmup calls
-(dilated_attn.benchmark.median_ms: CUDA events, L2 flushed before each run). Bytes sent per rank are the
+(dilated_attn.cli.harness.median_ms: CUDA events, L2 flushed before each run). Bytes sent per rank are the
 plan's forward K/V traffic (dilated_attn.ring.ring_plan), shown against the volume the branches select.
 Results go to benchmarks/results/ring_<device>_<P>gpu.json (or --out), rewritten after every preset.
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import dilated_attn
-from dilated_attn.benchmark import Record, attention_call, median_ms, random_inputs, say, tflops
+from dilated_attn.cli.harness import Record, attention_call, median_ms, random_inputs, say, tflops
 from dilated_attn.ring import ring_plan
 from dilated_attn.spec import validate
 

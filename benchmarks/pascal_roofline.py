@@ -32,7 +32,7 @@ TILES = {
     "gp100": dict(forward=dict(m=64, n=64), dq=dict(m=32, n=64), dkdv=dict(m=32, n=64)),
 }
 SEQ_LEN, HEADS = 16384, 16
-BRANCHES = ([2048, 4096, 8192, 16384], [1, 2, 4, 8])  # longnet4 (dilated_attn.benchmark.LONGNET)
+BRANCHES = ([2048, 4096, 8192, 16384], [1, 2, 4, 8])  # longnet4 (dilated_attn.cli.harness.LONGNET)
 CONFIGS = [("float32", 64), ("float32", 128), ("bfloat16", 128)]
 FP32 = 4
 

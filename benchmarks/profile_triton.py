@@ -21,7 +21,7 @@ import argparse
 import torch
 
 import dilated_attn
-from dilated_attn.benchmark import LONGNET, random_inputs
+from dilated_attn.cli.harness import LONGNET, random_inputs
 
 
 def main() -> None:

@@ -123,3 +123,24 @@ def test_heads_first_layout_is_warned_about():
         for shape in ((2, 1, 64, 8), (1, 3, 128, 8)):
             y = torch.randn(shape)
             dilated_attn.dilated_attention(y, y, y, [4], [1])
+
+
+def test_problem_from_sizes_is_validate_without_tensors():
+    """Problem.from_sizes builds the Problem validate() builds for tensors of those sizes, and refuses what validate()
+    refuses with the same error, naming the argument."""
+    from dilated_attn.spec import Problem, validate
+
+    q, k = torch.randn(2, 40, 4, 8), torch.randn(2, 40, 2, 8)
+    kwargs = dict(causal=True, head_groups="split", scale=0.3)
+    want = validate(q, k, k, [8, 16], [1, 2], **kwargs)
+    got = Problem.from_sizes(2, 40, 4, 2, 8, [8, 16], [1, 2], dtype=torch.float32, device="cpu", **kwargs)
+    assert got == want
+    for sizes, branches, exc, words in [((2, 40, 3, 2, 8), ([8], [1]), ValueError, ["multiple of k/v heads"]),
+                                        ((2, 40, 4, 2, 8), ([8, 16], [1]), ValueError, ["the same length"]),
+                                        ((2, 40, 4, 2, 8), ([0], [1]), ValueError, ["segment_lengths"]),
+                                        ((2, -1, 4, 2, 8), ([8], [1]), TypeError, ["seq_len", ">= 0"])]:
+        with pytest.raises(exc) as info:
+            Problem.from_sizes(*sizes, *branches, dtype=torch.float32, device="cpu")
+        assert all(word in str(info.value) for word in words), str(info.value)
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        Problem.from_sizes(2, 40, 4, 2, 8, [8], [1], dtype=torch.int32, device="cpu")

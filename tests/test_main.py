@@ -1,5 +1,5 @@
-"""`python -m dilated_attn` (dilated_attn/__main__.py), its harness dilated_attn.benchmark and
-benchmarks/plot_results.py, at tiny sizes."""
+"""The `dilated-attn` command (dilated_attn.cli, with its self-check dilated_attn.cli.check, its bench run
+dilated_attn.cli.bench and their harness dilated_attn.cli.harness) and benchmarks/plot_results.py, at tiny sizes."""
 
 import csv
 import importlib.util
@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import dilated_attn
-from dilated_attn import __main__ as cli
-from dilated_attn import backends
-from dilated_attn import benchmark as harness
+from dilated_attn import backends, cli
+from dilated_attn.cli import bench, check, harness
 from dilated_attn.spec import flops, validate
 from dilated_attn.warmup import prepare_cudnn
 
@@ -62,7 +61,7 @@ def test_check_and_bench_on_gpu(tmp_path, capsys):
     assert "0 failed" in out and "reference  bfloat16" in out
     # cudnn on its own problem: bfloat16 checked wherever it can run it, float32 skipped with its reason
     device = torch.device("cuda", torch.cuda.current_device())
-    why = backends.CUDNN.why_not(cli.check_problems(device, ["bfloat16"], "cudnn")[0])
+    why = backends.CUDNN.why_not(check.check_problems(device, ["bfloat16"], "cudnn")[0])
     cudnn_bf16 = [line for line in out.splitlines() if line.startswith("  cudnn      bfloat16")]
     assert len(cudnn_bf16) == 2 and all(line.endswith("PASS" if why is None else why) for line in cudnn_bf16)
     assert "cudnn      float32   non-causal, all    SKIP: " in out
@@ -143,7 +142,8 @@ def test_check_named_cudnn_runs_its_problem_only(capsys, monkeypatch):
 
 
 def test_check_failure_gives_exit_status_1(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "tolerance", lambda dtype, device: -1.0)  # nothing can pass
+    # nothing can pass: a bound below every error (positive, as the worst output is the largest error / bound)
+    monkeypatch.setattr(check, "allowed_error", lambda *args, **kwargs: 1e-30)
     assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cpu"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
@@ -187,8 +187,8 @@ def test_bench_refuses_a_named_backend_that_cannot_run(capsys):
                     reason="needs triton under its interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)")
 def test_check_triton_interpreted(capsys, monkeypatch):
     # A smaller problem and one case: the interpreter takes ~20 s on the full check.
-    monkeypatch.setattr(cli, "CHECK_SHAPE", dict(batch=1, seq_len=75, heads=4, kv_heads=2, head_dim=16))
-    monkeypatch.setattr(cli, "CHECK_CASES", (dict(causal=True, head_groups="split"),))
+    monkeypatch.setattr(check, "CHECK_SHAPE", dict(batch=1, seq_len=75, heads=4, kv_heads=2, head_dim=16))
+    monkeypatch.setattr(check, "CHECK_CASES", (dict(causal=True, head_groups="split"),))
     assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "triton"]) == 0
     assert capsys.readouterr().out.count("PASS") == 1
 
@@ -371,7 +371,7 @@ def test_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):
         return timed(fn, *args, **kwargs)
 
     calls = []
-    monkeypatch.setattr(harness, "median_ms", interrupted_at_the_third)
+    monkeypatch.setattr(bench, "median_ms", interrupted_at_the_third)  # as run_bench looks it up
     path = tmp_path / "bench.json"
     with pytest.raises(KeyboardInterrupt):
         cli.main(["bench", *TINY, "--json", str(path)])
@@ -416,7 +416,8 @@ def test_console_script_entry_point():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         target = tomllib.load(f)["project"]["scripts"]["dilated-attn"]
     module, func = target.split(":")
-    assert module == "dilated_attn.__main__" and getattr(cli, func) is cli.main
+    assert module == "dilated_attn.cli" and getattr(cli, func) is cli.main
+    assert importlib.import_module("dilated_attn.__main__").main is cli.main  # python -m dilated_attn
 
 
 def test_version(capsys):

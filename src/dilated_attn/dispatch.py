@@ -54,11 +54,9 @@ def _triton_float32_is_ieee(device: torch.device, head_dim: int) -> bool:
 
 # auto prefers the cudnn backend from this compute capability on (Hopper) and from this many elements of q on, or
 # from CUDNN_MIN_ELEMENTS_WITH_BACKWARD for a call that records its backward: the smallest sizes at which it measured
-# faster than triton on an H100 (bf16, H=16, longnet4, N=1024..32768 at D=64 and 128;
-# benchmarks/results/auto_NVIDIA_H100_80GB_HBM3_cudnn_*.json, benchmarks/README.md, "The cudnn backend"): its
-# forward from 2^22 elements (1.32-1.61x there, and once 0.97x), its forward + backward from 2^21 (1.07-1.76x).
-# Smaller problems stay with triton: every backend is bound by the host there (cudnn by one cuDNN call of 20-80 us
-# per branch and offset group or segment), and which is fastest varies.
+# faster than triton on an H100 (bf16, H=16, longnet4, N=1024..32768 at D=64 and 128; benchmarks/README.md, "The auto
+# rule"). Smaller problems stay with triton: every backend is bound by the host there (cudnn by one cuDNN call per
+# branch and offset group or segment), and which is fastest varies.
 CUDNN_PREFERRED_FROM = (9, 0)
 CUDNN_MIN_ELEMENTS = 1 << 22
 CUDNN_MIN_ELEMENTS_WITH_BACKWARD = 1 << 21
@@ -106,7 +104,7 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     The cudnn backend comes first on GPUs of compute capability CUDNN_PREFERRED_FROM and newer, for q of at least
     CUDNN_MIN_ELEMENTS elements (CUDNN_MIN_ELEMENTS_WITH_BACKWARD where the call records its backward), where it
     can run (16-bit, head_dim a multiple of 8 up to 128): there it measured faster than triton
-    (benchmarks/README.md, "The cudnn backend"). It is listed only there, so other inputs go to triton without a
+    (benchmarks/README.md, "The auto rule"). It is listed only there, so other inputs go to triton without a
     warning.
     """
     if _float32_with_ieee_products(p):

@@ -8,6 +8,9 @@
 
 Both are differentiated by PyTorch's autograd, so their gradients are exact for the merged function,
 merge weights included. Neither uses the package's kernels.
+
+`allowed_error` is the one tolerance rule of every check against them: the `dilated-attn check` self-check and
+the test suite's parity checks.
 """
 
 from __future__ import annotations
@@ -19,7 +22,33 @@ import torch
 from .merge import merge
 from .spec import Problem, lse_dtype, split_group_bounds, validate
 
-__all__ = ["dilated_attention_reference", "dilated_attention_bruteforce", "default_compute_dtype"]
+__all__ = ["dilated_attention_reference", "dilated_attention_bruteforce", "default_compute_dtype", "allowed_error",
+           "max_error"]
+
+# The tolerance rule, after flash-attention's tests: a result's largest error against the float64 reference may be at
+# most ERROR_FACTOR times that of the reference computed in the result's dtype (compute_dtype=dtype, on the same
+# inputs), plus a floor of a few roundings of the dtype for results whose own reference error happens to be ~0.
+# Gradients get a floor relative to their largest entry (at least 1): each is a sum over many keys of
+# P * (dP - delta), where the subtraction cancels and P carries the float32 LSE's rounding; bf16/fp16 kernels round P
+# and dS to the input dtype before the second matmul, as flash attention does. float32 products on a GPU that
+# allows TF32 carry TF32's rounding in the dtype's reference too, so the rule scales with them.
+ERROR_FACTOR = 2.0
+ERROR_FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+GRADIENT_ERROR_FLOOR = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference of two tensors, in float64 (0 for empty ones)."""
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def allowed_error(dtype: torch.dtype, dtype_reference_error: float, gradient: bool = False,
+                  largest: float = 1.0) -> float:
+    """The largest error against the float64 reference that a result in `dtype` may show, given the error of the
+    reference computed in `dtype` (`dtype_reference_error`); `largest`: a gradient's largest reference entry."""
+    if gradient:
+        return ERROR_FACTOR * dtype_reference_error + GRADIENT_ERROR_FLOOR[dtype] * max(largest, 1.0)
+    return ERROR_FACTOR * dtype_reference_error + ERROR_FLOOR[dtype]
 
 
 def _masked_attention(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):

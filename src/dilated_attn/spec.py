@@ -116,6 +116,22 @@ class Problem:
     # since one backend's forward alone and its training step are fastest at different sizes.
     records_backward: bool = False
 
+    @classmethod
+    def from_sizes(cls, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, segment_lengths,
+                   dilation_rates, *, dtype: torch.dtype, device, causal=False, scale=None, head_groups="all",
+                   return_lse=False, backend="auto", records_backward: bool = False) -> "Problem":
+        """The validated Problem of a call on q [batch, seq_len, heads, head_dim] and k, v [.., kv_heads, ..] of
+        `dtype` on `device`, without tensors: every rule of validate() but the tensors' own (raises the same
+        ValueError/TypeError)."""
+        for name, n in (("batch", batch), ("seq_len", seq_len), ("heads", heads), ("kv_heads", kv_heads),
+                        ("head_dim", head_dim)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise TypeError(f"{name} must be an int >= 0, got {n!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        return _problem(batch, seq_len, heads, kv_heads, head_dim, segment_lengths, dilation_rates, dtype,
+                        torch.device(device), causal, scale, head_groups, return_lse, backend, records_backward)
+
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens is not None
@@ -196,17 +212,25 @@ def validate(
     if k.shape[3] != D:
         raise ValueError(f"k and v must have the head_dim of q ({D}), got {k.shape[3]}")
     Hkv = k.shape[2]
+    if Hq > LIKELY_MAX_HEADS and Hq >= 8 * N:
+        # a [B, H, N, D] tensor (PyTorch SDPA's layout) passes every check and gives a wrong result
+        warn_once(f"dilated_attn: q has {Hq} heads of {N} positions each: dilated_attention takes [batch, seq, heads, "
+                  f"head_dim] (flash-attn's layout); if q, k and v are [batch, heads, seq, head_dim] (PyTorch SDPA's), "
+                  f"pass them .transpose(1, 2)", stacklevel=3)
+    records_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, q.dtype, q.device, causal, scale, head_groups,
+                    return_lse, backend, records_backward)
+
+
+def _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, causal, scale, head_groups, return_lse,
+             backend, records_backward) -> Problem:
+    """The rules of a call's sizes and arguments (validate() and Problem.from_sizes), then its Problem."""
     if Hq == 0 or Hkv == 0:
         raise ValueError(f"q, k and v must have at least one head, got q heads {Hq} and k/v heads {Hkv}")
     if D == 0:
         raise ValueError("q, k and v must have head_dim >= 1, got 0")
     if Hq % Hkv != 0:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) (Hq % Hkv == 0, GQA/MQA)")
-    if Hq > LIKELY_MAX_HEADS and Hq >= 8 * N:
-        # a [B, H, N, D] tensor (PyTorch SDPA's layout) passes every check and gives a wrong result
-        warn_once(f"dilated_attn: q has {Hq} heads of {N} positions each: dilated_attention takes [batch, seq, heads, "
-                  f"head_dim] (flash-attn's layout); if q, k and v are [batch, heads, seq, head_dim] (PyTorch SDPA's), "
-                  f"pass them .transpose(1, 2)", stacklevel=3)
 
     w = _int_list("segment_lengths", segment_lengths)
     r = _int_list("dilation_rates", dilation_rates)
@@ -247,9 +271,9 @@ def validate(
         head_groups=head_groups,
         causal=causal,
         scale=float(scale),
-        dtype=q.dtype,
-        device=q.device,
-        records_backward=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        dtype=dtype,
+        device=device,
+        records_backward=records_backward,
     )
 
 

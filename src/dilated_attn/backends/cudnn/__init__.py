@@ -1,8 +1,8 @@
 """The `cudnn` backend: each branch's segments run through cuDNN's fused attention (PyTorch's
 `aten::_scaled_dot_product_cudnn_attention` and its backward) reading q, k, v in place through strided views, with
 no gather and no scatter; a CUDA kernel merges each call's result into the running (out, lse). It is the fast
-path on Hopper for large inputs (dispatch.auto_preference; the measurements are in benchmarks/README.md, "The cudnn
-backend").
+path on Hopper for large inputs (dispatch.auto_preference; the measurements are in benchmarks/README.md, "The training
+step on one GPU"; how it works: docs/design.md).
 
     ops.py    the call plan of a problem (`plan`: `branch_calls` per branch), its views packed as the steps of the C++
               loops (`Plan.schedule`), and the `torch.library.custom_op` registrations (`dilated_attn::cudnn_forward`,

@@ -146,7 +146,7 @@ def _batch_merges(call: Call, shape, stride) -> bool:
 # The most elements (segments x heads x members x D) one cuDNN call takes in the forward and in the backward:
 # bounds what a call allocates beyond the result (its output in the forward; its gradients and cuDNN's float32 dQ
 # accumulator in the backward), while a call still has >= 1024 programs at the sizes that matter. The backward's
-# larger pieces take fewer calls (benchmarks/README.md, "The cudnn backend"). A first branch that is one call over
+# larger pieces take fewer calls. A first branch that is one call over
 # every row is not cut: its result is the whole one (Plan.schedule).
 MAX_CALL_ELEMENTS = 1 << 24
 MAX_BACKWARD_CALL_ELEMENTS = 1 << 25

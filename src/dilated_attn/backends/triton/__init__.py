@@ -26,7 +26,7 @@ from ..base import Backend
 __all__ = ["TRITON", "float32_precision", "interpreting", "load_error", "TF32X3_MAX_HEAD_DIM"]
 
 # Above this head dim the tf32x3 tiles that fit in shared memory are too small to be fast: float32 at head dim
-# 256 took 7x as long as the cuda kernels on an H200 (benchmarks/README.md, "float32 products").
+# 256 ran several times slower than the cuda kernels (benchmarks/README.md, "The auto rule").
 TF32X3_MAX_HEAD_DIM = 128
 
 

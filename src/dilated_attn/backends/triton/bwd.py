@@ -88,7 +88,7 @@ def _dkdv_blocks(dkT, dvT, k, v, q_base, do_base, lse_row, delta_row, stride_qn,
             delta = tl.load(delta_row + pos_m)
         # Keys along the columns: K and V enter the products only as the B operand, which the tensor cores read
         # from shared memory, not as a register-held A operand beside the dK/dV accumulators (held transposed,
-        # [BLOCK_D, BLOCK_N]); about 4% faster at head dim 128 on an H100 (benchmarks/README.md, "Hopper").
+        # [BLOCK_D, BLOCK_N]); faster at head dim 128 on Hopper.
         qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:

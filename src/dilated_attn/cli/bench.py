@@ -1,0 +1,230 @@
+"""The `bench` command's run: its configuration (BenchConfig, and BENCH_DEFAULTS for the flags left out), the
+plan made before anything runs (which backends at each N, which are refused and why), the timing of every
+(N, backend, mode) into a Record, the table printed at the end, and the plots of `bench --plot` (plot_rows,
+which benchmarks/plot_results.py draws with too). The measuring itself is dilated_attn.cli.harness's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from .. import backends
+from ..functional import dilated_attention
+from ..spec import Problem, dtype_name, validate
+from .harness import (LONGNET, MODES, Record, applicable_backends, attention_call, median_ms, peak_memory_bytes,
+                      problem_for, random_inputs, say, tflops)
+
+__all__ = [
+    "BENCH_DEFAULTS", "METRICS", "BenchConfig", "Plan", "plan", "refusals", "run_bench", "print_table", "plot_rows",
+    "matplotlib_missing",
+]
+
+
+@dataclass
+class BenchConfig:
+    """One `bench` run: the sizes, timed at each N in seq_len."""
+
+    device: torch.device
+    dtype: torch.dtype
+    batch: int
+    seq_len: list[int]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    segment_lengths: list[int]
+    dilation_rates: list[int]
+    causal: bool = False
+    mode: str = "both"  # a key of MODES
+    warmup: int = 1
+    repeats: int = 3
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "device": str(self.device), "dtype": dtype_name(self.dtype)}
+
+    def describe(self) -> str:
+        branches = ", ".join(f"({w}, {r})" for w, r in zip(self.segment_lengths, self.dilation_rates))
+        return (f"B={self.batch} N={'/'.join(map(str, self.seq_len))} Hq={self.heads} Hkv={self.kv_heads} "
+                f"D={self.head_dim} {dtype_name(self.dtype)}, branches {branches}{', causal' if self.causal else ''}"
+                f"; medians of {self.repeats} after {self.warmup} warm-up")
+
+
+# The `bench` sizes where no flag says otherwise. GPU: the LongNet configuration of the GPU numbers in the
+# README. CPU: small enough that the whole default run (env, check, bench of cpu and reference) takes
+# seconds on 2 cores.
+BENCH_DEFAULTS = {
+    "cuda": dict(batch=1, seq_len=[65536], heads=16, head_dim=128, segment_lengths=LONGNET[0],
+                 dilation_rates=LONGNET[1], dtype="bfloat16", warmup=3, repeats=10),
+    "cpu": dict(batch=1, seq_len=[4096], heads=8, head_dim=64, segment_lengths=[512, 1024, 2048],
+                dilation_rates=[1, 2, 4], dtype="float32", warmup=1, repeats=3),
+}
+
+
+def refusals(problems: Sequence[Problem], names: Sequence[str]) -> dict[str, str]:
+    """{name: why} for each backend of `names` that cannot run one of `problems` (the first reason each)."""
+    refused: dict[str, str] = {}
+    for p in problems:
+        for name, why in backends.verdicts(p).items():
+            if name in names and why is not None:
+                refused.setdefault(name, why)
+    return refused
+
+
+class Plan(NamedTuple):
+    backends: dict[int, list[str]]  # N -> the backends timed at N
+    skipped: dict[str, str]  # a backend not named that cannot run -> why
+    refused: dict[str, str]  # a backend named that cannot run -> why (the run must not start)
+
+
+def plan(cfg: BenchConfig, names: Optional[Sequence[str]] = None) -> Plan:
+    """Validates the configuration at every N before anything runs (raising the package's ValueError/TypeError
+    for an invalid one) and picks the backends at each N: those named, or every one that applies to the device
+    and can run."""
+    timed, skipped = {}, {}
+    problems = []
+    for n in cfg.seq_len:
+        p = problem_for(cfg.device, cfg.dtype, cfg.batch, n, cfg.heads, cfg.kv_heads, cfg.head_dim,
+                        cfg.segment_lengths, cfg.dilation_rates, causal=cfg.causal)
+        problems.append(p)
+        if names:
+            timed[n] = list(names)
+            continue
+        found = backends.verdicts(p)
+        timed[n] = [name for name in applicable_backends(p) if found[name] is None]
+        skipped.update({name: found[name] for name in applicable_backends(p) if found[name] is not None})
+    return Plan(timed, skipped, refusals(problems, names or ()))
+
+
+def run_bench(cfg: BenchConfig, timed: dict[int, list[str]], record: Record) -> list[dict]:
+    """Times every planned (N, backend, mode), one line printed per measurement as it finishes and each row
+    added to `record` at once. speedup_over_reference is filled in once the reference's time at (N, mode) is
+    known. Returns the rows."""
+    device = cfg.device
+    for n, names in timed.items():
+        inputs = random_inputs(cfg.batch, n, cfg.heads, cfg.head_dim, kv_heads=cfg.kv_heads, dtype=cfg.dtype,
+                               device=device)
+        p = validate(*inputs[:3], cfg.segment_lengths, cfg.dilation_rates, causal=cfg.causal)
+        for name in names:
+            def attention(q, k, v, name=name):
+                return dilated_attention(q, k, v, cfg.segment_lengths, cfg.dilation_rates, causal=cfg.causal,
+                                         backend=name)
+
+            for mode in MODES[cfg.mode]:
+                fn = attention_call(attention, inputs, mode)
+                try:
+                    ms = median_ms(fn, device, cfg.warmup, cfg.repeats)
+                    peak = peak_memory_bytes(fn, device)
+                except torch.OutOfMemoryError:  # e.g. the reference at a large N: report it, go on
+                    say(f"  N={n:>7} {name:<10} {mode:<8}: out of memory, skipped")
+                    torch.cuda.empty_cache()
+                    continue
+                row = dict(N=n, batch=cfg.batch, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                           dtype=dtype_name(cfg.dtype), segment_lengths=cfg.segment_lengths,
+                           dilation_rates=cfg.dilation_rates, causal=cfg.causal, provider=name, mode=mode,
+                           median_ms=ms, tflops=tflops(p, ms, backward=mode == "fwd+bwd"),
+                           peak_memory_mib=None if peak is None else peak / 2**20, speedup_over_reference=None)
+                _fill_speedups(record.rows + [row])
+                record.add(row)
+                extra = f"  peak {row['peak_memory_mib']:.0f} MiB" if peak is not None else ""
+                say(f"  N={n:>7} {name:<10} {mode:<8}: {ms:#10.4g} ms  {row['tflops']:8.3g} TFLOP/s{extra}")
+        del inputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return record.rows
+
+
+def _fill_speedups(rows: list[dict]) -> None:
+    reference = {(r["N"], r["mode"]): r["median_ms"] for r in rows if r["provider"] == "reference"}
+    for r in rows:
+        ref = reference.get((r["N"], r["mode"]))
+        r["speedup_over_reference"] = ref / r["median_ms"] if ref else None
+
+
+def print_table(rows: list[dict]) -> None:
+    """One line per (N, backend): times, TFLOP/s and speedups over the reference, forward and fwd+bwd."""
+    def cell(n, name, mode, key, fmt):
+        for r in rows:
+            if (r["N"], r["provider"], r["mode"]) == (n, name, mode) and r[key] is not None:
+                return format(r[key], fmt)
+        return "-"
+
+    say(f"{'N':>7}  {'backend':<10} {'fwd ms':>9} {'fwd+bwd ms':>10} {'TFLOP/s fwd':>11} "
+        f"{'TFLOP/s f+b':>11} {'peak MiB':>8} {'vs ref fwd':>10} {'vs ref f+b':>10}")
+    for n, name in dict.fromkeys((r["N"], r["provider"]) for r in rows):
+        peaks = [r["peak_memory_mib"] for r in rows
+                 if (r["N"], r["provider"]) == (n, name) and r["peak_memory_mib"] is not None]
+        say(f"{n:>7}  {name:<10} {cell(n, name, 'fwd', 'median_ms', '#.4g'):>9} "
+            f"{cell(n, name, 'fwd+bwd', 'median_ms', '#.4g'):>10} {cell(n, name, 'fwd', 'tflops', '.3g'):>11} "
+            f"{cell(n, name, 'fwd+bwd', 'tflops', '.3g'):>11} {format(max(peaks), '.0f') if peaks else '-':>8} "
+            f"{cell(n, name, 'fwd', 'speedup_over_reference', '.2f'):>10} "
+            f"{cell(n, name, 'fwd+bwd', 'speedup_over_reference', '.2f'):>10}")
+    say("  (TFLOP/s from dilated_attn.spec.flops; peak MiB: CUDA only, the most allocated above the inputs "
+        "during one call; vs ref: the reference backend's time over this backend's)")
+
+
+# --- plots ----------------------------------------------------------------------------------------------
+
+METRICS = {"tflops": "TFLOP/s", "median_ms": "time (ms)"}
+
+
+def matplotlib_missing() -> Optional[str]:
+    """None if matplotlib imports, else an error message naming it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"plotting needs matplotlib, which is not importable here ({exc}); pip install matplotlib"
+    return None
+
+
+def plot_rows(rows: list[dict], path: str, metric: str = "tflops", title: Optional[str] = None) -> None:
+    """One panel per mode (fwd, fwd+bwd), `metric` ("tflops" or "median_ms") against N, a line per provider
+    (its causal rows dashed, in the same colour). Rows need N, provider, mode and the metric (the rows of
+    `bench` and of benchmarks/bench_gpu.py)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {tuple(METRICS)}, got {metric!r}")
+    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+
+    modes = [m for m in ("fwd", "fwd+bwd") if any(r["mode"] == m for r in rows)]
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    colours = matplotlib.colormaps["tab10"]
+    ns = sorted({r["N"] for r in rows})
+    fig = Figure(figsize=(5.5 * len(modes) + 2.5, 4.5), layout="constrained")
+    for ax, mode in zip(fig.subplots(1, len(modes), squeeze=False)[0], modes):
+        series: dict[tuple, list] = {}
+        for r in rows:
+            if r["mode"] == mode and r.get(metric) is not None:
+                series.setdefault((r["provider"], bool(r.get("causal"))), []).append((r["N"], r[metric]))
+        for (provider, causal), points in sorted(series.items(), key=lambda kv: (providers.index(kv[0][0]), kv[0][1])):
+            ax.plot(*zip(*sorted(points)), color=colours(providers.index(provider) % 10),
+                    linestyle="--" if causal else "-", marker="s" if causal else "o",
+                    label=provider + (" (causal)" if causal else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, labels=[str(n) for n in ns])
+        ax.minorticks_off()
+        if metric == "median_ms":
+            ax.set_yscale("log")
+        ax.set(xlabel="sequence length N", ylabel=METRICS[metric],
+               title="forward" if mode == "fwd" else "forward + backward")
+        ax.grid(alpha=0.3)
+    # One legend for both panels, outside them: the union of their lines, in the order drawn.
+    handles = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            handles.setdefault(line.get_label(), line)
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize="small")
+    # Say so when N values come with different branch sets, since a line then joins different configurations.
+    branch_sets: dict[str, set] = {}
+    for r in rows:
+        key = ", ".join(f"({w},{d})" for w, d in zip(r.get("segment_lengths", ()), r.get("dilation_rates", ())))
+        branch_sets.setdefault(key, set()).add(r["N"])
+    if len(branch_sets) > 1:
+        fig.supxlabel("branches (w,r): " + "; ".join(f"N={'/'.join(map(str, sorted(n)))}: {key}"
+                                                     for key, n in branch_sets.items()), fontsize="small")
+    if title:
+        fig.suptitle(title)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
