@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import dilated_attn  # noqa: E402
 import dilated_attn.integrations.transformers as dilated_hf  # noqa: E402
 
 VOCAB = 128
@@ -177,16 +178,20 @@ def test_example_learns_and_generates(capsys):
 
 
 @pytest.mark.gpu
-def test_bf16_on_cuda_is_sdpa():
-    """bf16 on CUDA, backend "auto" (the GPU kernels): logits close to sdpa's with one branch, and a training step
-    with LongNet branches gives finite gradients."""
+@pytest.mark.parametrize("backend", ["auto", "triton", "cudnn"])
+def test_bf16_on_cuda_is_sdpa(backend):
+    """bf16 on CUDA through the GPU kernels: logits close to sdpa's with one branch, and a training step with LongNet
+    branches gives finite gradients."""
+    if backend == "cudnn" and dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
     ref, model = pair(([64], [1]), dtype=torch.bfloat16, device="cuda")
-    model.config.dilated_attention["backend"] = "auto"
+    model.config.dilated_attention["backend"] = backend
     tokens = torch.randint(0, VOCAB, (2, 64), device="cuda")
     with torch.no_grad():
         want, got = ref(tokens).logits.float(), model(tokens).logits.float()
     assert (got - want).norm() / want.norm() < 2e-2
     model = llama("dilated_attention", ([16, 32, 64], [1, 2, 4]), dtype=torch.bfloat16, device="cuda")
+    model.config.dilated_attention["backend"] = backend
     loss = model(tokens, labels=tokens).loss
     loss.backward()
     assert torch.isfinite(loss)
