@@ -176,14 +176,15 @@ struct DkdvTiles {
   static constexpr int kBlockN = 64;
   // Queries per step. From Volta on 64 up to head dim 64: a thread's 8 keys x 4 queries of S and dP take 3 shared
   // loads per 32 FMAs (8 x 2: 3 per 16) and still fit 128 registers; at 96 and 128 they would spill. Pascal: 32, as
-  // P and dS of 64 queries would not fit 32 KiB beside the chunks.
+  // P and dS of 64 queries beside the chunks would exceed its 48 KiB a block.
   static constexpr int kBlockM = !kPascal && DMAX <= 64 ? 64 : 32;
   static constexpr int kLdN = transposed_ld(kBlockN), kLdM = transposed_ld(kBlockM);
   // The dims of dK and dV split over kDimParts blocks (grid y) of kOutDims each where a thread's accumulators and
   // operands would not fit its registers: 2 at head dim 256. Each part recomputes S and dP over all dims.
   static constexpr int kDimParts = DMAX > 128 ? 2 : 1;
   static constexpr int kOutDims = DMAX / kDimParts;
-  // Room for the score chunks, or for the Q and dO rows of 16 queries (8 on Pascal, within 32 KiB).
+  // Room for the score chunks, or for the Q and dO rows of 16 queries (8 on Pascal, so that two blocks fit a P100's
+  // 64 KiB an SM).
   static constexpr int kChunk = !kPascal && DMAX <= 64 ? 32 : kChunkD;  // as in DqTiles
   static constexpr int kScoreFloats = 2 * kChunk * (kLdN + kLdM);
   static constexpr int kRowFloats = 2 * (kPascal ? 8 : 16) * kOutDims;

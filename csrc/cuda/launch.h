@@ -17,10 +17,10 @@ enum class ScalarKind { kHalf, kBFloat16, kFloat };
 //   tensor cores).
 // - kGp100, sm_60 (the P100: 64 KiB of shared memory an SM): Pascal's, with 32-query dQ blocks so that two fit.
 // - kVolta, sm_70 and newer (up to 227 KiB of shared memory a block on Hopper).
-// Both give a thread a large register tile (up to 128 or 255 registers, two blocks an SM: 16 or 8 warps), so that
-// each shared-memory load feeds several FMAs: the rate of an FMA-bound kernel comes from its tile, not from
-// occupancy. Pascal's tables keep every block within 48 KiB and two blocks within an SM; Volta's may use more, and
-// keeps operands resident in shared memory where the device has room.
+// All give a thread a large register tile (up to 128 or 255 registers; one or two blocks an SM: 8 or 16 warps), so
+// that each shared-memory load feeds several FMAs: the rate of an FMA-bound kernel comes from its tile, not from
+// occupancy. Pascal's tables keep every block within 48 KiB and the blocks an SM is sized for within its shared
+// memory; Volta's may use more, and keeps operands resident in shared memory where the device has room.
 // Each architecture's code holds only its own tables (common.cuh: tiles_built): sm_6x code both Pascal tables, sm_70+
 // code Volta's. A build with DILATED_ATTN_PASCAL_PROXY=1 also puts the Pascal tables into sm_70+ code, so that a
 // newer GPU can run and test them (DILATED_ATTN_CUDA_TILES=pascal or gp100).

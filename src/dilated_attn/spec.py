@@ -485,7 +485,8 @@ def validate_kvcache(
             if n + Sq > Nmax:
                 raise ValueError(f"the cache is too short: cache_seqlens + Sq = {n} + {Sq} > Nmax = {Nmax} (batch "
                                  f"element {b}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
-        longest = max(lengths, default=0) + Sq  # B = 0: no element, no length
+        # B = 0: no element, no length (no max(..., default=): torch.compile's fullgraph does not take it)
+        longest = (max(lengths) if lengths else 0) + Sq
     # the problem of one batch element's longest attended prefix (batch 0 where there is no element)
     p = validate(q[:1, :1].expand(min(B, 1), longest, Hq, D), k_cache[:1, :longest], v_cache[:1, :longest],
                  segment_lengths, dilation_rates, causal=True, scale=scale, head_groups=head_groups,
