@@ -30,14 +30,6 @@ PTXAS12="$CUDA12/cuda_nvcc/bin/ptxas"
 echo "nvcc: $($NVCC --version | tail -1)"
 echo "CUDA 12 for Pascal: NVRTC $(basename "$CUDA12"/cuda_nvrtc/lib/libnvrtc.so.*), $("$PTXAS12" --version | tail -1)"
 
-for src in csrc/cuda/*.cu; do
-  name=$(basename "$src" .cu)
-  for arch in 75 90; do
-    "$NVCC" "${FLAGS[@]}" -arch=sm_$arch -Xptxas -v -c "$src" -o "$WORK/$name.$arch.o" 2>"$WORK/$name.sm_$arch.log" \
-      || { cat "$WORK/$name.sm_$arch.log"; echo "FAILED: $src for sm_$arch"; exit 1; }
-  done
-done
-
 # Pascal: every variant its launchers start, instantiated explicitly (NVRTC compiles no host code). The std headers
 # NVRTC lacks map onto libcu++'s; cuda_runtime.h (whose types NVRTC declares itself) gives INFINITY.
 mkdir -p "$WORK/shim"
@@ -59,13 +51,29 @@ printf '#pragma once\n#define INFINITY __int_as_float(0x7f800000)\n' >"$WORK/shi
   done
   echo '} } }'
 } >"$WORK/pascal_kernels.cu"
-for arch in 61 60; do
-  python tools/nvrtc_ptx.py "$(ls "$CUDA12"/cuda_nvrtc/lib/libnvrtc.so.12)" "$WORK/pascal_kernels.cu" \
-    "$WORK/pascal.$arch.ptx" --gpu-architecture=compute_$arch -std=c++17 --use_fast_math -default-device \
-    -I"$WORK/shim" -Icsrc/cuda -I"$CUDA12/cuda_runtime/include" -I"$CUDA12/cuda_cccl/include"
-  "$PTXAS12" -arch=sm_$arch -O3 -v "$WORK/pascal.$arch.ptx" -o "$WORK/pascal.$arch.cubin" 2>"$WORK/pascal.sm_$arch.log" \
-    || { cat "$WORK/pascal.sm_$arch.log"; echo "FAILED: Pascal's kernels for sm_$arch"; exit 1; }
+# Every compile at once (the machine's cores share them); each job's log names its kernels, and a failed job prints
+# its log and fails the script after all have ended.
+jobs=()
+for src in csrc/cuda/*.cu; do
+  name=$(basename "$src" .cu)
+  for arch in 75 90; do
+    ("$NVCC" "${FLAGS[@]}" -arch=sm_$arch -Xptxas -v -c "$src" -o "$WORK/$name.$arch.o" 2>"$WORK/$name.sm_$arch.log" \
+      || { cat "$WORK/$name.sm_$arch.log"; echo "FAILED: $src for sm_$arch"; exit 1; }) &
+    jobs+=($!)
+  done
 done
+for arch in 61 60; do
+  (python tools/nvrtc_ptx.py "$(ls "$CUDA12"/cuda_nvrtc/lib/libnvrtc.so.12)" "$WORK/pascal_kernels.cu" \
+     "$WORK/pascal.$arch.ptx" --gpu-architecture=compute_$arch -std=c++17 --use_fast_math -default-device \
+     -I"$WORK/shim" -Icsrc/cuda -I"$CUDA12/cuda_runtime/include" -I"$CUDA12/cuda_cccl/include" \
+   && "$PTXAS12" -arch=sm_$arch -O3 -v "$WORK/pascal.$arch.ptx" -o "$WORK/pascal.$arch.cubin" \
+        2>"$WORK/pascal.sm_$arch.log" \
+   || { cat "$WORK/pascal.sm_$arch.log" 2>/dev/null; echo "FAILED: Pascal's kernels for sm_$arch"; exit 1; }) &
+  jobs+=($!)
+done
+failed=0
+for job in "${jobs[@]}"; do wait "$job" || failed=1; done
+[[ $failed == 0 ]] || exit 1
 
 # Each kernel's block size, and Pascal's tiles' dynamic shared memory and blocks an SM (__launch_bounds__), as launched.
 cat >"$WORK/launch_smem.cu" <<'CU'
