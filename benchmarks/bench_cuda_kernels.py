@@ -23,7 +23,8 @@ import sys
 import torch
 
 import dilated_attn
-from dilated_attn.cli.harness import LONGNET, attention_call, device_info, median_ms, problem_for, random_inputs, tflops
+from dilated_attn.cli.harness import LONGNET, attention_call, device_info, median_ms, random_inputs, tflops
+from dilated_attn.spec import Problem
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu import fp32_fma_peak  # noqa: E402
@@ -55,7 +56,8 @@ def main() -> None:
         os.environ["DILATED_ATTN_CUDA_TILES"] = table
         for dtype, dim in CONFIGS:
             inputs = random_inputs(1, args.seq_len, heads, dim, dtype=dtype, device="cuda")
-            problem = problem_for("cuda", dtype, 1, args.seq_len, heads, heads, dim, segments, dilations)
+            problem = Problem.from_sizes(1, args.seq_len, heads, heads, dim, segments, dilations, dtype=dtype,
+                                         device="cuda")
             ms = {mode: median_ms(attention_call(attention, inputs, mode), "cuda", args.warmup, args.repeats)
                   for mode in ("fwd", "fwd+bwd")}
             pct = {mode: 100 * tflops(problem, ms[mode], mode == "fwd+bwd") / peak for mode in ms}

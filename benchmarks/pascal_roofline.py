@@ -20,6 +20,11 @@ import argparse
 import json
 import math
 
+import torch
+
+from dilated_attn.cli.harness import LONGNET
+from dilated_attn.spec import Problem, flops
+
 # fp32 peak (TFLOP/s), DRAM bandwidth (GB/s), SMs, L2 (MiB), and the tile table each runs (csrc/cuda/launch.h)
 GPUS = {
     "GTX 1080 (GP104, sm_61)": dict(peak=8.9, bandwidth=320.0, sms=20, l2_mib=2, table="pascal"),
@@ -32,7 +37,7 @@ TILES = {
     "gp100": dict(forward=dict(m=64, n=64), dq=dict(m=32, n=64), dkdv=dict(m=32, n=64)),
 }
 SEQ_LEN, HEADS = 16384, 16
-BRANCHES = ([2048, 4096, 8192, 16384], [1, 2, 4, 8])  # longnet4 (dilated_attn.cli.harness.LONGNET)
+BRANCHES = LONGNET
 CONFIGS = [("float32", 64), ("float32", 128), ("bfloat16", 128)]
 FP32 = 4
 
@@ -73,9 +78,9 @@ def kernel_costs(tiles: dict, dim: int, size: int) -> dict:
 
 
 def useful_flops(dim: int, backward: bool) -> float:
-    """dilated_attn.spec.flops for this configuration: 4 N D sum(H w / r^2), x3.5 with the backward."""
-    work = sum(HEADS * min(w, SEQ_LEN) / r**2 for w, r in zip(*BRANCHES))
-    return 4.0 * SEQ_LEN * dim * work * (3.5 if backward else 1.0)
+    """dilated_attn.spec.flops for this configuration (the FLOPs the benchmarks' rates count)."""
+    p = Problem.from_sizes(1, SEQ_LEN, HEADS, HEADS, dim, *BRANCHES, dtype=torch.float32, device="cpu")
+    return flops(p, backward=backward)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import torch
 import dilated_attn
 from dilated_attn import backends, cli
 from dilated_attn.cli import bench, check, harness
-from dilated_attn.spec import flops, validate
+from dilated_attn.spec import Problem, flops, validate
 from dilated_attn.warmup import prepare_cudnn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -305,7 +305,7 @@ def test_prepare_cudnn_runs_forward_and_backward_where_cudnn_runs(monkeypatch):
 @pytest.mark.gpu
 def test_prepare_cudnn_on_gpu():
     device = torch.device("cuda", torch.cuda.current_device())
-    p = harness.problem_for(device, torch.bfloat16, 1, 2048, 8, 8, 64, [512, 1024], [1, 2])
+    p = Problem.from_sizes(1, 2048, 8, 8, 64, [512, 1024], [1, 2], dtype=torch.bfloat16, device=device)
     ran = prepare_cudnn(1, 2048, 8, 64, [512, 1024], [1, 2], backend="cudnn")
     assert ran is (backends.CUDNN.why_not(p) is None)
 

@@ -636,8 +636,7 @@ cudaError_t launch_backward(const BackwardParams& p, ScalarKind kind, TileTable 
   const Branch& br = p.branch;
   return dispatch_tiles(tiles, [&](auto table) {
     constexpr TileTable TILES = decltype(table)::value;
-    // the P100's table differs from Pascal's in dQ's tiles only: one dK/dV kernel serves both
-    constexpr TileTable KV_TILES = TILES == TileTable::kGp100 ? TileTable::kPascal : TILES;
+    constexpr TileTable KV_TILES = shared_tiles(TILES);
     return dispatch_head_dim(sh.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
       using KvTiles = DkdvTiles<KV_TILES, DMAX>;

@@ -270,9 +270,8 @@ __global__ void __launch_bounds__(ForwardTiles<TILES, DMAX>::kThreads, ForwardTi
 
 #ifndef __CUDACC_RTC__  // host code (common.cuh)
 cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, TileTable tiles, cudaStream_t stream) {
-  // Pascal's two tables differ in dQ's tiles only: one forward kernel serves both
-  auto run = [&](auto table) {
-    constexpr TileTable TILES = decltype(table)::value;
+  return dispatch_tiles(tiles, [&](auto table) {
+    constexpr TileTable TILES = shared_tiles(decltype(table)::value);
     return dispatch_head_dim(p.shape.head_dim, [&](auto dmax) {
       constexpr int DMAX = decltype(dmax)::value;
       using Tiles = ForwardTiles<TILES, DMAX>;
@@ -297,9 +296,7 @@ cudaError_t launch_forward(const ForwardParams& p, ScalarKind kind, TileTable ti
         return launch_with_shared(forward_kernel<T, DMAX, TILES, false>, grid, Tiles::kThreads, kStreamed, stream, p);
       });
     });
-  };
-  if (is_pascal(tiles)) return run(std::integral_constant<TileTable, TileTable::kPascal>{});
-  return run(std::integral_constant<TileTable, TileTable::kVolta>{});
+  });
 }
 
 #endif  // __CUDACC_RTC__

@@ -29,6 +29,9 @@ enum class TileTable { kPascal, kGp100, kVolta };
 // Pascal's tables (kPascal and kGp100) share every tile but the dQ blocks'.
 constexpr bool is_pascal(TileTable t) { return t != TileTable::kVolta; }
 
+// The table whose kernels run the forward and dK/dV for table t: one build of them serves both Pascal tables.
+constexpr TileTable shared_tiles(TileTable t) { return t == TileTable::kGp100 ? TileTable::kPascal : t; }
+
 #ifdef DILATED_ATTN_PASCAL_PROXY
 constexpr bool kPascalProxy = DILATED_ATTN_PASCAL_PROXY;
 #else

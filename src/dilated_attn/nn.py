@@ -134,14 +134,14 @@ def _check_not_swapped(p: Problem, order: str) -> None:
 def _check_attention_args(
     segment_lengths, dilation_rates, *, scale=None, head_groups="all", backend="auto", num_heads=None, num_kv_heads=None
 ) -> Problem:
-    """The spec's own checks of the attention arguments, run at construction on placeholder meta tensors (no
-    memory, no compute), so a bad configuration fails when the module is built, with the functional call's
-    messages. Returns the Problem, whose branch lists are normalised to tuples of ints."""
+    """The spec's own checks of the attention arguments, run at construction on sizes (Problem.from_sizes: no
+    tensors), so a bad configuration fails when the module is built, with the functional call's messages. Returns
+    the Problem, whose branch lists are normalised to tuples of ints."""
     if num_heads is None:  # unknown until forward: one head per branch passes the "split" rule until then
         num_heads = len(_int_list("segment_lengths", segment_lengths))
-    q = torch.empty(1, 1, num_heads, 1, device="meta")
-    kv = torch.empty(1, 1, num_kv_heads or num_heads, 1, device="meta")
-    return validate(q, kv, kv, segment_lengths, dilation_rates, scale=scale, head_groups=head_groups, backend=backend)
+    return Problem.from_sizes(1, 1, num_heads, num_kv_heads or num_heads, 1, segment_lengths, dilation_rates,
+                              dtype=torch.float32, device="meta", scale=scale, head_groups=head_groups,
+                              backend=backend)
 
 
 class DilatedAttention(nn.Module):

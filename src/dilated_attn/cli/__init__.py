@@ -26,11 +26,11 @@ import torch
 from .. import __version__, build_info
 from ..backends import triton as triton_backend
 from ..backends import verdicts as backend_verdicts
-from ..spec import BACKEND_NAMES, dtype_name
+from ..spec import BACKEND_NAMES, Problem, dtype_name
 from .bench import (BENCH_DEFAULTS, BenchConfig, matplotlib_missing, plan, plot_rows, print_table, refusals,
                     run_bench)
 from .check import CHECK_DTYPES, check_problems, self_check
-from .harness import DTYPES, MODES, Record, device_info, problem_for, say, triton_version
+from .harness import DTYPES, MODES, Record, device_info, say, triton_version
 
 __all__ = ["main", "build_parser", "environment", "print_environment", "EXIT_CHECK_FAILED", "EXIT_CANNOT_RUN"]
 
@@ -70,8 +70,8 @@ def environment(device: torch.device | None = None) -> dict:
             gpus.append(dict(index=i, name=props.name, capability=f"{props.major}.{props.minor}",
                              memory_gib=round(props.total_memory / 2**30, 1)))
     dtype = DTYPES[BENCH_DEFAULTS[device.type]["dtype"]]
-    p = problem_for(device, dtype, batch=1, seq_len=1, heads=1, kv_heads=1, head_dim=64, segment_lengths=[1],
-                    dilation_rates=[1])
+    p = Problem.from_sizes(batch=1, seq_len=1, heads=1, kv_heads=1, head_dim=64, segment_lengths=[1],
+                           dilation_rates=[1], dtype=dtype, device=device)
     return dict(
         dilated_attn=dict(version=__version__, path=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         python=dict(version=platform.python_version(), executable=sys.executable),

@@ -16,7 +16,7 @@ from .. import backends
 from ..functional import dilated_attention
 from ..spec import Problem, dtype_name, validate
 from .harness import (LONGNET, MODES, Record, applicable_backends, attention_call, median_ms, peak_memory_bytes,
-                      problem_for, random_inputs, say, tflops)
+                      random_inputs, say, tflops)
 
 __all__ = [
     "BENCH_DEFAULTS", "METRICS", "BenchConfig", "Plan", "plan", "refusals", "run_bench", "print_table", "plot_rows",
@@ -86,8 +86,8 @@ def plan(cfg: BenchConfig, names: Optional[Sequence[str]] = None) -> Plan:
     timed, skipped = {}, {}
     problems = []
     for n in cfg.seq_len:
-        p = problem_for(cfg.device, cfg.dtype, cfg.batch, n, cfg.heads, cfg.kv_heads, cfg.head_dim,
-                        cfg.segment_lengths, cfg.dilation_rates, causal=cfg.causal)
+        p = Problem.from_sizes(cfg.batch, n, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.segment_lengths,
+                               cfg.dilation_rates, dtype=cfg.dtype, device=cfg.device, causal=cfg.causal)
         problems.append(p)
         if names:
             timed[n] = list(names)

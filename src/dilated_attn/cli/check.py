@@ -16,8 +16,8 @@ from ..backends import REGISTRY
 from ..backends import verdicts as backend_verdicts
 from ..functional import dilated_attention
 from ..reference import allowed_error, dilated_attention_reference, max_error
-from ..spec import validate
-from .harness import DTYPES, applicable_backends, problem_for, say
+from ..spec import Problem, validate
+from .harness import DTYPES, applicable_backends, say
 
 __all__ = [
     "CHECK_SHAPE", "CHECK_BRANCHES", "CHECK_CASES", "CHECK_DTYPES", "CUDNN_CHECK_SHAPE", "CUDNN_CHECK_BRANCHES",
@@ -117,11 +117,12 @@ def check_plan(device: torch.device, backends=None) -> list[tuple[CheckProblem, 
 
 
 def check_problems(device: torch.device, dtypes, backend: Optional[str] = None) -> list:
-    """The self-check's problems (validated placeholders) for `backend` (None: the main problem's backends):
+    """The self-check's problems (validated, from sizes) for `backend` (None: the main problem's backends):
     one per dtype and case."""
     problem = check_problem(backend)
-    return [problem_for(device, DTYPES[d], **problem.shape, segment_lengths=problem.branches[0],
-                        dilation_rates=problem.branches[1], **case) for d in dtypes for case in problem.cases]
+    return [Problem.from_sizes(**problem.shape, segment_lengths=problem.branches[0],
+                               dilation_rates=problem.branches[1], dtype=DTYPES[d], device=device, **case)
+            for d in dtypes for case in problem.cases]
 
 
 def self_check(device: torch.device, dtypes=CHECK_DTYPES, backends=None) -> list[dict]:

@@ -8,11 +8,10 @@
     tflops                  dilated_attn.spec.flops over a time
     device_info, versions   the device and the software a record was measured with
     Record                  a benchmark's JSON (and CSV) file, rewritten after every row
-    problem_for             the package's validated Problem for given sizes, without allocating them
     applicable_backends     the backends the auto rule considers for a problem's device
 
-The `bench` command's run is dilated_attn.cli.bench's; the self-check (dilated_attn.cli.check) draws its
-problems with problem_for too.
+The `bench` command's run is dilated_attn.cli.bench's. A problem of given sizes, without tensors:
+dilated_attn.spec.Problem.from_sizes.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from ..spec import BACKEND_NAMES, Problem, flops
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
     "say", "median_ms", "peak_memory_bytes", "Inputs", "random_inputs", "attention_call", "tflops",
-    "device_info", "versions", "triton_version", "command_line", "Record", "problem_for", "applicable_backends",
+    "device_info", "versions", "triton_version", "command_line", "Record", "applicable_backends",
 ]
 
 # Branch presets, (segment_lengths, dilation_rates).
@@ -291,14 +290,6 @@ def _replacing(path: str, **kwargs):
 
 
 # --- problems -------------------------------------------------------------------------------------------
-
-
-def problem_for(device, dtype, batch, seq_len, heads, kv_heads, head_dim, segment_lengths, dilation_rates,
-                **kwargs) -> Problem:
-    """The package's validated Problem for these sizes (Problem.from_sizes, no tensors; the positional order of the
-    scripts' calls). Raises the package's ValueError/TypeError for an invalid configuration."""
-    return Problem.from_sizes(batch, seq_len, heads, kv_heads, head_dim, segment_lengths, dilation_rates, dtype=dtype,
-                              device=device, **kwargs)
 
 
 def applicable_backends(p: Problem) -> list[str]:
