@@ -26,21 +26,35 @@ inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(), "q, k and v must share a device");
 }
 
+// The branches for num_heads query heads; with global_heads > 0 these are the heads [head_start, head_start +
+// num_heads) of a problem of global_heads heads, with its offsets (localize_branch). Branches in which none of them
+// takes part are left out (no launch covers zero heads).
 inline std::vector<Branch> make_branch_table(at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                                             int64_t num_heads, int64_t seq_len, bool split_heads) {
+                                             int64_t num_heads, int64_t seq_len, bool split_heads,
+                                             int64_t head_start = 0, int64_t global_heads = 0) {
+  const int64_t total = global_heads > 0 ? global_heads : num_heads;
+  TORCH_CHECK_VALUE(head_start >= 0 && head_start + num_heads <= total, "heads [", head_start, ", ",
+                    head_start + num_heads, ") are not heads of a problem of ", total, " heads");
   const int64_t m = static_cast<int64_t>(segment_lengths.size());
   TORCH_CHECK_VALUE(m >= 1, "segment_lengths must not be empty");
   TORCH_CHECK_VALUE(static_cast<int64_t>(dilation_rates.size()) == m,
                     "segment_lengths and dilation_rates must have the same length, got ", m, " and ",
                     dilation_rates.size());
-  TORCH_CHECK_VALUE(!split_heads || num_heads >= m, "head_groups='split' needs at least one head per branch: ",
-                    num_heads, " heads < ", m, " branches");
+  TORCH_CHECK_VALUE(!split_heads || total >= m, "head_groups='split' needs at least one head per branch: ",
+                    total, " heads < ", m, " branches");
   std::vector<Branch> table;
   for (int64_t i = 0; i < m; ++i) {
     TORCH_CHECK_VALUE(segment_lengths[i] > 0, "segment_lengths[", i, "] must be positive");
     TORCH_CHECK_VALUE(dilation_rates[i] > 0, "dilation_rates[", i, "] must be positive");
-    table.push_back(
-        make_branch(segment_lengths[i], dilation_rates[i], i, m, num_heads, seq_len, split_heads));
+    Branch br = make_branch(segment_lengths[i], dilation_rates[i], i, m, total, seq_len, split_heads);
+    if (total != num_heads || head_start != 0) {
+      TORCH_CHECK_VALUE(localize_branch(br, head_start, num_heads), "heads [", head_start, ", ",
+                        head_start + num_heads, ") of ", total, " cannot run as one problem: branch ", i,
+                        " gives runs of ", br.offset_div, " heads one offset, and the range starts inside a run "
+                        "and leaves it");
+      if (br.head_hi <= br.head_lo) continue;
+    }
+    table.push_back(br);
   }
   return table;
 }

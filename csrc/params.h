@@ -57,6 +57,29 @@ inline Branch make_branch(int64_t w, int64_t r, int64_t index, int64_t num_branc
   return b;
 }
 
+// `b` restricted to the heads [head_start, head_start + num_heads) of its problem, renumbered from 0 with their
+// offsets kept (a rank's share in the head-parallel ring modes). Returns false where the Branch form cannot hold
+// it: the range starts inside a run of heads sharing an offset and leaves that run. An empty result
+// (head_lo == head_hi) means no head of the range takes part.
+inline bool localize_branch(Branch& b, int64_t head_start, int64_t num_heads) {
+  const int64_t lo = b.head_lo > head_start ? b.head_lo : head_start;
+  const int64_t end = head_start + num_heads, hi = b.head_hi < end ? b.head_hi : end;
+  if (lo >= hi) {
+    b.head_lo = b.head_hi = 0;
+    return true;
+  }
+  const int64_t into_run = (lo - b.head_lo) % b.offset_div;
+  const int64_t base = b.offset(lo);
+  if (into_run != 0) {
+    if (hi - lo > b.offset_div - into_run) return false;
+    b.offset_div = num_heads;  // one offset for every head of the range
+  }
+  b.head_lo = lo - head_start;
+  b.head_hi = hi - head_start;
+  b.offset_base = base;
+  return true;
+}
+
 // A [batch, seq, heads, head_dim] tensor whose last dim is contiguous.
 struct Strides {
   int64_t batch, seq, head;

@@ -8,12 +8,14 @@ TORCH_LIBRARY(dilated_attn, m) {
   // float32 (float64 for float64 inputs).
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, int[] segment_lengths, int[] dilation_rates, bool split_heads, "
-      "bool causal, float scale) -> (Tensor out, Tensor lse)");
+      "bool causal, float scale, int head_start=0, int global_heads=0) -> (Tensor out, Tensor lse)");
+  // head_start, global_heads (0: q's heads are the whole problem): q's heads are the heads [head_start,
+  // head_start + Hq) of a problem of global_heads heads, with its offsets (the head-parallel ring modes).
   // Exact gradient of forward, from the merged out and lse; grad_lse (optional) is the gradient of lse.
   m.def(
       "backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "int[] segment_lengths, int[] dilation_rates, bool split_heads, bool causal, float scale) "
-      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "int[] segment_lengths, int[] dilation_rates, bool split_heads, bool causal, float scale, int head_start=0, "
+      "int global_heads=0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The cudnn backend's loops over cuDNN calls (CUDA only; src/dilated_attn/backends/cudnn/ops.py plans them):
   // `steps`, int64 on the CPU, holds one row per call: the call's view of each tensor (sizes, strides, storage
   // offset; the results' views are of contiguous tensors). The forward returns the merge of the calls' results

@@ -52,7 +52,7 @@ def _attention(case, q, k, v, ring: bool, backend="auto"):
     if ring:
         kw["backend"] = case.get("backend", backend)
         return dilated_attn.ring_attention(q, k, v, w, r, layout=case.get("layout", "contiguous"), group=_GROUP,
-                                           **kw)
+                                           mode=case.get("mode", "auto"), **kw)
     N = q.shape[1]
     return dilated_attn.dilated_attention(q, k, v, w or [N], r or [1], **kw)
 
@@ -70,10 +70,28 @@ def _run(case, q, k, v, grad_out, grad_lse, ring: bool, backend="auto"):
 
 
 def _local(x, case, dim=1):
+    # a 2-D mode's shards are those of the world group (_mesh_pair), which shard() also cuts from the pair
     return dilated_attn.shard(x, layout=case.get("layout", "contiguous"), dim=dim, group=_GROUP)
 
 
 _GROUP = None  # the process group of the current case (None: the world)
+
+
+_MESHES: dict = {}
+
+
+def _mesh_pair(inner_size: int):
+    """(ring_group, heads_group) of this rank when the world is cut into consecutive inner groups of inner_size
+    ranks (the heads) and outer groups of the ranks with the same inner index (the ring): the sequence index of a
+    rank is then its global rank, so shard() with the world group cuts its shard. Created once per world (every
+    rank creates every group, in one order)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if inner_size not in _MESHES:
+        inner = [dist.new_group(list(range(o, o + inner_size))) for o in range(0, world, inner_size)]
+        outer = [dist.new_group(list(range(i, world, inner_size))) for i in range(inner_size)]
+        _MESHES[inner_size] = (inner, outer)
+    inner, outer = _MESHES[inner_size]
+    return outer[rank % inner_size], inner[rank // inner_size]
 
 
 def _compare_f64(case, rank):
@@ -82,6 +100,8 @@ def _compare_f64(case, rank):
         world = dist.get_world_size()
         halves = [dist.new_group(list(range(0, world // 2))), dist.new_group(list(range(world // 2, world)))]
         _GROUP = halves[rank * 2 // world]
+    if case.get("mode") == "2d":
+        _GROUP = _mesh_pair(case["inner"])
     try:
         return _compare_in_group(case)
     finally:
@@ -159,41 +179,74 @@ def _spawn(world, backend, job, cases, tmp_path):
 
 def _named_cases(P):
     """Dense, dilated-local, dilated-spanning and unaligned branches, causal with both layouts, GQA/MQA,
-    both head groupings, odd local lengths (contiguous)."""
+    both head groupings, odd local lengths (contiguous); batch 2 throughout (a batch of 1 hid a zigzag defect)."""
     L = 8
     N = P * L
     cases = [
         dict(name="dense", shape=(2, N, 4, 2, 5)),
-        dict(name="dense causal", shape=(1, N, 4, 4, 5), causal=True),
-        dict(name="dense causal zigzag", shape=(1, N, 4, 1, 5), causal=True, layout="zigzag"),
-        dict(name="dense zigzag", shape=(1, N, 3, 3, 4), layout="zigzag"),
-        dict(name="dilated local", shape=(1, N, 4, 2, 4), w=[4, 8], r=[1, 2]),
-        dict(name="dilated local causal zigzag", shape=(1, N, 4, 2, 4), w=[2, 4], r=[1, 2], causal=True,
+        dict(name="dense causal", shape=(2, N, 4, 4, 5), causal=True),
+        dict(name="dense causal zigzag", shape=(2, N, 4, 1, 5), causal=True, layout="zigzag"),
+        dict(name="dense zigzag", shape=(2, N, 3, 3, 4), layout="zigzag"),
+        # segments shorter than a zigzag chunk, not causal: a rank reads two ranges of a peer's rows
+        dict(name="zigzag short segments", shape=(2, P * 6, 1, 1, 2), w=[2], r=[1], layout="zigzag"),
+        dict(name="zigzag short segments, GQA", shape=(2, P * 6, 4, 2, 3), w=[2, 4, 3 * P], r=[1, 2, 3],
              layout="zigzag"),
-        dict(name="dilated spanning", shape=(1, N, 4, 2, 4), w=[N], r=[2]),
+        dict(name="dilated local", shape=(2, N, 4, 2, 4), w=[4, 8], r=[1, 2]),
+        dict(name="dilated local causal zigzag", shape=(2, N, 4, 2, 4), w=[2, 4], r=[1, 2], causal=True,
+             layout="zigzag"),
+        dict(name="dilated spanning", shape=(2, N, 4, 2, 4), w=[N], r=[2]),
         dict(name="mixed causal", shape=(2, N, 4, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4], causal=True),
-        dict(name="mixed causal zigzag", shape=(1, N, 8, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4], causal=True,
+        dict(name="mixed causal zigzag", shape=(2, N, 8, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4], causal=True,
              layout="zigzag"),
-        dict(name="split heads", shape=(1, N, 6, 3, 4), w=[4, N, 3 * N], r=[1, 3, 5], head_groups="split"),
-        dict(name="split heads causal zigzag", shape=(1, N, 5, 5, 4), w=[4, 2 * L], r=[2, 4],
+        dict(name="split heads", shape=(2, N, 6, 3, 4), w=[4, N, 3 * N], r=[1, 3, 5], head_groups="split"),
+        dict(name="split heads causal zigzag", shape=(2, N, 5, 5, 4), w=[4, 2 * L], r=[2, 4],
              head_groups="split", causal=True, layout="zigzag"),
-        dict(name="unaligned segments", shape=(1, N, 4, 2, 3), w=[5, 7, 3 * L + 1], r=[2, 3, 5], causal=True),
-        dict(name="r > w and MQA", shape=(1, N, 6, 1, 3), w=[3, 2 * L], r=[4, 3 * L]),
-        dict(name="GQA heads across offset groups", shape=(1, N, 6, 3, 4), w=[N], r=[2], causal=True),
-        dict(name="odd local length", shape=(1, P * 7, 4, 2, 3), w=[3, 10], r=[1, 2], causal=True),
-        dict(name="custom scale", shape=(1, N, 2, 2, 3), w=[N], r=[1], scale=0.37, causal=True),
-        dict(name="reference blocks", shape=(1, N, 4, 2, 3), w=[4, N], r=[1, 2], causal=True, layout="zigzag",
+        dict(name="unaligned segments", shape=(2, N, 4, 2, 3), w=[5, 7, 3 * L + 1], r=[2, 3, 5], causal=True),
+        dict(name="r > w and MQA", shape=(2, N, 6, 1, 3), w=[3, 2 * L], r=[4, 3 * L]),
+        dict(name="GQA heads across offset groups", shape=(2, N, 6, 3, 4), w=[N], r=[2], causal=True),
+        dict(name="odd local length", shape=(2, P * 7, 4, 2, 3), w=[3, 10], r=[1, 2], causal=True),
+        dict(name="LongNet offsets, 12 heads", shape=(2, N, 12, 6, 3), w=[4, 2 * L, N], r=[1, 2, 8], causal=True,
+             layout="zigzag"),
+        dict(name="custom scale", shape=(2, N, 2, 2, 3), w=[N], r=[1], scale=0.37, causal=True),
+        dict(name="reference blocks", shape=(2, N, 4, 2, 3), w=[4, N], r=[1, 2], causal=True, layout="zigzag",
              backend="reference"),
         # no LSE gradient: the blocks' backward is given none (as the cudnn backend's needs)
-        dict(name="mixed causal zigzag, no LSE gradient", shape=(1, N, 8, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4],
+        dict(name="mixed causal zigzag, no LSE gradient", shape=(2, N, 8, 2, 4), w=[4, 2 * L, N], r=[1, 2, 4],
              causal=True, layout="zigzag", lse_gradient=False),
         dict(name="dense, no LSE gradient", shape=(2, N, 4, 2, 5), lse_gradient=False),
         # beyond int64: the same branches as (N, N) and (4, 2), which the plan and the ops get
-        dict(name="huge w and r", shape=(1, N, 4, 2, 4), w=[2**64 + 1, 4], r=[2**70 + 5, 2], causal=True,
+        dict(name="huge w and r", shape=(2, N, 4, 2, 4), w=[2**64 + 1, 4], r=[2**70 + 5, 2], causal=True,
              layout="zigzag"),
     ]
     for c in cases:
         c["seed"] = zlib.crc32(c["name"].encode())
+    return cases
+
+
+def _heads_runs(case, P: int) -> bool:
+    """Whether mode='heads' runs `case` on P ranks (its rules: head_groups 'all', Hq % P == 0, whole key/value
+    heads per rank, offsets a kernel can take)."""
+    from dilated_attn.ring.heads import head_share
+    from dilated_attn.spec import Problem
+
+    B, N, Hq, Hkv, D = case["shape"]
+    if case.get("head_groups", "all") != "all":
+        return False
+    w, r = case.get("w") or [N], case.get("r") or [1]
+    try:
+        head_share(P, 0, Hq, Hkv, case.get("layout", "contiguous"), check=lambda h0, n: Problem.from_sizes(
+            B, N, n, max(n * Hkv // Hq, 1), D, w, r, dtype=torch.float64, device="cpu").with_heads(h0, Hq))
+    except ValueError:
+        return False
+    return True
+
+
+def _mode_cases(P: int, mode: str, inner: int = 0) -> list:
+    """The named cases the head-parallel `mode` runs on P ranks (2d: inner groups of `inner` ranks)."""
+    cases = [dict(c, name=f"{c['name']} [{mode}]", mode=mode, inner=inner) for c in _named_cases(P)
+             if "backend" not in c and _heads_runs(c, inner or P)]
+    # the test must not shrink unseen (few named cases have a head count divisible by 3)
+    assert len(cases) >= (4 if P == 3 else 10), f"only {len(cases)} cases run in mode {mode!r} on {P} ranks"
     return cases
 
 
@@ -362,8 +415,21 @@ JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_matches_dilated_attention_gloo(world, tmp_path):
-    cases = _named_cases(world) + _random_cases(world, 24 if world == 2 else 12, seed=world)
+    cases = ([dict(c, mode="ring") for c in _named_cases(world)]
+             + [dict(c, mode="ring") for c in _random_cases(world, 24 if world == 2 else 12, seed=world)])
     _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_heads_mode_matches_dilated_attention_gloo(world, tmp_path):
+    cases = _mode_cases(world, "heads")
+    _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
+
+
+def test_2d_mode_matches_dilated_attention_gloo(tmp_path):
+    """Four ranks as 2 x 2: heads across each pair of consecutive ranks, ring across the pairs."""
+    cases = _mode_cases(4, "2d", inner=2)
+    _check(_spawn(4, "gloo", "compare_f64", cases, tmp_path), cases)
 
 
 def test_ring_on_subgroups_gloo(tmp_path):

@@ -139,11 +139,12 @@ AttentionShape shape_of(const at::Tensor& q, const at::Tensor& k, bool causal, d
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                                at::IntArrayRef dilation_rates, bool split_heads, bool causal,
-                                               double scale) {
+                                               double scale, int64_t head_start, int64_t global_heads) {
   check_qkv(q_in, k_in, v_in);
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const AttentionShape sh = shape_of(q, k, causal, scale);
-  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads);
+  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads, head_start,
+                                       global_heads);
   const auto acc_type = lse_dtype(q.scalar_type());
   at::Tensor out_acc = at::zeros(q.sizes(), q.options().dtype(acc_type));
   at::Tensor lse = at::full({sh.batch, sh.num_heads, sh.seq_len}, -std::numeric_limits<double>::infinity(),
@@ -176,14 +177,16 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q_in, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_out_in, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out, const at::Tensor& lse_in,
-    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool split_heads, bool causal, double scale) {
+    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool split_heads, bool causal, double scale,
+    int64_t head_start, int64_t global_heads) {
   check_qkv(q_in, k_in, v_in);
   TORCH_CHECK_VALUE(grad_out_in.sizes() == q_in.sizes() && out.sizes() == q_in.sizes(),
                     "grad_out and out must have the shape of q");
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const at::Tensor grad_out = rows_contiguous(grad_out_in.to(q.scalar_type()));
   const AttentionShape sh = shape_of(q, k, causal, scale);
-  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads);
+  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads, head_start,
+                                       global_heads);
   const auto acc_type = lse_dtype(q.scalar_type());
   TORCH_CHECK_VALUE(lse_in.sizes() == at::IntArrayRef({sh.batch, sh.num_heads, sh.seq_len}),
                     "lse must have shape [batch, heads, seq]");

@@ -60,12 +60,13 @@ AttentionShape shape_of(const at::Tensor& q, const at::Tensor& k, bool causal, d
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                 const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                                 at::IntArrayRef dilation_rates, bool split_heads, bool causal,
-                                                double scale) {
+                                                double scale, int64_t head_start, int64_t global_heads) {
   check_cuda_inputs(q_in, k_in, v_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const AttentionShape sh = shape_of(q, k, causal, scale);
-  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads);
+  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads, head_start,
+                                       global_heads);
   // The running merge starts from "no key yet": out = 0, lse = -inf (also what uncovered rows keep).
   at::Tensor out = at::zeros(q.sizes(), q.options());
   at::Tensor lse = at::full({sh.batch, sh.num_heads, sh.seq_len}, -std::numeric_limits<float>::infinity(),
@@ -84,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_out_in, const std::optional<at::Tensor>& grad_lse_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
-    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool split_heads, bool causal, double scale) {
+    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool split_heads, bool causal, double scale,
+    int64_t head_start, int64_t global_heads) {
   check_cuda_inputs(q_in, k_in, v_in);
   TORCH_CHECK_VALUE(grad_out_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
                     "grad_out and out must have the shape of q");
@@ -93,7 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   const at::Tensor grad_out = rows_contiguous(grad_out_in.to(q.scalar_type()));
   const at::Tensor out = rows_contiguous(out_in.to(q.scalar_type()));
   const AttentionShape sh = shape_of(q, k, causal, scale);
-  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads);
+  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads, head_start,
+                                       global_heads);
   TORCH_CHECK_VALUE(lse_in.sizes() == at::IntArrayRef({sh.batch, sh.num_heads, sh.seq_len}),
                     "lse must have shape [batch, heads, seq]");
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();

@@ -93,8 +93,13 @@ def dilated_attention_reference(
     head_groups="all",
     compute_dtype=None,
     dropout_p=0.0,
+    head_start=0,
+    global_heads=0,
 ):
     """Gather-based reference. Returns `(out [B, N, Hq, D] in q.dtype, lse [B, Hq, N])`.
+
+    With `global_heads` > 0 the heads of q are the heads `[head_start, head_start + Hq)` of a problem of
+    `global_heads` query heads, and keep its offsets (spec.branch_table).
 
     Arithmetic runs in `compute_dtype` (default: float64 for float64 inputs, else float32).
 
@@ -105,6 +110,8 @@ def dilated_attention_reference(
     probabilities before they weight v, with the merge weights of the undropped branches; `lse` is unchanged.
     """
     p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups)
+    if global_heads:
+        p = p.with_heads(head_start, global_heads)
     B, N, Hq, D = q.shape
     cdt = compute_dtype or default_compute_dtype(q.dtype)
     dev = q.device

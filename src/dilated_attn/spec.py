@@ -56,18 +56,47 @@ def split_group_bounds(num_heads: int, num_groups: int, group: int) -> tuple[int
 
 
 def branch_table(
-    segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int, num_heads: int, head_groups: str
+    segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int, num_heads: int, head_groups: str,
+    head_start: int = 0, global_heads: int = 0,
 ) -> list[Branch]:
+    """The branches for `num_heads` query heads. With `global_heads` > 0 these heads are the heads
+    `[head_start, head_start + num_heads)` of a problem of `global_heads` heads (a rank's share in the head-parallel
+    ring modes): each keeps the offsets of its global index, written in local head indices (localize_branch)."""
+    total = global_heads or num_heads
     m = len(segment_lengths)
     table = []
     for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
         s = max(min(w, seq_len), 1)  # N = 0: no position, any s >= 1 will do
         if head_groups == "all":
-            table.append(Branch(w, s, r, 0, num_heads, -(-num_heads // r), 0))
+            table.append(Branch(w, s, r, 0, total, -(-total // r), 0))
         else:
-            lo, hi = split_group_bounds(num_heads, m, i)
-            table.append(Branch(w, s, r, lo, hi, max(num_heads, 1), i % r))
-    return table
+            lo, hi = split_group_bounds(total, m, i)
+            table.append(Branch(w, s, r, lo, hi, max(total, 1), i % r))
+    if total == num_heads and head_start == 0:
+        return table
+    return [localize_branch(br, head_start, num_heads) for br in table]
+
+
+def localize_branch(br: Branch, head_start: int, num_heads: int) -> Branch:
+    """`br` restricted to the heads `[head_start, head_start + num_heads)`, renumbered from 0, offsets unchanged.
+    The Branch form holds it where the first of these heads begins a run of heads sharing an offset, or where all
+    of them share one; elsewhere ValueError (a head split a kernel could not run). No head of the range: an empty
+    branch (head_lo == head_hi)."""
+    lo, hi = max(br.head_lo, head_start), min(br.head_hi, head_start + num_heads)
+    if lo >= hi:
+        return dataclasses.replace(br, head_lo=0, head_hi=0, offset_div=1, offset_base=0)
+    into_run = (lo - br.head_lo) % br.offset_div
+    if into_run == 0:
+        div = br.offset_div
+    elif hi - lo <= br.offset_div - into_run:
+        div = max(num_heads, 1)  # one offset for every head of the range
+    else:
+        raise ValueError(
+            f"heads [{head_start}, {head_start + num_heads}) of {br.head_hi} cannot run as one problem: branch "
+            f"(w={br.segment_length}, r={br.dilation}) gives runs of {br.offset_div} heads one offset, and the range "
+            f"starts inside a run and leaves it (choose a head count per rank that is a multiple of "
+            f"ceil(heads / r) or divides it)")
+    return Branch(br.segment_length, br.seg_len, br.dilation, lo - head_start, hi - head_start, div, br.offset(lo))
 
 
 def _is_int(x) -> bool:
@@ -115,6 +144,10 @@ class Problem:
     # The call records its backward (grad mode on and q, k or v requiring grad): dispatch.auto_preference reads it,
     # since one backend's forward alone and its training step are fastest at different sizes.
     records_backward: bool = False
+    # The head-parallel ring modes run a rank's heads [head_start, head_start + num_heads) of a problem of
+    # global_heads query heads, each with its global offsets (branch_table); 0: the heads are the whole problem.
+    head_start: int = 0
+    global_heads: int = 0
 
     @classmethod
     def from_sizes(cls, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, segment_lengths,
@@ -141,7 +174,18 @@ class Problem:
         """The branch table; for packed sequences segments are clipped to max_seqlen (the kernels clip them to
         each sequence's length)."""
         length = self.max_seqlen if self.varlen else self.seq_len
-        return branch_table(*self.op_branches(), length, self.num_heads, self.head_groups)
+        return branch_table(*self.op_branches(), length, self.num_heads, self.head_groups, self.head_start,
+                            self.global_heads)
+
+    def with_heads(self, head_start: int, global_heads: int) -> "Problem":
+        """This problem as the heads [head_start, head_start + num_heads) of one of `global_heads` query heads
+        (raises ValueError where a kernel cannot run that share: localize_branch)."""
+        p = dataclasses.replace(self, head_start=head_start, global_heads=global_heads)
+        if head_start < 0 or head_start + self.num_heads > global_heads:
+            raise ValueError(f"heads [{head_start}, {head_start + self.num_heads}) are not heads of a problem of "
+                             f"{global_heads} heads")
+        p.branches  # noqa: B018 - raises where the share cannot run
+        return p
 
     @property
     def split_heads(self) -> bool:
@@ -158,14 +202,14 @@ class Problem:
             seq_len = self.max_seqlen if self.varlen else self.seq_len
         length = max(seq_len, 1)
         w = [min(x, length) for x in self.segment_lengths]
-        return w, [min(r, max(s, self.num_heads)) for s, r in zip(w, self.dilation_rates)]
+        return w, [min(r, max(s, self.global_heads or self.num_heads)) for s, r in zip(w, self.dilation_rates)]
 
     def op_arguments(self) -> dict:
         """The keyword arguments of the backends' ops after the tensors (segment_lengths, dilation_rates,
-        split_heads, causal, scale; the branches as op_branches gives them)."""
+        split_heads, causal, scale, head_start, global_heads; the branches as op_branches gives them)."""
         w, r = self.op_branches()
         return dict(segment_lengths=w, dilation_rates=r, split_heads=self.split_heads, causal=self.causal,
-                    scale=self.scale)
+                    scale=self.scale, head_start=self.head_start, global_heads=self.global_heads)
 
 
 # More query heads than any model has, and many more than positions: validate() warns that q is likely

@@ -13,7 +13,7 @@ def register_attention_autograd(forward_op: str, backward_op: str, takes_lse_gra
     """Register autograd for `forward_op` (a `dilated_attn::` op taking `(q, k, v, *config)`) that calls
     `backward_op` (the name of a `dilated_attn::` op taking `(grad_out, grad_lse, q, k, v, out, lse, *config)`)
     with the merged out and lse it saved. `config` is the forward schema's rest (segment_lengths, dilation_rates,
-    split_heads, causal, scale), led for packed sequences by cu_seqlens and max_seqlen. A backward op that
+    split_heads, causal, scale, head_start, global_heads), led for packed sequences by cu_seqlens and max_seqlen. A backward op that
     `takes_lse_gradient=False` runs only where the LSE has no gradient; where it has one, the backward of the backend
     dispatch.backward_backend names runs instead (explain() says which)."""
 
@@ -43,11 +43,14 @@ def register_attention_autograd(forward_op: str, backward_op: str, takes_lse_gra
     torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
 
 
-def _lse_gradient_backward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale):
+def _lse_gradient_backward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0,
+                           global_heads=0):
     """The backward op that runs where the LSE has a gradient that this backend's backward cannot take."""
     from .. import backends, dispatch  # imported here: both import this module's users
     from ..spec import validate
 
     p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
                  head_groups="split" if split_heads else "all")
+    if global_heads:
+        p = p.with_heads(head_start, global_heads)
     return backends.get(dispatch.lse_gradient_backend(p)).ops()[1]

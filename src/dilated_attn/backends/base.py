@@ -17,9 +17,14 @@ class Backend:
 
     Both ops take the arguments of the op schemas in csrc/registration.cpp:
 
-        forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale) -> (out, lse)
+        forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0,
+                global_heads=0) -> (out, lse)
         backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal,
-                 scale) -> (grad_q, grad_k, grad_v)
+                 scale, head_start=0, global_heads=0) -> (grad_q, grad_k, grad_v)
+
+    `head_start` and `global_heads` (0: the heads are the whole problem) make the heads of q the heads
+    `[head_start, head_start + Hq)` of a problem of `global_heads` heads, with its offsets (spec.branch_table): the
+    head-parallel ring modes run a rank's heads so.
 
     `forward` is differentiable (autograd runs `backward`). `backward` takes the merged `out` and `lse` of the
     whole problem and returns the share of the gradient its keys give, which is what lets the ring run it on one

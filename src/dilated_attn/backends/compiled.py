@@ -66,7 +66,8 @@ def has_kernel(device_type: str) -> bool:
 if _C is not None:
 
     @torch.library.register_fake("dilated_attn::forward")
-    def _forward_fake(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale):
+    def _forward_fake(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0,
+                      global_heads=0):
         B, N, H, _ = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, N), dtype=lse_dtype(q.dtype), device=q.device)
@@ -74,7 +75,7 @@ if _C is not None:
 
     @torch.library.register_fake("dilated_attn::backward")
     def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads,
-                       causal, scale):
+                       causal, scale, head_start=0, global_heads=0):
         return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
     register_attention_autograd("dilated_attn::forward", "backward")

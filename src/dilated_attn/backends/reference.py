@@ -17,20 +17,23 @@ from .base import Backend
 __all__ = ["REFERENCE", "memory_bytes"]
 
 
-def forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale):
+def forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     """The reference with the forward op's arguments; differentiable through PyTorch's autograd."""
     return dilated_attention_reference(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
-                                       head_groups="split" if split_heads else "all")
+                                       head_groups="split" if split_heads else "all", head_start=head_start,
+                                       global_heads=global_heads)
 
 
-def backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale):
+def backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale,
+             head_start=0, global_heads=0):
     """The backward op's contract (the gradient share of these keys, given the merged `out` and `lse`) through
     autograd: the reference's own `(out_b, lse_b)` enters the merged result with weight `alpha = exp(lse_b -
     LSE)`, so `d out_b = alpha dO` and `d lse_b = alpha (dO . out_b - dO . O + dLSE)`, which autograd turns into
     the spec's `dS = P (dO . v - delta)`."""
     with torch.enable_grad():
         qb, kb, vb = (x.detach().requires_grad_() for x in (q, k, v))
-        ob, lb = forward(qb, kb, vb, segment_lengths, dilation_rates, split_heads, causal, scale)
+        ob, lb = forward(qb, kb, vb, segment_lengths, dilation_rates, split_heads, causal, scale, head_start,
+                         global_heads)
         finite = torch.isfinite(lb)
         alpha = torch.where(finite, torch.exp(lb - torch.where(finite, lse, lb)), torch.zeros_like(lb))
         go = grad_out.to(ob.dtype)

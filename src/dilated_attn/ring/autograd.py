@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .. import backends, dispatch
-from ..spec import lse_dtype
+from ..spec import Problem, lse_dtype
 from .blocks import merge_block, block_backward, block_forward
 from .comm import RingComm
 from .plan import HeadStack, RingPlan
 
-__all__ = ["RingAttention"]
+__all__ = ["RingAttention", "RingConfig", "ring_forward", "ring_backward"]
 
 
 class RowSet:
@@ -102,49 +103,26 @@ def _task_slices(task):
     return task.stack, slice(task.q_start, task.q_stop), slice(task.kv_start, task.kv_stop)
 
 
+@dataclass(frozen=True)
+class RingConfig:
+    """One rank's part of a ring call: the plan, this rank and its group, the problem of the local branches and
+    the backend that runs them and the blocks."""
+
+    plan: RingPlan
+    rank: int
+    group: object
+    local_problem: Problem
+    backend: str
+    scale: float
+    causal: bool
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, rank, group, local_problem, backend, scale, causal):
-        forward_op, _ = backends.get(backend).ops()
-        B, L, H, D = q.shape
-        lse_type = lse_dtype(q.dtype)
-        comm = RingComm(plan, rank, group, B, D, q.device)
-        rows = compacted_rows(plan, rank, q.device)
-        kc = [cp.kv.gather(k) for cp in rows]
-        vc = [cp.kv.gather(v) for cp in rows]
-        step = comm.post_kv(1, kc, vc)  # in flight while the local blocks compute
-        # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
-        # result merges into its rows: in place where a stack's rows are a block of the result (dense attention),
-        # else into the stack's own (out, lse), merged into its rows at the end.
-        if plan.local_branches:
-            out, lse = forward_op(q, k, v, **local_problem.op_arguments())
-        else:
-            out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.full((B, H, L), -math.inf, dtype=lse_type, device=q.device)
-        qc = [cp.q.gather(q) for cp in rows]
-        acc = [(cp.q.gather(out), cp.q.gather_lse(lse)) if cp.q.slices is not None else
-               (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
-                torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
-               for cp, x in zip(rows, qc)]
-        for t in range(plan.P):
-            src = (rank - t) % plan.P
-            if t == 0:
-                keys, values = kc, vc
-            else:
-                keys, values = comm.received_kv(step, t)
-                step = comm.post_kv(t + 1, kc, vc)
-            for task in plan.tasks[rank][src]:
-                s, qs, ks = _task_slices(task)
-                block_forward(forward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
-                              acc[s][0][:, qs], acc[s][1][:, :, qs])
-        for cp, (acc_out, acc_lse) in zip(rows, acc):
-            if cp.q.slices is None:
-                cur_out, cur_lse = cp.q.gather(out), cp.q.gather_lse(lse)
-                merge_block(cur_out, cur_lse, acc_out, acc_lse)
-                cp.q.put(out, cur_out)
-                cp.q.put_lse(lse, cur_lse)
+    def forward(ctx, q, k, v, cfg: RingConfig):
+        out, lse = ring_forward(q, k, v, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = (plan, rank, group, local_problem, backend, scale, causal)
+        ctx.cfg = cfg
         # An output without a gradient arrives as None, not as zeros: the blocks then get no LSE gradient, which
         # the cudnn backend's backward needs in order to run at all.
         ctx.set_materialize_grads(False)
@@ -153,52 +131,101 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, rank, group, local_problem, backend, scale, causal = ctx.config
-        # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
-        # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
-        # take it, dispatch names the one that runs.
-        name, _ = dispatch.backward_backend(local_problem, backend, lse_gradient=d_lse is not None)
-        _, backward_op = backends.get(name).ops()
-        B, L, H, D = q.shape
-        acc_dtype = lse_dtype(q.dtype)
-        d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
-        comm = RingComm(plan, rank, group, B, D, q.device)
-        rows = compacted_rows(plan, rank, q.device)
-        kc = [cp.kv.gather(k) for cp in rows]
-        vc = [cp.kv.gather(v) for cp in rows]
-        step = comm.post_kv(1, kc, vc)
-        # As in the forward: the local branches' gradients (the kernel's, as on one device) while the first K/V
-        # block travels, then each head stack's float32 sums added to their rows with one rounding.
-        if plan.local_branches:
-            dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
+        return (*ring_backward(q, k, v, out, lse, d_out, d_lse, ctx.cfg), None)
+
+
+def ring_forward(q, k, v, cfg: RingConfig):
+    """(out, lse) of this rank's shard: the local branches, then every head stack's blocks."""
+    plan, rank, group, local_problem, scale = cfg.plan, cfg.rank, cfg.group, cfg.local_problem, cfg.scale
+    forward_op, _ = backends.get(cfg.backend).ops()
+    B, L, H, D = q.shape
+    lse_type = lse_dtype(q.dtype)
+    comm = RingComm(plan, rank, group, B, D, q.device)
+    rows = compacted_rows(plan, rank, q.device)
+    kc = [cp.kv.gather(k) for cp in rows]
+    vc = [cp.kv.gather(v) for cp in rows]
+    step = comm.post_kv(1, kc, vc)  # in flight while the local blocks compute
+    # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
+    # result merges into its rows: in place where a stack's rows are a block of the result (dense attention),
+    # else into the stack's own (out, lse), merged into its rows at the end.
+    if plan.local_branches:
+        out, lse = forward_op(q, k, v, **local_problem.op_arguments())
+    else:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((B, H, L), -math.inf, dtype=lse_type, device=q.device)
+    qc = [cp.q.gather(q) for cp in rows]
+    acc = [(cp.q.gather(out), cp.q.gather_lse(lse)) if cp.q.slices is not None else
+           (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
+            torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
+           for cp, x in zip(rows, qc)]
+    for t in range(plan.P):
+        src = (rank - t) % plan.P
+        if t == 0:
+            keys, values = kc, vc
         else:
-            dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-        qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
-        lc = [cp.q.gather_lse(lse) for cp in rows]
-        dlc = [None if d_lse is None else cp.q.gather_lse(d_lse) for cp in rows]
-        dqc, dkc, dvc = _zeros_like(qc, acc_dtype), _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
-        returning = []  # the dK/dV of my rows coming back from the ranks that read them
-        # The received blocks first, each one's dK/dV sent back as soon as they are complete; the own rows last,
-        # while the last of them travel.
-        for t in [*range(1, plan.P), 0]:
-            src = (rank - t) % plan.P
-            if t == 0:
-                keys, values, gk, gv = kc, vc, dkc, dvc
-            else:
-                keys, values = comm.received_kv(step, t)
-                step = comm.post_kv(t + 1, kc, vc)
-                grads, gk, gv = comm.grad_buffer(t, acc_dtype)
-            for task in plan.tasks[rank][src]:
-                s, qs, ks = _task_slices(task)
-                block_backward(backward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
-                               lc[s][:, :, qs], doc[s][:, qs], None if dlc[s] is None else dlc[s][:, :, qs],
-                               task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
-            if t > 0:
-                returning.append(comm.post_grads(t, grads))
-        for ret, dst in returning:
-            comm.add_returned_grads(ret, dst, dkc, dvc)
-        for cp, g_q, g_k, g_v in zip(rows, dqc, dkc, dvc):
-            cp.q.add(dq, g_q)
-            cp.kv.add(dk, g_k)
-            cp.kv.add(dv, g_v)
-        return dq, dk, dv, None, None, None, None, None, None, None
+            keys, values = comm.received_kv(step, t)
+            step = comm.post_kv(t + 1, kc, vc)
+        for task in plan.tasks[rank][src]:
+            s, qs, ks = _task_slices(task)
+            block_forward(forward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
+                          acc[s][0][:, qs], acc[s][1][:, :, qs])
+    for cp, (acc_out, acc_lse) in zip(rows, acc):
+        if cp.q.slices is None:
+            cur_out, cur_lse = cp.q.gather(out), cp.q.gather_lse(lse)
+            merge_block(cur_out, cur_lse, acc_out, acc_lse)
+            cp.q.put(out, cur_out)
+            cp.q.put_lse(lse, cur_lse)
+    return out, lse
+
+
+def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
+    """(dq, dk, dv) of this rank's shards, from the merged out and lse (d_out or d_lse may be None)."""
+    plan, rank, group, local_problem, scale = cfg.plan, cfg.rank, cfg.group, cfg.local_problem, cfg.scale
+    # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
+    # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
+    # take it, dispatch names the one that runs.
+    name, _ = dispatch.backward_backend(local_problem, cfg.backend, lse_gradient=d_lse is not None)
+    _, backward_op = backends.get(name).ops()
+    B, L, H, D = q.shape
+    acc_dtype = lse_dtype(q.dtype)
+    d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
+    comm = RingComm(plan, rank, group, B, D, q.device)
+    rows = compacted_rows(plan, rank, q.device)
+    kc = [cp.kv.gather(k) for cp in rows]
+    vc = [cp.kv.gather(v) for cp in rows]
+    step = comm.post_kv(1, kc, vc)
+    # As in the forward: the local branches' gradients (the kernel's, as on one device) while the first K/V
+    # block travels, then each head stack's float32 sums added to their rows with one rounding.
+    if plan.local_branches:
+        dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
+    else:
+        dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
+    lc = [cp.q.gather_lse(lse) for cp in rows]
+    dlc = [None if d_lse is None else cp.q.gather_lse(d_lse) for cp in rows]
+    dqc, dkc, dvc = _zeros_like(qc, acc_dtype), _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
+    returning = []  # the dK/dV of my rows coming back from the ranks that read them
+    # The received blocks first, each one's dK/dV sent back as soon as they are complete; the own rows last,
+    # while the last of them travel.
+    for t in [*range(1, plan.P), 0]:
+        src = (rank - t) % plan.P
+        if t == 0:
+            keys, values, gk, gv = kc, vc, dkc, dvc
+        else:
+            keys, values = comm.received_kv(step, t)
+            step = comm.post_kv(t + 1, kc, vc)
+            grads, gk, gv = comm.grad_buffer(t, acc_dtype)
+        for task in plan.tasks[rank][src]:
+            s, qs, ks = _task_slices(task)
+            block_backward(backward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
+                           lc[s][:, :, qs], doc[s][:, qs], None if dlc[s] is None else dlc[s][:, :, qs],
+                           task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
+        if t > 0:
+            returning.append(comm.post_grads(t, grads))
+    for ret, dst in returning:
+        comm.add_returned_grads(ret, dst, dkc, dvc)
+    for cp, g_q, g_k, g_v in zip(rows, dqc, dkc, dvc):
+        cp.q.add(dq, g_q)
+        cp.kv.add(dk, g_k)
+        cp.kv.add(dv, g_v)
+    return dq, dk, dv

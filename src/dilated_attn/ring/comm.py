@@ -19,8 +19,10 @@ __all__ = ["RingComm", "Step"]
 
 
 def _pack(parts: list[torch.Tensor], ranges: list[list[tuple[int, int]]], dtype) -> torch.Tensor:
-    """The given row ranges of each stack's tensor, stack after stack, flattened (one send buffer)."""
-    flat = [x[:, a:b].reshape(-1) for x, rng in zip(parts, ranges) for a, b in rng]
+    """The given row ranges of each stack's tensor `[B, n, Hk, D]`, stack after stack, flattened (one send buffer).
+    A stack's ranges are joined along the rows before flattening, so that the receiver reads `[B, sum, Hk, D]`
+    (flattening each range apart would put batch element 1 of the first range before the second range)."""
+    flat = [torch.cat([x[:, a:b] for a, b in rng], 1).reshape(-1) for x, rng in zip(parts, ranges) if rng]
     return torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
 
 

@@ -2,25 +2,81 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "check_layout", "chunks", "group_size_rank", "shard", "unshard"]
+__all__ = ["LAYOUTS", "MODES", "Groups", "resolve_groups", "check_layout", "chunks", "group_size_rank", "shard",
+           "unshard"]
 
 LAYOUTS = ("contiguous", "zigzag")
+MODES = ("auto", "ring", "heads", "2d")
 
 
-def group_size_rank(group) -> tuple[int, int]:
-    """(P, this rank in group); (1, 0) without an initialised default process group."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+@dataclass(frozen=True)
+class Groups:
+    """The process groups of a call: one group, or the 2-D mode's inner (heads) and outer (ring) groups. `size`
+    ranks hold the sequence, this one the `rank`-th shard (2-D: outer rank * inner size + inner rank)."""
+
+    all: tuple  # the groups, the inner one first (None: the default group)
+    ranks: tuple  # this rank in each
+    sizes: tuple
+    size: int
+    rank: int
+
+    @property
+    def two_d(self) -> bool:
+        return len(self.all) == 2
+
+
+def resolve_groups(group, mode: str = "auto") -> Groups:
+    """The groups of `group`: a ProcessGroup or None (the default group; one process where torch.distributed is not
+    initialised), or for the 2-D mode a 2-D DeviceMesh (dim 0 the ring, dim 1 the heads) or the pair
+    (ring_group, heads_group). Raises TypeError/ValueError for anything else, or a `mode` these cannot run."""
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a str, one of {MODES}, got {type(mode).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    pair = None
+    if type(group).__name__ == "DeviceMesh":
+        if group.ndim != 2:
+            raise ValueError(f"group: a DeviceMesh for ring_attention must be 2-D (dim 0 the ring, dim 1 the heads), "
+                             f"got {group.ndim}-D")
+        pair = (group.get_group(0), group.get_group(1))
+    elif isinstance(group, (tuple, list)):
+        if len(group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in group):
+            raise TypeError("group: a pair must be (ring_group, heads_group), two torch.distributed.ProcessGroup")
+        pair = tuple(group)
+    elif group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup, a 2-D DeviceMesh, a pair (ring_group, "
+                        f"heads_group) or None, got {type(group).__name__}")
+    if pair is None and mode == "2d":
+        raise ValueError("mode='2d' needs group=a 2-D DeviceMesh or the pair (ring_group, heads_group)")
+    if pair is not None and mode in ("ring", "heads"):
+        raise ValueError(f"mode={mode!r} runs on one ProcessGroup; a DeviceMesh or a pair of groups is for "
+                         f"mode='2d' (or 'auto')")
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("group was given, but torch.distributed is not initialised (init_process_group)")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+        return Groups((None,), (0,), (1,), 1, 0)
+    if pair is None:
+        P, rank = dist.get_world_size(group), dist.get_rank(group)
+        return Groups((group,), (rank,), (P,), P, rank)
+    outer, inner = pair
+    ro, ri = dist.get_rank(outer), dist.get_rank(inner)
+    if ro < 0 or ri < 0:
+        raise ValueError("group: this rank is not a member of both groups of the pair (ring_group, heads_group)")
+    po, pi = dist.get_world_size(outer), dist.get_world_size(inner)
+    return Groups((inner, outer), (ri, ro), (pi, po), po * pi, ro * pi + ri)
+
+
+def group_size_rank(group) -> tuple[int, int]:
+    """(P, this rank's shard) for `group` (any form resolve_groups takes); (1, 0) without an initialised default
+    process group."""
+    g = resolve_groups(group)
+    return g.size, g.rank
 
 
 def check_layout(layout) -> str:
@@ -48,10 +104,11 @@ def check_dim(x: torch.Tensor, dim) -> int:
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+def shard(x: torch.Tensor, group=None, layout: str = "contiguous",
           dim: int = 1) -> torch.Tensor:
     """This rank's shard of a full tensor `x` (the same on every rank) along `dim` (the sequence dim of
-    `[B, N, H, D]` by default), for `ring_attention` with the same group and layout. Returns a copy."""
+    `[B, N, H, D]` by default), for `ring_attention` with the same group (a ProcessGroup, or for the 2-D mode
+    its DeviceMesh or pair of groups) and layout. Returns a copy."""
     layout = check_layout(layout)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -66,21 +123,25 @@ def shard(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, layout: st
     return torch.cat([x.narrow(dim, a, b - a) for a, b in chunks(rank, P, L, layout)], dim).contiguous()
 
 
-def unshard(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+def unshard(x: torch.Tensor, group=None, layout: str = "contiguous",
             dim: int = 1) -> torch.Tensor:
     """The full tensor from every rank's shard `x` (all-gather, then the layout's order); not differentiable."""
     layout = check_layout(layout)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     dim = check_dim(x, dim)
-    P, _ = group_size_rank(group)
+    groups = resolve_groups(group)
+    P = groups.size
     if P == 1:
         return x.clone()
     L = x.shape[dim]
     if layout == "zigzag" and L % 2:
         raise ValueError(f"x: local length {L} must be even for layout='zigzag'")
-    parts = [torch.empty_like(x) for _ in range(P)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    parts = [x.contiguous()]
+    for g, n in zip(groups.all, groups.sizes):  # the inner group's shards, then those of the outer group's ranks
+        gathered = [torch.empty((len(parts), *parts[0].shape), dtype=x.dtype, device=x.device) for _ in range(n)]
+        dist.all_gather(gathered, torch.stack(parts), group=g)
+        parts = [p for block in gathered for p in block]
     pieces = []
     for rank, part in enumerate(parts):
         local = 0

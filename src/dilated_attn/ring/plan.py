@@ -107,12 +107,14 @@ def _is_local(s: int, L: int, layout: str) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths: tuple, dilation_rates: tuple,
-              head_groups: str, causal: bool, layout: str) -> RingPlan:
+              head_groups: str, causal: bool, layout: str, head_start: int = 0, global_heads: int = 0) -> RingPlan:
     """The plan of `ring_attention` for a configuration (cached): local branches, head stacks of the spanning
-    branches, the rows every rank sends every other, and each rank's block tasks."""
+    branches, the rows every rank sends every other, and each rank's block tasks. With `global_heads` > 0 the
+    heads are the heads `[head_start, head_start + num_heads)` of a problem of that many (the 2-D mode's ring over
+    one head group), with their global offsets."""
     N = P * L
     G = num_heads // num_kv_heads
-    table = branch_table(segment_lengths, dilation_rates, N, num_heads, head_groups)
+    table = branch_table(segment_lengths, dilation_rates, N, num_heads, head_groups, head_start, global_heads)
     all_local = all(_is_local(br.seg_len, L, layout) for br in table)
     # Local branches run as a subset of the branch list; "split" heads depend on the whole list, so there a
     # branch is only run locally when all are.

@@ -243,8 +243,11 @@ class Plan:
 
 @functools.lru_cache(maxsize=256)
 def plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, heads: int, kv_heads: int,
-         split_heads: bool) -> Plan:
-    table = branch_table(list(segment_lengths), list(dilation_rates), seq_len, heads, "split" if split_heads else "all")
+         split_heads: bool, head_start: int = 0, global_heads: int = 0) -> Plan:
+    table = branch_table(list(segment_lengths), list(dilation_rates), seq_len, heads, "split" if split_heads else "all",
+                         head_start, global_heads)
+    # a rank's share of heads (head_start, global_heads) may take no part in a "split" branch
+    table = [br for br in table if br.head_hi > br.head_lo]
     if not seq_len:
         return Plan((), False)
     calls = tuple(tuple(branch_calls(br, seq_len, heads // kv_heads)) for br in table)
@@ -263,8 +266,9 @@ def _cudnn_layout(x: torch.Tensor) -> torch.Tensor:
     return x if readable else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
 
 
-def _plan_of(q, k, segment_lengths, dilation_rates, split_heads) -> Plan:
-    return plan(tuple(segment_lengths), tuple(dilation_rates), q.shape[1], q.shape[2], k.shape[2], split_heads)
+def _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads) -> Plan:
+    return plan(tuple(segment_lengths), tuple(dilation_rates), q.shape[1], q.shape[2], k.shape[2], split_heads,
+                head_start, global_heads)
 
 
 @torch.library.custom_op("dilated_attn::cudnn_forward", mutates_args=())
@@ -277,17 +281,19 @@ def cudnn_forward(
     split_heads: bool,
     causal: bool,
     scale: float,
+    head_start: int = 0,
+    global_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _cudnn_layout(q), _cudnn_layout(k), _cudnn_layout(v)
     B, N, H, D = q.shape
-    p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads)
+    p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
     s = p.schedule(_layouts(q, k, v) + _contiguous(q.shape, (B, N, H)), FORWARD_KV, MAX_CALL_ELEMENTS)
     out, lse_rows = torch.ops.dilated_attn.cudnn_forward_steps(q, k, v, s.steps, s.stored, causal, scale)
     return out, lse_rows.transpose(1, 2).contiguous()
 
 
 @cudnn_forward.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale):
+def _(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     B, N, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, H, N), dtype=lse_dtype(q.dtype))
 
@@ -306,13 +312,15 @@ def cudnn_backward(
     split_heads: bool,
     causal: bool,
     scale: float,
+    head_start: int = 0,
+    global_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if grad_lse is not None:
         raise ValueError("the cudnn backward takes no LSE gradient (grad_lse must be None): cuDNN computes "
                          "delta = rowsum(dO * out) itself; dispatch.backward_backend names a backend that takes one")
     q, k, v, grad_out, out = (_cudnn_layout(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse_rows = lse.to(lse_dtype(q.dtype)).transpose(1, 2).contiguous()
-    p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads)
+    p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
     layouts = _layouts(grad_out, q, k, v, out, lse_rows) + _contiguous(q.shape, k.shape)
     s = p.schedule(layouts, BACKWARD_KV, MAX_BACKWARD_CALL_ELEMENTS)
     return torch.ops.dilated_attn.cudnn_backward_steps(grad_out, q, k, v, out, lse_rows, s.steps, s.stored, causal,
@@ -320,7 +328,8 @@ def cudnn_backward(
 
 
 @cudnn_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale):
+def _(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale,
+      head_start=0, global_heads=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

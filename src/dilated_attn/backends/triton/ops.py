@@ -79,13 +79,16 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens, max_seqlen):
+def _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens, max_seqlen, head_start=0,
+            global_heads=0):
     """The branch table, the kernels' shared flags, and the batches or packed sequences the grid runs over."""
     B, N, H, D = q.shape
     varlen = cu_seqlens is not None
     # packed sequences: segments clipped to the longest sequence here, to each one's length in the kernels
     table = branch_table(segment_lengths, dilation_rates, max_seqlen if varlen else N, H,
-                         "split" if split_heads else "all")
+                         "split" if split_heads else "all", head_start, global_heads)
+    # a rank's share of heads (head_start, global_heads) may take no part in a "split" branch
+    table = [br for br in table if br.head_hi > br.head_lo] or table[:1]
     tile_d = block_d(D)
     meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=tile_d, EVEN_D=tile_d == D, VARLEN=varlen)
     sequences = cu_seqlens.numel() - 1 if varlen else B
@@ -115,8 +118,11 @@ def triton_forward(
     split_heads: bool,
     causal: bool,
     scale: float,
+    head_start: int = 0,
+    global_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale)
+    return _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale,
+                    head_start=head_start, global_heads=global_heads)
 
 
 @triton_op("dilated_attn::triton_varlen_forward", mutates_args=())
@@ -141,11 +147,12 @@ def triton_varlen_forward(
     return out[0], lse[0]
 
 
-def _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, cu_seqlens=None, max_seqlen=0):
+def _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, cu_seqlens=None, max_seqlen=0,
+             head_start=0, global_heads=0):
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     B, N, H, D = q.shape
     table, meta, sequences, length = _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens,
-                                             max_seqlen)
+                                             max_seqlen, head_start, global_heads)
     if covers_everything(table[0], H):  # the first branch writes every row: no fill needed
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
@@ -198,9 +205,11 @@ def triton_backward(
     split_heads: bool,
     causal: bool,
     scale: float,
+    head_start: int = 0,
+    global_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal,
-                     scale)
+                     scale, head_start=head_start, global_heads=global_heads)
 
 
 @triton_op("dilated_attn::triton_varlen_backward", mutates_args=())
@@ -229,13 +238,13 @@ def triton_varlen_backward(
 
 
 def _backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale,
-              cu_seqlens=None, max_seqlen=0):
+              cu_seqlens=None, max_seqlen=0, head_start=0, global_heads=0):
     q, k, v = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     grad_out, out = _rows_contiguous(grad_out.to(q.dtype)), _rows_contiguous(out)
     B, N, H, D = q.shape
     Hkv = k.shape[2]
     table, meta, sequences, length = _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens,
-                                             max_seqlen)
+                                             max_seqlen, head_start, global_heads)
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     has_dlse = grad_lse is not None

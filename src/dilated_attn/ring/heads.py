@@ -1,0 +1,259 @@
+"""The head-parallel modes of ring_attention: "heads" (DeepSpeed-Ulysses) and "2d" (heads inside, ring outside).
+
+In the "heads" mode each of the P ranks of a group trades its sequence shard of q, k and v (all heads, L positions)
+for all P*L positions of its share of the heads (an all-to-all), runs the single-device kernels on them (no ring
+step, no merge), and trades the output back; the backward mirrors it. Rank j takes the query heads
+`[j*Hq/P, (j+1)*Hq/P)`, with the offsets of their global indices (spec.branch_table), and the key/value heads they
+read: a key/value head that serves the query heads of several ranks (Hkv < P) goes to each of them, and the
+gradients of its copies are summed where it came from.
+
+The heads of a rank's share are cut into groups that run one after another: the exchange of group g+1 travels
+while group g computes, and the output of group g travels back while group g+1 computes, so only the first
+group's inputs and the last group's output wait for the network.
+
+The "2d" mode (USP, LoongTrain) does the same inside an inner group (the GPUs of a node) and runs the ring across
+an outer group (the nodes) on each head group: the inner exchange gathers the inner group's shards, which are one
+rank's shard of the outer ring (layout.py's chunks nest so, for both layouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..spec import lse_dtype
+
+__all__ = ["HeadShare", "head_share", "HeadParallelAttention"]
+
+# A rank's heads are cut into at most this many groups (fewer where the heads do not divide so): the first group's
+# exchange and the last one's return are what stays exposed, 1/n of the traffic each.
+MAX_HEAD_GROUPS = 4
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """How the P ranks of a group share the heads: rank j takes query heads [j*hq, (j+1)*hq) and key/value heads
+    [kv_first[j], kv_first[j] + hkv); its heads run in groups (query head slice, key/value head slice) of the
+    share, locally numbered."""
+
+    P: int
+    rank: int
+    num_heads: int
+    num_kv_heads: int
+    hq: int
+    hkv: int
+    kv_first: tuple[int, ...]
+    groups: tuple[tuple[slice, slice], ...]
+    layout: str
+
+    @property
+    def head_start(self) -> int:
+        return self.rank * self.hq
+
+
+def head_share(P: int, rank: int, num_heads: int, num_kv_heads: int, layout: str,
+               max_groups: int = MAX_HEAD_GROUPS, check: Optional[Callable[[int, int], None]] = None) -> HeadShare:
+    """The share of `rank`, or ValueError naming the rule the head counts break. `check(head_start, heads)` raises
+    where the kernels cannot run heads [head_start, head_start + heads) (spec.Problem.with_heads); it is asked
+    for every rank's share and group, so that every rank raises alike."""
+    if num_heads % P:
+        raise ValueError(f"mode='heads' and '2d' give each rank of the head-parallel group an equal share of the "
+                         f"query heads: their number ({num_heads}) must be divisible by the group's size ({P})")
+    hq, group = num_heads // P, num_heads // num_kv_heads
+    if hq % group and group % hq:
+        raise ValueError(f"mode='heads' and '2d' need each rank's {hq} query heads to read whole key/value heads "
+                         f"({group} query heads share one): one of the two counts must divide the other")
+    hkv = max(hq // group, 1)
+    kv_first = tuple(j * hq // group for j in range(P))
+    # groups: n divides hq, whole key/value heads per group where there are several
+    n = max(x for x in range(1, min(max_groups, hq) + 1) if hq % x == 0 and (hkv % x == 0 or hkv == 1))
+    size = hq // n
+    groups = []
+    for g in range(n):
+        kv = slice(g * size // group, g * size // group + max(size // group, 1)) if hkv > 1 else slice(0, 1)
+        groups.append((slice(g * size, (g + 1) * size), kv))
+    if check is not None:
+        for j in range(P):
+            for qs, _ in groups:
+                check(j * hq + qs.start, qs.stop - qs.start)
+    return HeadShare(P, rank, num_heads, num_kv_heads, hq, hkv, kv_first, tuple(groups), layout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The exchange: [B, L, H, E] shards of the sequence <-> [B, P*L, h, E] shares of the heads, in position order.
+
+
+def _positions(x: torch.Tensor, P: int, layout: str) -> torch.Tensor:
+    """The P shards of `x` [P, B, L, h, E] (shard j from rank j) as one sequence [B, P*L, h, E] in position order:
+    contiguous, the shards one after another; zigzag, their first halves in rank order, then their second halves
+    in reverse rank order (rank j holds chunks j and 2P-1-j)."""
+    _, B, L, h, E = x.shape
+    if layout == "contiguous":
+        return x.transpose(0, 1).reshape(B, P * L, h, E)
+    halves = x.view(P, B, 2, L // 2, h, E)
+    return torch.cat([halves[:, :, 0].transpose(0, 1).reshape(B, P * L // 2, h, E),
+                      halves[:, :, 1].flip(0).transpose(0, 1).reshape(B, P * L // 2, h, E)], 1)
+
+
+def _shards(y: torch.Tensor, P: int, layout: str) -> torch.Tensor:
+    """The inverse of _positions: [B, P*L, h, E] -> [P, B, L, h, E], shard j the positions of rank j."""
+    B, N, h, E = y.shape
+    if layout == "contiguous":
+        return y.reshape(B, P, N // P, h, E).transpose(0, 1).contiguous()
+    chunks = y.reshape(B, 2 * P, N // (2 * P), h, E)
+    order = [c for j in range(P) for c in (j, 2 * P - 1 - j)]
+    return chunks[:, order].reshape(B, P, N // P, h, E).transpose(0, 1).contiguous()
+
+
+class _Exchange:
+    """One all-to-all in flight: `wait()` gives what arrived."""
+
+    def __init__(self, send: torch.Tensor, group, finish: Callable[[torch.Tensor], torch.Tensor]):
+        self.recv = torch.empty_like(send)
+        self.send, self.finish = send, finish
+        self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        self.send = None
+        return self.finish(self.recv)
+
+
+def to_heads(x: torch.Tensor, heads: list[slice], share: HeadShare, group) -> _Exchange:
+    """Post the exchange of x [B, L, H, E] that gives this rank [B, P*L, h, E] of its heads: rank j receives the
+    heads `heads[j]` of every rank's positions."""
+    send = torch.stack([x[:, :, s] for s in heads])  # [P, B, L, h, E]
+    return _Exchange(send, group, lambda recv: _positions(recv, share.P, share.layout))
+
+
+def to_positions(y: torch.Tensor, share: HeadShare, group) -> _Exchange:
+    """Post the exchange of y [B, P*L, h, E] (this rank's heads, every position) that gives back [P, B, L, h, E]:
+    entry j holds rank j's heads at this rank's positions."""
+    return _Exchange(_shards(y, share.P, share.layout), group, lambda recv: recv)
+
+
+def _query_heads(share: HeadShare, qs: slice) -> list[slice]:
+    return [slice(j * share.hq + qs.start, j * share.hq + qs.stop) for j in range(share.P)]
+
+
+def _kv_heads(share: HeadShare, ks: slice) -> list[slice]:
+    return [slice(share.kv_first[j] + ks.start, share.kv_first[j] + ks.stop) for j in range(share.P)]
+
+
+def _lse_rows(lse: torch.Tensor) -> torch.Tensor:
+    """[B, H, N] -> [B, N, H, 1] (a view), the layout the exchange moves."""
+    return lse.transpose(1, 2).unsqueeze(-1)
+
+
+@dataclass
+class HeadParallelAttention:
+    """Attention of a head-parallel mode on this rank. `attend(g, q, k, v)` gives (out, lse) of head group g on the
+    gathered [B, P*L, h, D] tensors (plus whatever its backward keeps), `attend_backward(g, kept, d_out, d_lse)`
+    that group's (dq, dk, dv); both run on the sequence of the whole group (the single-device ops for "heads", the
+    outer ring for "2d")."""
+
+    share: HeadShare
+    group: object
+    attend: Callable
+    attend_backward: Callable
+
+    def forward(self, q, k, v):
+        """(out [B, L, Hq, D], lse [B, Hq, L], what the backward keeps)."""
+        share, group = self.share, self.group
+        B, L, H, D = q.shape
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, H, L), dtype=lse_dtype(q.dtype), device=q.device)
+        groups = share.groups
+
+        def post(g):
+            qs, ks = groups[g]
+            kv = g == 0 or share.hkv > 1  # a single key/value head serves every group: it travels once
+            return (to_heads(q, _query_heads(share, qs), share, group),
+                    *((to_heads(k, _kv_heads(share, ks), share, group),
+                       to_heads(v, _kv_heads(share, ks), share, group)) if kv else ()))
+
+        kept, returning, pending = [], [], post(0)
+        k_h = v_h = None
+        for g, (qs, _) in enumerate(groups):
+            arrived = [x.wait() for x in pending]
+            q_h = arrived[0]
+            if len(arrived) == 3:
+                k_h, v_h = arrived[1], arrived[2]
+            if g + 1 < len(groups):
+                pending = post(g + 1)
+            o_h, l_h, keep = self.attend(g, q_h, k_h, v_h)
+            kept.append(keep)
+            returning.append((qs, to_positions(o_h, share, group), to_positions(_lse_rows(l_h), share, group)))
+        out_heads = out.view(B, L, share.P, share.hq, D)
+        lse_heads = lse.view(B, share.P, share.hq, L)
+        for qs, o, l in returning:
+            out_heads[:, :, :, qs] = o.wait().permute(1, 2, 0, 3, 4)
+            lse_heads[:, :, qs] = l.wait()[..., 0].permute(1, 0, 3, 2)
+        return out, lse, kept
+
+    def backward(self, kept, d_out, d_lse, q, k, v):
+        """(dq, dk, dv) of this rank's shards; d_out [B, L, Hq, D] (zeros where None), d_lse [B, Hq, L] or None."""
+        share, group = self.share, self.group
+        B, L, H, D = q.shape
+        acc = lse_dtype(q.dtype)
+        groups = share.groups
+        if d_out is None:
+            d_out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        d_out = d_out.to(q.dtype)
+
+        def post(g):
+            heads = _query_heads(share, groups[g][0])
+            return (to_heads(d_out, heads, share, group),
+                    None if d_lse is None else to_heads(_lse_rows(d_lse), heads, share, group))
+
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dq_heads = dq.view(B, L, share.P, share.hq, D)
+        # key/value gradients come back from every rank that read a head: summed in float32 (float64)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        returning, pending = [], post(0)
+        dk_h = dv_h = None
+        for g, (qs, ks) in enumerate(groups):
+            do_h, dl_h = pending[0].wait(), None if pending[1] is None else pending[1].wait()[..., 0].transpose(1, 2)
+            if g + 1 < len(groups):
+                pending = post(g + 1)
+            gq, gk, gv = self.attend_backward(g, kept[g], do_h, dl_h)
+            kept[g] = None
+            returning.append(("q", qs, to_positions(gq, share, group)))
+            if share.hkv > 1:
+                returning.append(("kv", ks, to_positions(gk, share, group), to_positions(gv, share, group)))
+            else:  # one key/value head for every group: summed here, sent once
+                dk_h = gk.to(acc) if dk_h is None else dk_h + gk
+                dv_h = gv.to(acc) if dv_h is None else dv_h + gv
+        if dk_h is not None:
+            returning.append(("kv", groups[0][1], to_positions(dk_h, share, group),
+                              to_positions(dv_h, share, group)))
+        for item in returning:
+            if item[0] == "q":
+                dq_heads[:, :, :, item[1]] = item[2].wait().permute(1, 2, 0, 3, 4)
+                continue
+            _, ks, gk, gv = item
+            gk, gv = gk.wait(), gv.wait()
+            for j, s in enumerate(_kv_heads(share, ks)):
+                dk[:, :, s] += gk[j]
+                dv[:, :, s] += gv[j]
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class HeadParallelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attention: HeadParallelAttention):
+        out, lse, kept = attention.forward(q, k, v)
+        ctx.save_for_backward(q, k, v)
+        ctx.attention, ctx.kept = attention, kept
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None
+        return (*ctx.attention.backward(kept, d_out, d_lse, q, k, v), None)

@@ -1,0 +1,191 @@
+"""Which mode runs a ring_attention call, and what it needs: the `mode` argument, the "auto" rule, explain_ring.
+
+    ring    K/V blocks travel around the ring (plan.py, autograd.py): any head count, traffic per rank the rows the
+            branches select from the other ranks; local branches move nothing.
+    heads   an all-to-all trades each rank's sequence shard for a share of the heads (heads.py): Hq % P == 0,
+            traffic per rank about 2(Hq + P*hkv)/P of the shard's rows, no merge.
+    2d      heads inside the inner group, ring across the outer group (a 2-D DeviceMesh or a pair of groups).
+    auto    2d for a mesh or a pair; else whichever of ring and heads sends fewer bytes per rank (heads only where
+            it can run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import backends, dispatch
+from ..spec import Problem, validate
+from .autograd import RingConfig, ring_backward, ring_forward
+from .heads import HeadParallelAttention, HeadShare, head_share
+from .layout import MODES, Groups, check_layout, resolve_groups
+from .plan import ring_plan
+
+__all__ = ["MODES", "RingCall", "plan_call", "explain_ring", "resolve_groups"]
+
+
+@dataclass
+class RingCall:
+    """A validated ring_attention call on this rank: its mode and why, the local problem, and what runs it."""
+
+    mode: str
+    reason: str
+    problem: Problem  # the local shard's
+    branches: tuple  # (segment_lengths, dilation_rates) bounded by the global sequence
+    backend: str = ""  # the single-device backend of its kernels
+    bytes_per_rank: Optional[dict] = None  # forward bytes each candidate mode sends from the busiest rank
+    ring: Optional[RingConfig] = None
+    head_parallel: Optional[HeadParallelAttention] = None
+
+    def __str__(self) -> str:
+        sent = "" if not self.bytes_per_rank else "; forward bytes sent per rank: " + ", ".join(
+            f"{m} {b / 2**20:.1f} MiB" for m, b in self.bytes_per_rank.items())
+        return f"mode {self.mode!r} with the {self.backend!r} kernels: {self.reason}{sent}"
+
+
+def _ring_config(q_like: Problem, plan, rank: int, group, gw, gr, head_groups: str, backend: str,
+                 head_start: int = 0, global_heads: int = 0) -> RingConfig:
+    """The ring's config for a local problem `q_like` (the shard's sizes): its local branches' problem and
+    backend."""
+    local = plan.local_branches
+    all_local = len(local) == len(gw)
+    local_problem = Problem.from_sizes(
+        q_like.batch, q_like.seq_len, q_like.num_heads, q_like.num_kv_heads, q_like.head_dim,
+        [gw[i] for i in local] or [1], [gr[i] for i in local] or [1], dtype=q_like.dtype, device=q_like.device,
+        causal=q_like.causal, scale=q_like.scale, head_groups=head_groups if all_local else "all",
+        records_backward=q_like.records_backward)
+    if global_heads:
+        local_problem = local_problem.with_heads(head_start, global_heads)
+    chosen = dispatch.select(local_problem, backend).name
+    return RingConfig(plan, rank, group, local_problem, chosen, q_like.scale, q_like.causal)
+
+
+def _heads_bytes(p: Problem, share: HeadShare) -> int:
+    """Forward bytes one rank sends in the heads mode: q's other heads and the key/value heads the other ranks
+    read, of its L rows, and the output of its heads at the other ranks' positions."""
+    P = share.P
+    rows = p.batch * p.seq_len * p.head_dim * p.dtype.itemsize
+    return rows * ((P - 1) * share.hq * 2 + (P - 1) * share.hkv * 2)
+
+
+def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_groups, layout, return_lse, backend,
+              mode, groups: Groups) -> RingCall:
+    """Validate a call on this rank and choose its mode (ValueError/TypeError as the spec says)."""
+    layout = check_layout(layout)
+    if (segment_lengths is None) != (dilation_rates is None):
+        raise ValueError("segment_lengths and dilation_rates must both be None (dense ring attention) or both be "
+                         "given")
+    dense = segment_lengths is None
+    P = groups.size
+    L = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    N = P * L
+    w, r = ([max(N, 1)], [1]) if dense else (segment_lengths, dilation_rates)
+    p = validate(q, k, v, w, r, causal=causal, scale=scale, head_groups=head_groups, return_lse=return_lse,
+                 backend=backend)
+    if layout == "zigzag" and L % 2:
+        raise ValueError(f"layout='zigzag' needs the global length N = P*L divisible by 2P, i.e. an even local "
+                         f"length L, got L={L} on {P} ranks")
+    if P == 1:
+        return RingCall("ring", "one rank: dilated_attention", p, (w, r))
+    gw, gr = (tuple(x) for x in p.op_branches(N))  # bounded by the global sequence (the plan's ints stay small)
+    Hq, Hkv = p.num_heads, p.num_kv_heads
+
+    def heads_rule(P_heads: int, rank: int, seq_len: int) -> HeadShare:
+        if head_groups != "all":
+            raise ValueError("mode='heads' and '2d' run head_groups='all' (LongNet's); head_groups='split' runs in "
+                             "mode='ring'")
+
+        def check(h0: int, n: int) -> None:
+            Problem.from_sizes(p.batch, seq_len, n, max(n * Hkv // Hq, 1), p.head_dim, gw, gr, dtype=p.dtype,
+                               device=p.device, causal=causal, scale=p.scale).with_heads(h0, Hq)
+
+        return head_share(P_heads, rank, Hq, Hkv, layout, check=check)
+
+    if groups.two_d:
+        (inner, outer), (ri, ro), (Pi, Po) = groups.all, groups.ranks, groups.sizes
+        share = heads_rule(Pi, ri, N)
+        return RingCall("2d", f"a 2-D group: heads across the inner {Pi} ranks, ring across the outer {Po}", p,
+                        (gw, gr), head_parallel=_two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout,
+                                                       backend))
+    group, rank = groups.all[0], groups.rank
+    plan = ring_plan(P, L, Hq, Hkv, gw, gr, head_groups, causal, layout)
+    ring_bytes = max(plan.bytes_sent(j, p.batch, p.head_dim, p.dtype.itemsize) for j in range(P))
+    share, why_not = None, None
+    if mode in ("auto", "heads"):
+        try:
+            share = heads_rule(P, rank, N)
+        except ValueError as exc:
+            if mode == "heads":
+                raise
+            why_not = str(exc)
+    sent = {"ring": ring_bytes}
+    if share is not None:
+        sent["heads"] = _heads_bytes(p, share)
+    if mode == "ring" or (mode == "auto" and (share is None or sent["heads"] >= ring_bytes)):
+        reason = ("asked for" if mode == "ring" else
+                  f"heads cannot run ({why_not})" if share is None else "it sends fewer bytes than heads")
+        cfg = _ring_config(p, plan, rank, group, gw, gr, head_groups, backend)
+        return RingCall("ring", reason, p, (gw, gr), cfg.backend, sent, ring=cfg)
+    reason = "asked for" if mode == "heads" else "it sends fewer bytes than ring"
+    attention, chosen = _heads(p, share, group, N, gw, gr, backend)
+    return RingCall("heads", reason, p, (gw, gr), chosen, sent, head_parallel=attention)
+
+
+def _group_problem(p: Problem, share: HeadShare, g: int, seq_len: int, gw, gr, head_start: int) -> Problem:
+    qs, ks = share.groups[g]
+    return Problem.from_sizes(p.batch, seq_len, qs.stop - qs.start, ks.stop - ks.start, p.head_dim, gw, gr,
+                              dtype=p.dtype, device=p.device, causal=p.causal, scale=p.scale,
+                              records_backward=p.records_backward).with_heads(head_start + qs.start, p.num_heads)
+
+
+def _heads(p: Problem, share: HeadShare, group, N: int, gw, gr, backend: str):
+    """The heads mode: the single-device ops on each head group's gathered [B, N, h, D] tensors."""
+    problems = [_group_problem(p, share, g, N, gw, gr, share.head_start) for g in range(len(share.groups))]
+    chosen = [dispatch.select(x, backend).name for x in problems]
+
+    def attend(g, q_h, k_h, v_h):  # k_h, v_h: the group's key/value heads
+        forward_op, _ = backends.get(chosen[g]).ops()
+        out, lse = forward_op(q_h, k_h, v_h, **problems[g].op_arguments())
+        return out, lse, (q_h, k_h, v_h, out, lse)
+
+    def attend_backward(g, kept, d_out, d_lse):
+        name, _ = dispatch.backward_backend(problems[g], chosen[g], lse_gradient=d_lse is not None)
+        _, backward_op = backends.get(name).ops()
+        q_h, k_g, v_g, out, lse = kept
+        return backward_op(d_out, d_lse, q_h, k_g, v_g, out, lse, **problems[g].op_arguments())
+
+    return HeadParallelAttention(share, group, attend, attend_backward), chosen[0]
+
+
+def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int, L_outer: int, gw, gr, layout: str,
+           backend: str) -> HeadParallelAttention:
+    """The 2-D mode: each head group's gathered [B, Pi*L, h, D] tensors are one shard of a ring across `outer`."""
+    configs = []
+    for g, (qs, ks) in enumerate(share.groups):
+        h0 = share.head_start + qs.start
+        n_q, n_kv = qs.stop - qs.start, ks.stop - ks.start
+        plan = ring_plan(Po, L_outer, n_q, n_kv, gw, gr, "all", p.causal, layout, h0, p.num_heads)
+        local = Problem.from_sizes(p.batch, L_outer, n_q, n_kv, p.head_dim, gw, gr, dtype=p.dtype, device=p.device,
+                                   causal=p.causal, scale=p.scale, records_backward=p.records_backward)
+        configs.append(_ring_config(local, plan, outer_rank, outer, gw, gr, "all", backend, h0, p.num_heads))
+
+    def attend(g, q_h, k_h, v_h):
+        out, lse = ring_forward(q_h, k_h, v_h, configs[g])
+        return out, lse, (q_h, k_h, v_h, out, lse)
+
+    def attend_backward(g, kept, d_out, d_lse):
+        q_h, k_g, v_g, out, lse = kept
+        return ring_backward(q_h, k_g, v_g, out, lse, d_out, d_lse, configs[g])
+
+    return HeadParallelAttention(share, inner, attend, attend_backward)
+
+
+def explain_ring(q, k, v, segment_lengths=None, dilation_rates=None, *, causal=False, scale=None, head_groups="all",
+                 group=None, layout="contiguous", return_lse=False, backend="auto", mode="auto") -> RingCall:
+    """Which mode (and single-device backend) `ring_attention` with these arguments runs on this rank, and why:
+    `print()` it. Validates like ring_attention without any collective or attention."""
+    groups = resolve_groups(group, mode)
+    return plan_call(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups,
+                     layout=layout, return_lse=return_lse, backend=backend, mode=mode, groups=groups)
