@@ -1,18 +1,25 @@
-"""Ring attention scaling: ring_attention on P GPUs against dilated_attention on one GPU, same global N.
+"""Ring attention scaling: ring_attention on P GPUs, in each mode, against dilated_attention on one GPU.
 
-    torchrun --nproc_per_node=2 benchmarks/bench_ring.py                 # both presets below
-    torchrun --nproc_per_node=2 benchmarks/bench_ring.py --preset dense  # one of them
+    torchrun --nproc_per_node=4 benchmarks/bench_ring.py                          # both presets, every mode
+    torchrun --nproc_per_node=4 benchmarks/bench_ring.py --preset dense --mode heads
+    torchrun --nproc_per_node=4 benchmarks/bench_ring.py --tokens-per-gpu         # weak scaling
 
 Presets (bf16, B=1, H=16, D=128):
   longnet  N = 524288, branches (4096,1),(32768,4),(262144,16),(524288,32), non-causal, contiguous layout
   dense    N = 65536, dense causal ring (segment_lengths=None), zigzag layout
 
-efficiency = T1 / (P * TP): T1 is forward+backward of dilated_attention on one GPU (rank 0 alone, the others
-wait) for the global tensors, TP the forward+backward of ring_attention on P GPUs (each iteration starts
-after a barrier; the slowest rank's time counts). Times are medians over --repeats after --warmup calls
-(dilated_attn.cli.harness.median_ms: CUDA events, L2 flushed before each run). Bytes sent per rank are the
-plan's forward K/V traffic (dilated_attn.ring.ring_plan), shown against the volume the branches select.
-Results go to benchmarks/results/ring_<device>_<P>gpu.json (or --out), rewritten after every preset.
+Strong scaling (the default): the preset's N on P GPUs. efficiency = T1 / (P * TP): T1 is dilated_attention on one
+GPU (rank 0 alone, the others wait) for the global tensors (auto's backend: the fastest single-GPU path), TP
+ring_attention on P GPUs (each iteration starts after a barrier; the slowest rank's time counts), forward+backward
+and forward apart. Weak scaling (--tokens-per-gpu, default 131072 tokens a GPU for longnet, 32768 for dense): N = P
+times that, the preset's branches; per-GPU TFLOP/s = spec.flops(N) / (P * TP), against one GPU's on the
+same tokens per GPU (N = tokens, measured in the same run): weak efficiency = their ratio. Times are medians over
+--repeats after --warmup calls (dilated_attn.cli.harness.median_ms: CUDA events, L2 flushed before each run).
+
+Modes (--mode, default all that run): ring, heads, and on 4 or more GPUs 2d as (P/2) x 2 (inner pairs of
+consecutive ranks standing for a node). Bytes sent per rank: the ring plan's forward K/V traffic
+(dilated_attn.ring.ring_plan) and the heads mode's all-to-all (explain_ring). Results go to
+benchmarks/results/ring_<device>_<P>gpu.json (or --out), rewritten after every row.
 
 --profile adds, per preset and rank, where one ring forward and one forward+backward spend their GPU time
 (torch.profiler's kernel timeline): attention kernels (cuDNN's or Triton's), merges and gradient additions (the merge
@@ -33,13 +40,14 @@ import torch.distributed as dist
 
 import dilated_attn
 from dilated_attn.cli.harness import Record, attention_call, median_ms, random_inputs, say, tflops
-from dilated_attn.ring import ring_plan
 from dilated_attn.spec import validate
 
 PRESETS = {
-    "longnet": dict(N=524288, w=[4096, 32768, 262144, 524288], r=[1, 4, 16, 32], causal=False, layout="contiguous"),
-    "dense": dict(N=65536, w=None, r=None, causal=True, layout="zigzag"),
+    "longnet": dict(N=524288, w=[4096, 32768, 262144, 524288], r=[1, 4, 16, 32], causal=False, layout="contiguous",
+                    tokens_per_gpu=131072),
+    "dense": dict(N=65536, w=None, r=None, causal=True, layout="zigzag", tokens_per_gpu=32768),
 }
+MODES = ("ring", "heads", "2d")
 B, H, D, DTYPE = 1, 16, 128, torch.bfloat16
 
 
@@ -136,45 +144,65 @@ def gpu_time_breakdown(fn) -> dict:
                 no_kernel_ms=wall - _length(every))
 
 
-def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) -> dict:
-    P, rank = dist.get_world_size(), dist.get_rank()
-    N, L = cfg["N"], cfg["N"] // P
-    w, r = cfg["w"], cfg["r"]
-    row = dict(preset=name, N=N, P=P, B=B, H=H, D=D, dtype=str(DTYPE).removeprefix("torch."),
-               branches=None if w is None else list(zip(w, r)), causal=cfg["causal"], layout=cfg["layout"])
-    t1 = {}
-    if rank == 0:  # T1: one GPU, the global sequence
-        inputs = random_inputs(B, N, H, D, dtype=DTYPE, device="cuda", seed=rank)
-        f, fb = calls(lambda q, k, v: dilated_attn.dilated_attention(
-            q, k, v, w or [N], r or [1], causal=cfg["causal"]), inputs)
-        t1 = dict(fwd_ms=timed(f, warmup, repeats, False), fwd_bwd_ms=timed(fb, warmup, repeats, False))
-        p = validate(*inputs[:3], w or [N], r or [1], causal=cfg["causal"])
-        row["tflops_1gpu_fwd_bwd"] = tflops(p, t1["fwd_bwd_ms"], backward=True)
-        row["t1_backend"] = dilated_attn.explain(*inputs[:3], w or [N], r or [1], causal=cfg["causal"]).backend
+def mesh_pair(inner: int = 2):
+    """(ring_group, heads_group) of this rank: inner groups of `inner` consecutive ranks (the GPUs of a node) and
+    outer groups of the ranks with the same inner index, so that a rank's shard is its global rank's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    inners = [dist.new_group(list(range(o, o + inner))) for o in range(0, world, inner)]
+    outers = [dist.new_group(list(range(i, world, inner))) for i in range(inner)]
+    return outers[rank % inner], inners[rank // inner]
+
+
+def single_gpu(name: str, cfg: dict, N: int, warmup: int, repeats: int) -> dict:
+    """T1 on rank 0 (the others wait): dilated_attention of N tokens with auto's backend."""
+    row = {}
+    if dist.get_rank() == 0:
+        w, r = cfg["w"] or [N], cfg["r"] or [1]
+        inputs = random_inputs(B, N, H, D, dtype=DTYPE, device="cuda", seed=0)
+        f, fb = calls(lambda q, k, v: dilated_attn.dilated_attention(q, k, v, w, r, causal=cfg["causal"]), inputs)
+        p = validate(*inputs[:3], w, r, causal=cfg["causal"])
+        row = dict(t1_fwd_ms=timed(f, warmup, repeats, False), t1_fwd_bwd_ms=timed(fb, warmup, repeats, False),
+                   t1_backend=dilated_attn.explain(*inputs[:3], w, r, causal=cfg["causal"]).backend,
+                   t1_tflops_fwd_bwd=None, t1_tflops_fwd=None)
+        row["t1_tflops_fwd_bwd"] = tflops(p, row["t1_fwd_bwd_ms"], backward=True)
+        row["t1_tflops_fwd"] = tflops(p, row["t1_fwd_ms"], backward=False)
         del inputs, f, fb
         torch.cuda.empty_cache()
-        say(f"[{name}] 1 GPU ({row['t1_backend']}): fwd {t1['fwd_ms']:.2f} ms, fwd+bwd {t1['fwd_bwd_ms']:.2f} ms")
+        say(f"[{name}] 1 GPU, N={N} ({row['t1_backend']}): fwd {row['t1_fwd_ms']:.2f} ms, fwd+bwd "
+            f"{row['t1_fwd_bwd_ms']:.2f} ms")
     dist.barrier()
+    return row
+
+
+def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, repeats: int,
+        profile: bool = False) -> dict:
+    """One mode of one preset on P GPUs at global length N: TP, the efficiency against t1, traffic, profile."""
+    P, rank = dist.get_world_size(), dist.get_rank()
+    L = N // P
+    w, r = cfg["w"], cfg["r"]
+    row = dict(preset=name, mode=mode, N=N, P=P, B=B, H=H, D=D, dtype=str(DTYPE).removeprefix("torch."),
+               branches=None if w is None else list(zip(w, r)), causal=cfg["causal"], layout=cfg["layout"])
     inputs = random_inputs(B, L, H, D, dtype=DTYPE, device="cuda", seed=rank)
-    f, fb = calls(lambda q, k, v: dilated_attn.ring_attention(
-        q, k, v, w, r, causal=cfg["causal"], layout=cfg["layout"]), inputs)
+    kw = dict(causal=cfg["causal"], layout=cfg["layout"], group=group, mode=mode)
+    call = dilated_attn.explain_ring(*inputs[:3], w, r, **kw)
+    f, fb = calls(lambda q, k, v: dilated_attn.ring_attention(q, k, v, w, r, **kw), inputs)
     tp = dict(fwd_ms=timed(f, warmup, repeats, True), fwd_bwd_ms=timed(fb, warmup, repeats, True))
     if profile:
         breakdown = {}
-        for mode, fn in (("fwd", f), ("fwd_bwd", fb)):
+        for part, fn in (("fwd", f), ("fwd_bwd", fb)):
             dist.barrier()
             mine = gpu_time_breakdown(fn)
             every = [None] * P
             dist.all_gather_object(every, mine)
-            breakdown[mode] = every
+            breakdown[part] = every
+        row["gpu_time_per_rank"] = breakdown
         if rank == 0:
-            row["gpu_time_per_rank"] = breakdown
-            for mode, ranks in breakdown.items():
+            for part, ranks in breakdown.items():
                 for j, b in enumerate(ranks):
-                    say(f"[{name}] {mode} rank {j}: " + ", ".join(f"{k.removesuffix('_ms')} {v:.2f} ms"
-                                                                 for k, v in b.items()))
-    plan = ring_plan(P, L, H, H, tuple(w or [N]), tuple(r or [1]), "all", cfg["causal"], cfg["layout"])
-    sent = torch.tensor([plan.bytes_sent(j, B, D, DTYPE.itemsize) for j in range(P)])
+                    say(f"[{name}/{mode}] {part} rank {j}: " + ", ".join(
+                        f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in b.items()))
+    sent = [None] * P
+    dist.all_gather_object(sent, (call.bytes_per_rank or {}).get(mode) if mode != "2d" else None)
     # the peak of one forward+backward, inputs included (measured apart from the timing, whose L2 flush
     # buffer would count otherwise)
     torch.cuda.reset_peak_memory_stats()
@@ -182,23 +210,26 @@ def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) 
     torch.cuda.synchronize()
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    p = validate(torch.empty(B, N, H, D, device="meta"), torch.empty(B, N, H, D, device="meta"),
+                 torch.empty(B, N, H, D, device="meta"), w or [N], r or [1], causal=cfg["causal"])
+    row.update(
+        t1, tp_fwd_ms=tp["fwd_ms"], tp_fwd_bwd_ms=tp["fwd_bwd_ms"], backend=call.backend,
+        tflops_per_gpu_fwd_bwd=tflops(p, tp["fwd_bwd_ms"], backward=True) / P,
+        tflops_per_gpu_fwd=tflops(p, tp["fwd_ms"], backward=False) / P,
+        forward_bytes_sent_per_rank=sent, peak_memory_gib_max_rank=peak.item(),
+    )
+    if "t1_fwd_ms" in t1 and t1.get("t1_N", N) == N:  # strong scaling: the same N on one GPU
+        row.update(efficiency_fwd_bwd=t1["t1_fwd_bwd_ms"] / (P * tp["fwd_bwd_ms"]),
+                   efficiency_fwd=t1["t1_fwd_ms"] / (P * tp["fwd_ms"]))
+    elif "t1_fwd_ms" in t1:  # weak scaling: per-GPU rates against one GPU's on the same tokens per GPU
+        row.update(efficiency_fwd_bwd=row["tflops_per_gpu_fwd_bwd"] / t1["t1_tflops_fwd_bwd"],
+                   efficiency_fwd=row["tflops_per_gpu_fwd"] / t1["t1_tflops_fwd"])
     if rank == 0:
-        row.update(
-            t1_fwd_ms=t1["fwd_ms"], t1_fwd_bwd_ms=t1["fwd_bwd_ms"], tp_fwd_ms=tp["fwd_ms"],
-            tp_fwd_bwd_ms=tp["fwd_bwd_ms"],
-            efficiency_fwd_bwd=t1["fwd_bwd_ms"] / (P * tp["fwd_bwd_ms"]),
-            efficiency_fwd=t1["fwd_ms"] / (P * tp["fwd_ms"]),
-            forward_bytes_sent_per_rank=sent.tolist(),
-            peak_memory_gib_max_rank=peak.item(),
-        )
-        if w is not None:
-            # what the branches select: the spanning branches' 1/r of the K and V of a rank's L positions
-            spanning = [i for i in range(len(w)) if i not in plan.local_branches]
-            row["expected_bytes_per_rank"] = sum(2 * B * L * H * D * DTYPE.itemsize // r[i] for i in spanning)
-        say(f"[{name}] {P} GPUs: fwd {tp['fwd_ms']:.2f} ms, fwd+bwd {tp['fwd_bwd_ms']:.2f} ms; efficiency "
-            f"fwd+bwd {row['efficiency_fwd_bwd']:.1%}, fwd {row['efficiency_fwd']:.1%}; bytes sent per rank "
-            f"{[f'{b / 2**20:.1f} MiB' for b in sent.tolist()]}"
-            + (f" (selected volume {row['expected_bytes_per_rank'] / 2**20:.1f} MiB)" if w else ""))
+        mib = [f"{b / 2**20:.1f}" for b in sent if b is not None]
+        say(f"[{name}/{mode}] {P} GPUs, N={N}: fwd {tp['fwd_ms']:.2f} ms, fwd+bwd {tp['fwd_bwd_ms']:.2f} ms; "
+            f"{row['tflops_per_gpu_fwd_bwd']:.0f} TFLOP/s per GPU fwd+bwd; efficiency fwd+bwd "
+            f"{row.get('efficiency_fwd_bwd', float('nan')):.1%}, fwd {row.get('efficiency_fwd', float('nan')):.1%}"
+            + (f"; MiB sent per rank {mib}" if mib else "") + f" ({call})")
     del inputs, f, fb
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -208,9 +239,12 @@ def run(name: str, cfg: dict, warmup: int, repeats: int, profile: bool = False) 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=[*PRESETS, "all"], default="all")
+    ap.add_argument("--mode", choices=[*MODES, "all"], default="all", help="the ring_attention mode(s) to time")
+    ap.add_argument("--tokens-per-gpu", type=int, nargs="?", const=0, default=None,
+                    help="weak scaling: N = P * this (no value: each preset's default tokens per GPU)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one ring call")
+    ap.add_argument("--profile", action="store_true", help="each rank's kernel-time breakdown of one call per mode")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_<device>_<P>gpu.json)")
     args = ap.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -218,22 +252,37 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     P, rank = dist.get_world_size(), dist.get_rank()
     names = list(PRESETS) if args.preset == "all" else [args.preset]
+    modes = [m for m in (MODES if args.mode == "all" else [args.mode]) if m != "2d" or (P >= 4 and P % 2 == 0)]
+    pair = mesh_pair() if "2d" in modes else None
     bandwidth = p2p_bandwidth()
+    weak = args.tokens_per_gpu is not None
     record = None
     if rank == 0:
         say(f"point-to-point rank 0 -> 1: {bandwidth:.1f} GB/s (256 MiB)")
         device = torch.cuda.get_device_name()
         path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        f"ring_{device.replace(' ', '_')}_{P}gpu.json")
-        record = Record("ring_scaling", "cuda",
-                        dict(presets={n: PRESETS[n] for n in names}, B=B, H=H, D=D, dtype="bfloat16",
-                             warmup=args.warmup, repeats=args.repeats),
+                                        f"ring_{device.replace(' ', '_')}_{P}gpu{'_weak' if weak else ''}.json")
+        record = Record("ring_weak_scaling" if weak else "ring_scaling", "cuda",
+                        dict(presets={n: PRESETS[n] for n in names}, modes=modes, B=B, H=H, D=D, dtype="bfloat16",
+                             warmup=args.warmup, repeats=args.repeats, tokens_per_gpu=args.tokens_per_gpu),
                         json_path=path, command=shlex.join(["torchrun", f"--nproc_per_node={P}", *sys.argv]),
                         gpus=P, nccl=".".join(map(str, torch.cuda.nccl.version())), p2p_GBps=bandwidth)
     for name in names:
-        row = run(name, PRESETS[name], args.warmup, args.repeats, args.profile)
-        if record is not None:
-            record.add(row)
+        cfg = PRESETS[name]
+        tokens = (args.tokens_per_gpu or cfg["tokens_per_gpu"]) if weak else cfg["N"] // P
+        N = tokens * P
+        t1 = single_gpu(name, cfg, tokens if weak else N, args.warmup, args.repeats)
+        t1["t1_N"] = tokens if weak else N
+        for mode in modes:
+            try:
+                row = run(name, cfg, mode, pair if mode == "2d" else None, N, t1, args.warmup, args.repeats,
+                          args.profile)
+            except ValueError as exc:  # a mode these sizes cannot run (the same on every rank)
+                if rank == 0:
+                    say(f"[{name}/{mode}] not run: {exc}")
+                continue
+            if record is not None:
+                record.add(row)
     if record is not None:
         record.close()
     dist.barrier()  # no rank tears the group down while a peer still uses it

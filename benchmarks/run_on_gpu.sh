@@ -3,16 +3,17 @@
 # JSON go under $OUT (default ./gpu_out).
 # The build holds Pascal's tile tables in the sm_70+ code too (DILATED_ATTN_PASCAL_PROXY=1), so that the tests, the
 # sanitizers and bench_cuda_kernels.py run them on this GPU (DILATED_ATTN_CUDA_TILES=pascal or gp100).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|ring|main|tune|first_call|varlen|decode|tile_order|ncu|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|ring|ring_bench|main|tune|first_call|varlen|decode|tile_order|ncu|all]...
 #   cuda_kernels: benchmarks/bench_cuda_kernels.py ${CUDA_KERNELS_ARGS} (both tile tables against the fp32 FMA peak)
 #   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
 #   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS};
 #        NCU_KERNELS, NCU_COUNT: the kernel regex and count, e.g. for NCU_ARGS="--backend cudnn"; NCU_METRICS: the
 #        metrics beside the sections, comma-separated, default the tensor pipe's activity)
 #   smem: tools/triton_shared_memory.py ${SMEM_ARGS} (the Triton configs' shared memory against the estimate)
-#   ring: the multi-GPU tests, then the ring scaling benchmark with its kernel-time profile (bench_ring.py --profile
-#         ${RING_ARGS}) on 2 GPUs and, where the machine has them, on 4, then benchmarks/ring_model.py on the
-#         2-GPU run (the efficiency at 4, 8 and 16 GPUs)
+#   ring: the multi-GPU tests, then ring_bench
+#   ring_bench: bench_ring.py in every mode with each rank's kernel-time profile (--profile ${RING_ARGS}) and its weak
+#         scaling (--tokens-per-gpu), on each GPU count of RING_GPUS (default "4 2") the machine has; then
+#         `python benchmarks/ring_model.py` on the JSON here (ring_4gpu.json ring_2gpu.json)
 #   tune: benchmarks/tune.py ${TUNE_ARGS} (the full sweep, merged into the source tree's tuned_configs.json when run
 #         with SKIP_BUILD=1 on a fresh machine, else into the installed package's; copied to $OUT either way)
 #   decode: benchmarks/bench_decode.py ${DECODE_ARGS} (KV-cache decoding against the copy bandwidth)
@@ -89,14 +90,23 @@ for stage in $stages; do
       grep -E "^  .*Context [0-9]|Registers Per|Theoretical Occ|Achieved Occ|Duration|Issue Slots Busy|$metrics" \
         "$OUT/ncu.txt" ;;
     ring)
+      python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider tests 2>&1 | tee "$OUT/ring_tests.log" | tail -20 ;;&
+    ring|ring_bench)
+      # every mode, strong and weak scaling, on each GPU count of RING_GPUS (default 4 2) the machine has
       gpus=$(nvidia-smi -L | wc -l)
-      python3 -m pytest -m "multigpu" -q -rfE -p no:cacheprovider tests 2>&1 | tee "$OUT/ring_tests.log" | tail -20
-      for p in 2 4; do
+      for p in ${RING_GPUS:-4 2}; do
         [ "$p" -le "$gpus" ] || continue
         torchrun --standalone --nproc_per_node="$p" benchmarks/bench_ring.py --profile ${RING_ARGS:-} \
           --out "$OUT/ring_${p}gpu.json" 2>&1 | tee -a "$OUT/ring.log"
+        torchrun --standalone --nproc_per_node="$p" benchmarks/bench_ring.py --tokens-per-gpu ${RING_ARGS:-} \
+          --out "$OUT/ring_${p}gpu_weak.json" 2>&1 | tee -a "$OUT/ring.log"
       done
-      python3 benchmarks/ring_model.py "$OUT/ring_2gpu.json" --out "$OUT/ring_model.json" 2>&1 | tee -a "$OUT/ring.log" ;;
+      # the heads mode without overlap (one head group), for the overlap's share
+      if [ -n "${RING_NO_OVERLAP:-}" ]; then
+        DILATED_ATTN_HEAD_GROUPS=1 torchrun --standalone --nproc_per_node="${RING_NO_OVERLAP}" \
+          benchmarks/bench_ring.py --mode heads --out "$OUT/ring_${RING_NO_OVERLAP}gpu_heads_1group.json" 2>&1 \
+          | tee -a "$OUT/ring.log"
+      fi ;;
     main)
       python3 -m dilated_attn 2>&1 | tee "$OUT/main.log"
       python3 examples/train_longnet.py --device cuda --steps ${TRAIN_STEPS:-400} --seq-len 8192 --batch 4 --dim 512 --layers 6 \

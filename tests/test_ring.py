@@ -366,20 +366,29 @@ def _bad_rank(case, rank):
     """One ring_attention call with this rank's arguments: what it raised and how long it took. The case "valid
     call" after the others: the group is still usable and the result exact (its error)."""
     device = f"cuda:{rank}" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+    kw = {}
+    if case.get("mode") == "2d":
+        kw = dict(mode="2d", group=_mesh_pair(2))
+    elif case.get("mode"):
+        kw = dict(mode=case["mode"])
     if case["name"] == "valid call":
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, 16, 2, 4, generator=g, dtype=torch.float64).to(device) for _ in range(3))
-        out = dilated_attn.ring_attention(*(dilated_attn.shard(x) for x in (q, k, v)), [4, 16], [1, 2], causal=True)
+        q, k, v = (torch.randn(1, 16, 4, 4, generator=g, dtype=torch.float64).to(device) for _ in range(3))
+        out = dilated_attn.ring_attention(*(dilated_attn.shard(x) for x in (q, k, v)), [4, 16], [1, 2], causal=True,
+                                          **kw)
         want = dilated_attn.dilated_attention(q, k, v, [4, 16], [1, 2], causal=True, backend="reference")
+        if case.get("mode") == "heads" and dilated_attn.explain_ring(
+                *(dilated_attn.shard(x) for x in (q, k, v)), [4, 16], [1, 2], causal=True, **kw).mode != "heads":
+            return {"error": "the valid call did not run the heads mode"}
         return {"error": (dilated_attn.unshard(out) - want).abs().max().item()}
     a = dict(L=16, r=1, dtype="float32", layout="contiguous", device=device)
     a.update(case["args"])
     if rank == case["bad_rank"]:
         a.update(case["bad"])
-    q = torch.ones(1, a["L"], 2, 4, dtype=getattr(torch, a["dtype"]), device=a["device"])
+    q = torch.ones(1, a["L"], 4, 4, dtype=getattr(torch, a["dtype"]), device=a["device"])
     start = time.monotonic()
     try:
-        dilated_attn.ring_attention(q, q, q, [8], [a["r"]], layout=a["layout"])
+        dilated_attn.ring_attention(q, q, q, [8], [a["r"]], layout=a["layout"], **kw)
     except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
         return {"raised": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
     return {"raised": None, "seconds": time.monotonic() - start}
@@ -457,6 +466,13 @@ def test_mismatched_configuration_raises_on_every_rank(tmp_path):
 def test_bad_arguments_on_one_rank_raise_on_every_rank_gloo(tmp_path):
     cases = [*BAD_RANK_CASES, dict(name="valid call")]
     _check_bad_rank(_spawn(2, "gloo", "bad_rank", cases, tmp_path), cases)
+
+
+@pytest.mark.parametrize("mode", ["heads", "2d"])
+def test_bad_arguments_on_one_rank_raise_on_every_rank_head_modes_gloo(mode, tmp_path):
+    """The head-parallel modes on 4 ranks (2d: 2 x 2, where the bad rank shares a group with only some peers)."""
+    cases = [dict(c, mode=mode) for c in [*BAD_RANK_CASES, dict(name="valid call")]]
+    _check_bad_rank(_spawn(4, "gloo", "bad_rank", cases, tmp_path), cases)
 
 
 @pytest.mark.gpu
@@ -549,6 +565,15 @@ def test_traffic_is_what_the_branches_select():
 
 def _compare_gpu(case, rank):
     """bf16 on NCCL: ring vs single-GPU dilated_attention, both against the float64 reference."""
+    global _GROUP
+    _GROUP = _mesh_pair(case["inner"]) if case.get("mode") == "2d" else None
+    try:
+        return _compare_gpu_in_group(case, rank)
+    finally:
+        _GROUP = None
+
+
+def _compare_gpu_in_group(case, rank):
     device = torch.device("cuda", rank)
     q, k, v, go, gl = _global_inputs(case, torch.float64, device)
     exact = _run(case, q, k, v, go, gl, ring=False, backend="reference")
@@ -579,11 +604,12 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
     L = 512
     N = world * L
     cases = [
-        dict(name="dense causal zigzag", shape=(1, N, 8, 2, 64), causal=True, layout="zigzag"),
+        dict(name="dense causal zigzag", shape=(2, N, 8, 2, 64), causal=True, layout="zigzag"),
         dict(name="dense", shape=(2, N, 4, 4, 128)),
-        dict(name="LongNet branches", shape=(1, N, 8, 8, 128), w=[256, L, N], r=[1, 2, 4]),
-        dict(name="LongNet causal zigzag", shape=(1, N, 8, 4, 64), w=[128, 2 * L, N], r=[1, 2, 8], causal=True,
+        dict(name="LongNet branches", shape=(2, N, 8, 8, 128), w=[256, L, N], r=[1, 2, 4]),
+        dict(name="LongNet causal zigzag", shape=(2, N, 8, 4, 64), w=[128, 2 * L, N], r=[1, 2, 8], causal=True,
              layout="zigzag"),
+        dict(name="MQA, short zigzag segments", shape=(2, N, 8, 1, 64), w=[96, 2 * L], r=[1, 4], layout="zigzag"),
         dict(name="unaligned split", shape=(1, N, 6, 3, 64), w=[300, 3 * L + 5], r=[3, 5], head_groups="split",
              causal=True),
     ]
@@ -596,6 +622,11 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
             dict(name="cudnn LongNet, LSE gradient", shape=(1, N, 8, 4, 64), w=[128, 2 * L, N], r=[1, 2, 8],
                  causal=True, layout="zigzag", backend="cudnn"),
         ]
+    # every case in the ring mode; those the head-parallel modes run in them too (2d: 2 x 2 on 4 GPUs)
+    modes = [("heads", 0)] + ([("2d", 2)] if world == 4 else [])
+    cases = [dict(c, mode="ring") for c in cases] + [
+        dict(c, name=f"{c['name']} [{mode}]", mode=mode, inner=inner) for mode, inner in modes for c in cases
+        if _heads_runs(c, inner or world)]
     _check(_spawn(world, "nccl", "compare_gpu", cases, tmp_path), cases)
 
 

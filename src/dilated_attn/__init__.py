@@ -4,7 +4,7 @@ from .backends.compiled import build_info
 from .dispatch import explain
 from .functional import dilated_attention, dilated_attention_varlen, dilated_attention_with_kvcache
 from .nn import DilatedAttention, KVCache, MultiheadDilatedAttention
-from .ring import ring_attention, shard, unshard
+from .ring import explain_ring, ring_attention, shard, unshard
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,7 @@ __all__ = [
     "dilated_attention_with_kvcache",
     "explain",
     "ring_attention",
+    "explain_ring",
     "shard",
     "unshard",
     "DilatedAttention",

@@ -43,64 +43,69 @@ _CODES = {
 }
 _FIELDS = ("batch", "local length", "query heads", "kv heads", "head_dim", "dtype", "device type", "causal",
            "layout", "head_groups", "backend", "scale", "segment_lengths/dilation_rates", "mode")
-# A rank's row of the gather, as bytes: whether its own arguments are invalid, the fields, then the length and
-# the UTF-8 text of its error (cut to _MESSAGE_BYTES), so that its peers can say what was wrong.
-_HEADER = struct.Struct(f"<q{len(_FIELDS)}qq")
+# A rank's row of the gather, as bytes: whether it carries invalid arguments, the rank (its shard's index) whose
+# arguments they are, the fields, then the length and the UTF-8 text of that error (cut to _MESSAGE_BYTES), so that
+# its peers can say what was wrong.
+_HEADER = struct.Struct(f"<qq{len(_FIELDS)}qq")
 _MESSAGE_BYTES = 1024
 
 
-def _gather_config(group, rank: int, q, fields: tuple[int, ...] | None,
-                   error: Exception | None) -> Exception | None:
-    """All-gather a small descriptor of the call (or this rank's own validation `error`) over `group`; return the
-    error every rank of the group must raise (this rank's own, a peer's invalid arguments, or differing
-    configurations), or None. Every rank takes part in this one collective whatever its arguments, so no rank is
-    left waiting for a peer that raised."""
+def _gather_config(group, q, fields: tuple[int, ...] | None, invalid: tuple[int, str] | None):
+    """All-gather a small descriptor of the call over `group`, or `invalid` = (rank, message) of a rank whose
+    arguments are invalid (this one's, or a peer's learnt from an earlier gather). Returns the first invalid
+    arguments any row carries as (rank, message), a ValueError for configurations that differ, or None. Every rank
+    takes part in this one collective whatever its arguments, so no rank is left waiting for a peer that raised."""
     if "nccl" in str(dist.get_backend(group)).lower():
         # NCCL gathers CUDA tensors only, and on a rank with bad arguments q may be a CPU tensor or no tensor.
         cuda = isinstance(q, torch.Tensor) and q.is_cuda
         dev = q.device if cuda else torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
-    message = str(error).encode()[:_MESSAGE_BYTES] if error is not None else b""
-    row = _HEADER.pack(int(error is not None), *(fields or (0,) * len(_FIELDS)), len(message))
+    origin, text = invalid if invalid is not None else (0, "")
+    message = text.encode()[:_MESSAGE_BYTES]
+    row = _HEADER.pack(int(invalid is not None), origin, *(fields or (0,) * len(_FIELDS)), len(message))
     mine = torch.frombuffer(bytearray(row + message.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.uint8).to(dev)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every).cpu()
     headers = [_HEADER.unpack(bytes(h)) for h in table[:, :_HEADER.size].tolist()]
-    if error is not None:
-        return error
-    invalid = [j for j, h in enumerate(headers) if h[0]]
-    if invalid:
-        j = invalid[0]
+    carried = sorted({(h[1], j) for j, h in enumerate(headers) if h[0]})
+    if carried:
+        first, j = carried[0]
         text = bytes(table[j, _HEADER.size:_HEADER.size + headers[j][-1]].tolist()).decode(errors="ignore")
-        more = invalid[1:]
+        more = sorted({o for o, _ in carried[1:]} - {first})
         also = f" (and those of rank{'s' * (len(more) > 1)} {', '.join(map(str, more))})" if more else ""
-        return ValueError(f"rank {j}'s arguments are invalid: {text}{also}")
-    for col, name in enumerate(_FIELDS, start=1):
+        return first, text + also
+    for col, name in enumerate(_FIELDS, start=2):
         values = [h[col] for h in headers]
         if any(x != values[0] for x in values):
             bad = next(j for j, x in enumerate(values) if x != values[0])
             shown = values if name not in ("scale", "segment_lengths/dilation_rates") else "differs"
-            return ValueError(f"every rank of the group must pass the same {name}, but rank 0 and rank {bad} "
-                              f"differ ({shown})")
+            return ValueError(f"ring_attention: every rank of the group must pass the same {name}, but ranks "
+                              f"differ ({shown}; rank {bad} of the group differs from its rank 0)")
     return None
 
 
-def _check_same_config(groups, ranks, q, fields, error: Exception | None) -> None:
+def _check_same_config(groups, q, fields, error: Exception | None) -> None:
     """_gather_config over each group of the call in turn (the 2-D mode's inner and outer groups), carrying any
-    error into the next gather so that every rank of every group learns it, then raise it on every rank:
-    this rank's own error as `ring_attention: rank j: ...` (its own type), any other as a ValueError."""
-    found = error
-    for group, rank in zip(groups, ranks):
-        seen = _gather_config(group, rank, q, fields, found)
-        if found is None and seen is not None:
-            found = ValueError(f"ring_attention: {seen}")
+    invalid arguments into the next gather so that every rank of every group learns them, then raise on every rank:
+    the rank with invalid arguments its own error as `ring_attention: rank j: ...` (its own type), every other a
+    ValueError `ring_attention: rank j's arguments are invalid: ...` (j: the index of that rank's shard)."""
+    invalid = None if error is None else (groups.rank, str(error))
+    mismatch = None
+    for group in groups.all:
+        seen = _gather_config(group, q, fields, invalid)
+        if isinstance(seen, tuple):
+            invalid = seen if invalid is None else min(invalid, seen)
+        elif seen is not None and mismatch is None:
+            mismatch = seen
     if error is not None:
         kind = TypeError if isinstance(error, TypeError) else ValueError
-        raise kind(f"ring_attention: rank {ranks[0]}: {error}") from error
-    if found is not None:
-        raise found
+        raise kind(f"ring_attention: rank {groups.rank}: {error}") from error
+    if invalid is not None:
+        raise ValueError(f"ring_attention: rank {invalid[0]}'s arguments are invalid: {invalid[1]}")
+    if mismatch is not None:
+        raise mismatch
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
@@ -150,7 +155,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     except (ValueError, TypeError) as exc:
         if P == 1:
             raise
-        _check_same_config(groups.all, groups.ranks, q, None, exc)  # raises on every rank
+        _check_same_config(groups, q, None, exc)  # raises on every rank
         raise AssertionError("unreachable") from exc
     if P == 1:
         return dilated_attention(q, k, v, *call.branches, causal=causal, scale=scale, head_groups=head_groups,
@@ -158,7 +163,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     digest = zlib.crc32(repr(("dense",) if segment_lengths is None else call.branches).encode())
     scale_bits = struct.unpack("<q", struct.pack("<d", call.problem.scale))[0]
     p = call.problem
-    _check_same_config(groups.all, groups.ranks, q, (
+    _check_same_config(groups, q, (
         p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
         ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(causal),
         _CODES["layout"][layout], _CODES["head_groups"][head_groups], _CODES["backend"][backend], scale_bits,

@@ -18,6 +18,7 @@ rank's shard of the outer ring (layout.py's chunks nest so, for both layouts).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -29,8 +30,9 @@ from ..spec import lse_dtype
 __all__ = ["HeadShare", "head_share", "HeadParallelAttention"]
 
 # A rank's heads are cut into at most this many groups (fewer where the heads do not divide so): the first group's
-# exchange and the last one's return are what stays exposed, 1/n of the traffic each.
-MAX_HEAD_GROUPS = 4
+# exchange and the last one's return are what stays exposed, 1/n of the traffic each. DILATED_ATTN_HEAD_GROUPS
+# sets another bound (1: no overlap), for measuring.
+MAX_HEAD_GROUPS = int(os.environ.get("DILATED_ATTN_HEAD_GROUPS", "4"))
 
 
 @dataclass(frozen=True)
