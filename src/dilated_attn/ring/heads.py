@@ -29,10 +29,12 @@ from ..spec import lse_dtype
 
 __all__ = ["HeadShare", "head_share", "HeadParallelAttention"]
 
-# A rank's heads are cut into at most this many groups (fewer where the heads do not divide so): the first group's
-# exchange and the last one's return are what stays exposed, 1/n of the traffic each. DILATED_ATTN_HEAD_GROUPS
-# sets another bound (1: no overlap), for measuring.
-MAX_HEAD_GROUPS = int(os.environ.get("DILATED_ATTN_HEAD_GROUPS", "4"))
+# A rank's heads are cut into at most this many groups (fewer where the heads do not divide so): with n groups the
+# first group's exchange and the last one's return are what stays exposed, 1/n of the traffic each. On 4 H200s
+# (NVLink) one group was the faster (benchmarks/README.md, "Ring attention"): NCCL's all-to-all kernels running
+# beside the attention slowed both, and one-head attention calls ran slower than four-head ones. Slower links
+# may gain from more: DILATED_ATTN_HEAD_GROUPS sets the bound.
+MAX_HEAD_GROUPS = int(os.environ.get("DILATED_ATTN_HEAD_GROUPS", "1"))
 
 
 @dataclass(frozen=True)
