@@ -1,25 +1,28 @@
-"""Ring attention beyond the GPUs at hand: a model of the efficiency at P = 4, 8 and 16, from a measured P-GPU run.
+"""ring_attention's modes beyond the GPUs at hand: a model calibrated on measured runs, and its projection.
 
-    python benchmarks/ring_model.py benchmarks/results/ring_NVIDIA_H100_80GB_HBM3_2gpu.json [--out PATH]
+    python benchmarks/ring_model.py results/ring_NVIDIA_H200_2gpu.json results/ring_NVIDIA_H200_4gpu.json [--out PATH]
 
-The input is bench_ring.py's JSON with --profile (T1, the ring's times, each rank's kernel-time breakdown and the
-point-to-point bandwidth). For each preset and P the model takes each rank's work from the ring's own plan
-(dilated_attn.ring.ring_plan: local branches, the block tasks of every step, the rows each step receives) and:
+The inputs are bench_ring.py's JSON (strong scaling) at two GPU counts of one machine. For each preset, mode and
+pass (forward; forward+backward) the model writes one call on P ranks as
 
-* compute time: the FLOPs of that work over the rate the measured run achieved (FLOPs of its slowest rank over
-  that rank's attention and merge/addition kernel time, forward and forward+backward apart), so per-call costs
-  that grow as blocks shrink are not modelled: an upper bound on the efficiency in that respect;
-* communication: the bytes of each step (K/V in the forward; K/V again and dK/dV in float32 in the backward) over
-  the bandwidth; a step's K/V travel while the previous step computes (the local branches and the own rows first),
-  dK/dV while the following steps compute, the last of them while the own rows compute (as ring/autograd.py
-  orders them); only what outlasts that compute is exposed;
-* the rest of the measured call's time (the host's, before, between and after the kernels: the measured time less
-  the slowest rank's kernel and exposed communication time), added as is, so the model gives the measured
-  efficiency at the measured P.
+    TP(P) = T1/P * (1 + e) + s * (steps a rank waits on) + exposed transfer time
 
-T1 is the measured single-GPU time of the run, so the efficiency is T1 / (P * TP). Two links: the run's measured
-point-to-point bandwidth (one node, NVLink) and 50 GB/s (every transfer between nodes: a lower bound for a ring of
-8-GPU nodes, where only one hop in eight crosses). The model at the run's own P is printed beside the measurement.
+T1 is one GPU's time for the global N (measured in the same run). e is the work a rank does beyond T1/P (merges,
+layout copies, smaller launches, the host). s is the time a rank loses per ring step (P - 1 of them) or per
+all-to-all peer: waiting for the slowest peer's step, which the profiles show as communication no kernel overlaps
+and which does not shrink with the bytes. The transfer time is the bytes the busiest rank sends over the link's
+bandwidth (the forward's: the ring plan's K/V (dilated_attn.ring.ring_plan), or the heads mode's all-to-all;
+forward+backward: the ring sends K/V again and dK/dV in float32, 4x the forward's; the heads mode d_out in and dq,
+dk, dv back, 2x); the ring hides it behind a rank's compute and exposes only what outlasts it, the heads mode (one
+head group) waits for all of it. The two measured GPU counts give e and s (two equations), so the model reproduces
+both runs; the 2-D mode, measured at one size only (2 x 2), takes the ring's and the heads mode's waits and fits e.
+
+Projected: strong scaling at P = 8 (one node), 16 and 64 (nodes of 8 GPUs): NVLink 450 GB/s inside a node, 50 GB/s a
+GPU between nodes (8 x 50 GB/s a node). A transfer that spans nodes runs at the slower link for its bytes that
+cross. heads needs Hq % P == 0 (16 heads: P <= 16); 2d runs heads inside a node and the ring across nodes.
+The seeds' machine: 2 GTX 1080 over PCIe 3.0 x16 without peer-to-peer (6 GB/s assumed: two host-staged copies),
+running the CUDA kernels in float32 at the Pascal tiles' measured share of the FMA peak (46% forward, 31% forward +
+backward; benchmarks/README.md), the H200 calibration's e and k, at sizes that fit 8 GB.
 """
 
 from __future__ import annotations
@@ -31,134 +34,214 @@ import os
 import torch
 
 from dilated_attn.ring import ring_plan
-from dilated_attn.spec import flops, validate
+from dilated_attn.spec import Problem, flops
 
+NODE = 8
+NVLINK_GBPS = 450.0
 CROSS_NODE_GBPS = 50.0
+PCIE_GBPS = 6.0
+GTX1080 = dict(peak_tflops=8.9, share_fwd=0.46, share_fwd_bwd=0.31)
+PASSES = (("fwd", 1.0, 1.0), ("fwd_bwd", 4.0, 2.0))  # (pass, ring traffic factor, heads traffic factor)
 
 
-def _local_flops(cfg, L, plan, backward: bool) -> float:
-    if not plan.local_branches:
-        return 0.0
-    q = torch.empty(cfg["B"], L, cfg["H"], cfg["D"], device="meta")
-    w = [cfg["branches"][i][0] for i in plan.local_branches]
-    r = [cfg["branches"][i][1] for i in plan.local_branches]
-    return flops(validate(q, q, q, w, r, causal=cfg["causal"]), backward)
+def _branches(row):
+    if row["branches"]:
+        return tuple(w for w, _ in row["branches"]), tuple(r for _, r in row["branches"])
+    return (row["N"],), (1,)
 
 
-def rank_work(cfg, P: int, rank: int, itemsize: int = 2):
-    """(local FLOPs, [FLOPs of step t], [K/V bytes received at step t]) of one rank's forward."""
-    N, B, H, D = cfg["N"], cfg["B"], cfg["H"], cfg["D"]
-    L = N // P
-    w, r = zip(*cfg["branches"]) if cfg["branches"] else ((N,), (1,))
-    plan = ring_plan(P, L, H, H, tuple(w), tuple(r), "all", cfg["causal"], cfg["layout"])
-    steps, received = [], []
-    for t in range(P):
-        src = (rank - t) % P
-        steps.append(sum(4.0 * B * (task.q_stop - task.q_start) * (task.kv_stop - task.kv_start)
-                         * len(plan.stacks[task.stack].q_heads) * D * (0.5 if task.causal else 1.0)
-                         for task in plan.tasks[rank][src]))
-        received.append(0 if t == 0 else 2 * plan.rows_needed(rank, src) * B * D * itemsize)
-    return _local_flops(cfg, L, plan, backward=False), steps, received
+def ring_bytes(row, P: int, heads: int = 0, head_start: int = 0, itemsize: int = 2) -> int:
+    """Forward bytes the busiest rank sends in the ring mode (over `heads` of the row's heads, from head_start)."""
+    w, r = _branches(row)
+    H = row["H"]
+    n = heads or H
+    plan = ring_plan(P, row["N"] // P, n, n, w, r, "all", row["causal"], row["layout"],
+                     head_start if heads else 0, H if heads else 0)
+    return max(plan.bytes_sent(j, row["B"], row["D"], itemsize) for j in range(P))
 
 
-def ring_time(local_ms: float, step_ms: list, kv_ms: list, grad_ms: list | None) -> tuple[float, float]:
-    """(total ms, exposed communication ms) of one pass: K/V of step t travel while step t-1 computes (step 0 with
-    the local work); with `grad_ms`, dK/dV of step t travel while the later steps and the own rows compute."""
-    P = len(step_ms)
-    clock, exposed, ready = local_ms, 0.0, {}
-    if grad_ms is None:
-        clock += step_ms[0]
-    posted = 0.0  # when the next K/V transfer started
-    for t in range(1, P):
-        arrive = posted + kv_ms[t]
-        if arrive > clock:
-            exposed += arrive - clock
-            clock = arrive
-        posted = clock
-        clock += step_ms[t]
-        if grad_ms is not None:
-            ready[t] = clock + grad_ms[t]
-    if grad_ms is not None:
-        clock += step_ms[0]
-        last = max(ready.values(), default=0.0)
-        if last > clock:
-            exposed += last - clock
-            clock = last
-    return clock, exposed
+def heads_bytes(row, P: int, itemsize: int = 2) -> int:
+    """Forward bytes one rank sends in the heads mode (q's other heads, the key/value heads others read, the output
+    of its heads at the others' positions; MHA)."""
+    hq = row["H"] // P
+    return row["B"] * (row["N"] // P) * row["D"] * itemsize * (P - 1) * (2 * hq + 2 * hq)
 
 
-def model(row: dict, P: int, gbps: float, measured_P: int) -> dict:
-    cfg = dict(N=row["N"], B=row["B"], H=row["H"], D=row["D"], causal=row["causal"], layout=row["layout"],
-               branches=[tuple(b) for b in row["branches"]] if row["branches"] else None)
-    prof = row["gpu_time_per_rank"]
-    rates, host = {}, {}
-    for mode, factor in (("fwd", 1.0), ("fwd_bwd", 3.5)):
-        worst = None
-        for rank, b in enumerate(prof[mode]):
-            local, steps, _ = rank_work(cfg, measured_P, rank)
-            work = (local + sum(steps)) * factor
-            rate = work / (b["attention_ms"] + b["merge_and_accumulate_ms"])
-            if worst is None or rate < worst:
-                worst = rate
-        rates[mode] = worst
-        # everything else the measured call took: the host's time before, between and after the kernels
-        tp = row["tp_fwd_ms"] if mode == "fwd" else row["tp_fwd_bwd_ms"]
-        host[mode] = max(0.0, tp - max(b["attention_ms"] + b["merge_and_accumulate_ms"] + b["exposed_communication_ms"]
-                                       for b in prof[mode]))
-    out = {}
-    for mode, factor in (("fwd", 1.0), ("fwd_bwd", 3.5)):
-        slowest, exposed_max = 0.0, 0.0
-        for rank in range(P):
-            local, steps, received = rank_work(cfg, P, rank)
-            step_ms = [f * factor / rates[mode] for f in steps]
-            local_ms = local * factor / rates[mode]
-            kv_ms = [b / gbps / 1e6 for b in received]
-            if mode == "fwd":
-                total, exposed = ring_time(local_ms, step_ms, kv_ms, None)
+def _a2a_seconds(nbytes: float, P: int) -> float:
+    """An all-to-all of P ranks in nodes of NODE: the bytes to peers in other nodes cross at CROSS_NODE_GBPS."""
+    if P <= NODE:
+        return nbytes / NVLINK_GBPS / 1e9
+    crossing = (P - NODE) / (P - 1)
+    return max(nbytes * crossing / CROSS_NODE_GBPS, nbytes * (1 - crossing) / NVLINK_GBPS) / 1e9
+
+
+def _ring_seconds(nbytes: float, P: int) -> float:
+    """The ring's steps run in lockstep: past one node every step waits for the hops that cross."""
+    return nbytes / (NVLINK_GBPS if P <= NODE else CROSS_NODE_GBPS) / 1e9
+
+
+def transfer_ms(row, mode: str, P: int, factor_ring: float, factor_heads: float) -> dict:
+    """{'inner': ms, 'outer': ms} of the busiest rank's transfers at P on nodes of NODE GPUs (inner: heads)."""
+    if mode == "ring":
+        return {"outer": _ring_seconds(ring_bytes(row, P) * factor_ring, P) * 1e3}
+    if mode == "heads":
+        return {"inner": _a2a_seconds(heads_bytes(row, P) * factor_heads, P) * 1e3}
+    pi = min(P, NODE) if P > NODE else 2
+    po = P // pi
+    share = dict(row, N=row["N"] // po)  # the inner group's sequence
+    inner = heads_bytes(share, pi) * factor_heads
+    outer = 0 if po == 1 else max(ring_bytes(row, po, row["H"] // pi, j * (row["H"] // pi)) for j in range(pi))
+    return {"inner": _a2a_seconds(inner, pi) * 1e3,
+            "outer": (outer * factor_ring / (CROSS_NODE_GBPS if P > NODE else NVLINK_GBPS) / 1e9) * 1e3}
+
+
+def measured_transfer_ms(row, mode: str, bw: float, factor_ring: float, factor_heads: float) -> dict:
+    """transfer_ms at the measured P with the measured link bandwidth (one host)."""
+    P = row["P"]
+    if mode == "ring":
+        return {"outer": ring_bytes(row, P) * factor_ring / bw / 1e6}
+    if mode == "heads":
+        return {"inner": heads_bytes(row, P) * factor_heads / bw / 1e6}
+    pi, po = 2, P // 2
+    share = dict(row, N=row["N"] // po)
+    outer = max(ring_bytes(row, po, row["H"] // pi, j * (row["H"] // pi)) for j in range(pi))
+    return {"inner": heads_bytes(share, pi) * factor_heads / bw / 1e6, "outer": outer * factor_ring / bw / 1e6}
+
+
+def exposed_ms(mode: str, compute_ms: float, comm: dict) -> float:
+    """Transfer time no compute hides: the ring's K/V travel while the previous step computes (exposed only past
+    the rank's compute), the heads mode's all-to-all waits (one head group), the 2-D mode both."""
+    return comm.get("inner", 0.0) + max(0.0, comm.get("outer", 0.0) - compute_ms)
+
+
+def steps(mode: str, P: int) -> tuple[int, int]:
+    """(ring steps, all-to-all peers) a rank waits on."""
+    if mode == "ring":
+        return P - 1, 0
+    if mode == "heads":
+        return 0, P - 1
+    pi = min(P, NODE) if P > NODE else 2
+    return P // pi - 1, pi - 1
+
+
+def predict_ms(fit: dict, t1: float, P: int, comm: dict, mode: str) -> float:
+    compute = t1 / P * (1 + fit["e"])
+    ring_steps, peers = steps(mode, P)
+    return compute + ring_steps * fit["s_ring"] + peers * fit["s_heads"] + exposed_ms(mode, compute, comm)
+
+
+def calibrate(runs: list[dict]) -> dict:
+    """{(preset, mode, pass): dict(e=, s_ring=, s_heads=, reproduced={P: (measured, model)})}: the 1-D modes from
+    two GPU counts (e and the per-step wait s), the 2-D mode's e from its one size with the others' waits."""
+    rows = {}
+    for data in runs:
+        for row in data["results"]:
+            rows.setdefault((row["preset"], row["mode"]), []).append((row, data["p2p_GBps"]))
+    fitted = {}
+    for (preset, mode), found in sorted(rows.items(), key=lambda x: x[0][1] == "2d"):
+        for name, fr, fh in PASSES:
+            t1_key, tp_key = ("t1_fwd_ms", "tp_fwd_ms") if name == "fwd" else ("t1_fwd_bwd_ms", "tp_fwd_bwd_ms")
+            points = [(row["P"], row[t1_key], row[tp_key], measured_transfer_ms(row, mode, bw, fr, fh))
+                      for row, bw in sorted(found, key=lambda x: x[0]["P"])]
+            if mode == "2d":
+                ring, heads = fitted.get((preset, "ring", name)), fitted.get((preset, "heads", name))
+                if ring is None or heads is None:
+                    continue
+                P, t1, tp, comm = points[-1]
+                fit = dict(e=0.0, s_ring=ring["s_ring"], s_heads=heads["s_heads"])
+                # e from the one size: TP - waits - exposed transfers = T1/P (1 + e) (exposed taken at e = 0)
+                rest = tp - predict_ms(fit, t1, P, comm, mode) + t1 / P
+                fit["e"] = rest * P / t1 - 1
             else:
-                # forward, then the backward: its compute is 2.5/3.5 of the step's; K/V again, dK/dV in float32
-                f_ms = [s / 3.5 for s in step_ms]
-                fwd, e1 = ring_time(local_ms / 3.5, f_ms, kv_ms, None)
-                b_ms = [s * 2.5 / 3.5 for s in step_ms]
-                bwd, e2 = ring_time(local_ms * 2.5 / 3.5, b_ms, kv_ms, [2 * k for k in kv_ms])
-                total, exposed = fwd + bwd, e1 + e2
-            total += host[mode]
-            if total > slowest:
-                slowest, exposed_max = total, exposed
-        t1 = row["t1_fwd_ms"] if mode == "fwd" else row["t1_fwd_bwd_ms"]
-        out[mode] = dict(tp_ms=slowest, exposed_communication_ms=exposed_max, efficiency=t1 / (P * slowest))
-    return out
+                # y_P = TP - exposed - T1/P = e T1/P + s (P - 1): two GPU counts, two unknowns
+                (p_a, t_a, tp_a, c_a), (p_b, t_b, tp_b, c_b) = points[0], points[-1]
+                y_a = tp_a - exposed_ms(mode, t_a / p_a, c_a) - t_a / p_a
+                y_b = tp_b - exposed_ms(mode, t_b / p_b, c_b) - t_b / p_b
+                det = (t_a / p_a) * (p_b - 1) - (t_b / p_b) * (p_a - 1)
+                e = (y_a * (p_b - 1) - y_b * (p_a - 1)) / det
+                s = (y_b * (t_a / p_a) - y_a * (t_b / p_b)) / det
+                fit = dict(e=e, s_ring=s if mode == "ring" else 0.0, s_heads=s if mode == "heads" else 0.0)
+            fit["reproduced"] = {P: (t1 / (P * tp), t1 / (P * predict_ms(fit, t1, P, comm, mode)))
+                                 for P, t1, tp, comm in points}
+            fitted[(preset, mode, name)] = fit
+    return fitted
+
+
+def gtx1080(row, fit: dict, name: str, P: int = 2) -> dict:
+    """Efficiency on 2 GTX 1080 (PCIe, float32, the CUDA kernels) from the H200 calibration's e and k."""
+    N = row["N"]
+    w, r = _branches(row)
+    q = torch.empty(row["B"], N, row["H"], row["D"], device="meta", dtype=torch.float32)
+    p = Problem.from_sizes(row["B"], N, row["H"], row["H"], row["D"], list(w), list(r), dtype=torch.float32,
+                           device="meta", causal=row["causal"])
+    del q
+    share = GTX1080["share_fwd" if name == "fwd" else "share_fwd_bwd"]
+    t1 = flops(p, backward=name != "fwd") / (GTX1080["peak_tflops"] * 1e12 * share) * 1e3
+    fr, fh = (1.0, 1.0) if name == "fwd" else (4.0, 2.0)
+    mode = row["mode"]
+    if mode == "ring":
+        comm = {"outer": ring_bytes(row, P, itemsize=4) * fr / PCIE_GBPS / 1e6}
+    else:
+        comm = {"inner": heads_bytes(row, P, itemsize=4) * fh / PCIE_GBPS / 1e6}
+    tp = predict_ms(fit, t1, P, comm, mode)
+    return dict(t1_ms=t1, tp_ms=tp, efficiency=t1 / (P * tp))
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", help="bench_ring.py JSON (run with --profile)")
-    ap.add_argument("--gpus", default="2,4,8,16")
-    ap.add_argument("--out", default=None, help="JSON path (default: beside the input, ring_model_<input name>)")
+    ap.add_argument("results", nargs=2, help="bench_ring.py JSON (strong scaling) at two GPU counts")
+    ap.add_argument("--gpus", default="8,16,64")
+    ap.add_argument("--out", default=None, help="JSON path (default: results/ring_model_<device>.json)")
     args = ap.parse_args(argv)
-    with open(args.results) as f:
-        data = json.load(f)
-    measured_P = data["gpus"]
-    links = {"one node": data["p2p_GBps"], "across nodes": CROSS_NODE_GBPS}
-    report = dict(source=os.path.basename(args.results), device=data["device"], measured_P=measured_P,
-                  links_GBps=links, presets={})
-    for row in data["results"]:
-        if "gpu_time_per_rank" not in row:
+    runs = [json.load(open(path)) for path in args.results]
+    fitted = calibrate(runs)
+    rows = {(row["preset"], row["mode"]): row for data in runs for row in data["results"]}
+    report = dict(sources=[os.path.basename(p) for p in args.results], device=runs[0]["device"],
+                  links_GBps=dict(nvlink=NVLINK_GBPS, cross_node=CROSS_NODE_GBPS, pcie_gtx1080=PCIE_GBPS),
+                  node_gpus=NODE, fits={}, projected={}, gtx1080_2gpu={})
+    print("calibration: e (work per rank beyond T1/P), s_ring / s_heads (ms a rank waits per ring step / all-to-all "
+          "peer); efficiency measured / model")
+    for (preset, mode, name), fit in fitted.items():
+        key = f"{preset}/{mode}/{name}"
+        report["fits"][key] = {k: v for k, v in fit.items() if k != "reproduced"} | {
+            "reproduced": {str(P): dict(measured=m, model=x) for P, (m, x) in fit["reproduced"].items()}}
+        shown = ", ".join(f"P={P}: {m:.1%} / {x:.1%}" for P, (m, x) in fit["reproduced"].items())
+        params = ", ".join(f"{k} {v:.3f}" for k, v in fit.items() if k != "reproduced")
+        print(f"  {key}: {params}; {shown}")
+    print(f"projected (strong scaling, nodes of {NODE}: NVLink {NVLINK_GBPS:.0f} GB/s, {CROSS_NODE_GBPS:.0f} GB/s a GPU "
+          f"between nodes), efficiency fwd+bwd / fwd:")
+    for preset in sorted({p for p, _, _ in fitted}):
+        for mode in ("ring", "heads", "2d"):
+            if (preset, mode, "fwd") not in fitted:
+                continue
+            row = rows[(preset, mode)]
+            cells = []
+            for P in (int(x) for x in args.gpus.split(",")):
+                out = {}
+                if mode == "heads" and row["H"] % P:
+                    cells.append(f"P={P}: n/a ({row['H']} heads)")
+                    report["projected"].setdefault(f"{preset}/{mode}", {})[P] = None
+                    continue
+                for name, fr, fh in PASSES:
+                    fit = fitted[(preset, mode, name)]
+                    t1 = row["t1_fwd_ms" if name == "fwd" else "t1_fwd_bwd_ms"]
+                    tp = predict_ms(fit, t1, P, transfer_ms(row, mode, P, fr, fh), mode)
+                    out[name] = dict(tp_ms=tp, efficiency=t1 / (P * tp))
+                report["projected"].setdefault(f"{preset}/{mode}", {})[P] = out
+                cells.append(f"P={P}: {out['fwd_bwd']['efficiency']:.1%} / {out['fwd']['efficiency']:.1%}")
+            print(f"  {preset}/{mode}: " + "; ".join(cells))
+    print(f"2 x GTX 1080 (PCIe 3.0 x16, {PCIE_GBPS:.0f} GB/s, float32, the CUDA kernels), efficiency fwd+bwd / fwd:")
+    for preset, mode, N in (("dense", "ring", 65536), ("dense", "heads", 65536), ("longnet", "ring", 131072),
+                            ("longnet", "heads", 131072)):
+        if (preset, mode, "fwd") not in fitted:
             continue
-        name = row["preset"]
-        entry = report["presets"][name] = dict(
-            measured=dict(fwd=row["efficiency_fwd"], fwd_bwd=row["efficiency_fwd_bwd"]), model={})
-        print(f"{name}: measured at P={measured_P}: fwd {row['efficiency_fwd']:.1%}, fwd+bwd "
-              f"{row['efficiency_fwd_bwd']:.1%}")
-        for link, gbps in links.items():
-            for P in (int(p) for p in args.gpus.split(",")):
-                m = model(row, P, gbps, measured_P)
-                entry["model"].setdefault(link, {})[P] = m
-                print(f"  model, {link} ({gbps:.0f} GB/s), P={P:>2}: fwd {m['fwd']['efficiency']:.1%} "
-                      f"(exposed {m['fwd']['exposed_communication_ms']:.2f} ms), fwd+bwd "
-                      f"{m['fwd_bwd']['efficiency']:.1%} (exposed {m['fwd_bwd']['exposed_communication_ms']:.2f} ms)")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.results)),
-                                   "ring_model_" + os.path.basename(args.results))
+        row = dict(rows[(preset, mode)], N=N, mode=mode)
+        res = {name: gtx1080(row, fitted[(preset, mode, name)], name) for name, _, _ in PASSES}
+        report["gtx1080_2gpu"][f"{preset}/{mode}/N={N}"] = res
+        print(f"  {preset} N={N} {mode}: {res['fwd_bwd']['efficiency']:.1%} / {res['fwd']['efficiency']:.1%} "
+              f"(T1 {res['fwd_bwd']['t1_ms']:.0f} / {res['fwd']['t1_ms']:.0f} ms)")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.results[0])),
+                                   f"ring_model_{runs[0]['device']['name'].replace(' ', '_')}.json")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"written: {out}")
