@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..functional import Attention, dilated_attention
-from ..spec import BACKEND_CHOICES, validate
+from ..spec import BACKEND_CHOICES
 from .autograd import RingAttention
 from .heads import HeadParallelFunction
-from .layout import LAYOUTS, check_layout, shard, unshard
-from .modes import MODES, RingCall, explain_ring, plan_call, resolve_groups
+from .layout import LAYOUTS, shard, unshard
+from .modes import MODES, explain_ring, plan_call, resolve_groups
 from .plan import RingPlan, ring_plan
 
 __all__ = ["ring_attention", "shard", "unshard", "ring_plan", "RingPlan", "LAYOUTS", "MODES", "explain_ring"]

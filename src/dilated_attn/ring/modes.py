@@ -106,9 +106,9 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     if groups.two_d:
         (inner, outer), (ri, ro), (Pi, Po) = groups.all, groups.ranks, groups.sizes
         share = heads_rule(Pi, ri, N)
+        attention, chosen = _two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout, backend)
         return RingCall("2d", f"a 2-D group: heads across the inner {Pi} ranks, ring across the outer {Po}", p,
-                        (gw, gr), head_parallel=_two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout,
-                                                       backend))
+                        (gw, gr), chosen, head_parallel=attention)
     group, rank = groups.all[0], groups.rank
     plan = ring_plan(P, L, Hq, Hkv, gw, gr, head_groups, causal, layout)
     ring_bytes = max(plan.bytes_sent(j, p.batch, p.head_dim, p.dtype.itemsize) for j in range(P))
@@ -160,7 +160,7 @@ def _heads(p: Problem, share: HeadShare, group, N: int, gw, gr, backend: str):
 
 
 def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int, L_outer: int, gw, gr, layout: str,
-           backend: str) -> HeadParallelAttention:
+           backend: str) -> tuple[HeadParallelAttention, str]:
     """The 2-D mode: each head group's gathered [B, Pi*L, h, D] tensors are one shard of a ring across `outer`."""
     configs = []
     for g, (qs, ks) in enumerate(share.groups):
@@ -179,7 +179,7 @@ def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int,
         q_h, k_g, v_g, out, lse = kept
         return ring_backward(q_h, k_g, v_g, out, lse, d_out, d_lse, configs[g])
 
-    return HeadParallelAttention(share, inner, attend, attend_backward)
+    return HeadParallelAttention(share, inner, attend, attend_backward), configs[0].backend
 
 
 def explain_ring(q, k, v, segment_lengths=None, dilation_rates=None, *, causal=False, scale=None, head_groups="all",
