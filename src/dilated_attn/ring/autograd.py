@@ -144,7 +144,9 @@ def ring_forward(q, k, v, cfg: RingConfig):
     rows = compacted_rows(plan, rank, q.device)
     kc = [cp.kv.gather(k) for cp in rows]
     vc = [cp.kv.gather(v) for cp in rows]
-    step = comm.post_kv(1, kc, vc)  # in flight while the local blocks compute
+    eager = comm.eager(H, k.shape[2])
+    # in flight while the local branches compute: step 1, or every step at once
+    step = comm.post_all_kv(kc, vc) if eager else comm.post_kv(1, kc, vc)
     # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
     # result merges into its rows: in place where a stack's rows are a block of the result (dense attention),
     # else into the stack's own (out, lse), merged into its rows at the end.
@@ -164,7 +166,8 @@ def ring_forward(q, k, v, cfg: RingConfig):
             keys, values = kc, vc
         else:
             keys, values = comm.received_kv(step, t)
-            step = comm.post_kv(t + 1, kc, vc)
+            if not eager:
+                step = comm.post_kv(t + 1, kc, vc)
         for task in plan.tasks[rank][src]:
             s, qs, ks = _task_slices(task)
             block_forward(forward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
@@ -193,13 +196,21 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     rows = compacted_rows(plan, rank, q.device)
     kc = [cp.kv.gather(k) for cp in rows]
     vc = [cp.kv.gather(v) for cp in rows]
-    step = comm.post_kv(1, kc, vc)
-    # As in the forward: the local branches' gradients (the kernel's, as on one device) while the first K/V
-    # block travels, then each head stack's float32 sums added to their rows with one rounding.
-    if plan.local_branches:
-        dq, dk, dv = backward_op(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
-    else:
-        dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    eager = comm.eager(H, k.shape[2])
+    step = comm.post_all_kv(kc, vc) if eager else comm.post_kv(1, kc, vc)
+
+    def local_branches():
+        if plan.local_branches:
+            return backward_op(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
+        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+    # Stepwise: the local branches' gradients (the kernel's, as on one device) while the first K/V block travels;
+    # then the received blocks, each one's dK/dV sent back as soon as they are complete; the own rows last, while
+    # the last of them travel. Eager (every K/V already posted): the own rows first while the K/V arrive, then the
+    # received blocks, and the local branches last, while the dK/dV travel back. Each head stack's float32 sums are
+    # added to their rows with one rounding.
+    if not eager:
+        dq, dk, dv = local_branches()
     qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
     lc = [cp.q.gather_lse(lse) for cp in rows]
     dlc = [None if d_lse is None else cp.q.gather_lse(d_lse) for cp in rows]
@@ -207,13 +218,14 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     returning = []  # the dK/dV of my rows coming back from the ranks that read them
     # The received blocks first, each one's dK/dV sent back as soon as they are complete; the own rows last,
     # while the last of them travel.
-    for t in [*range(1, plan.P), 0]:
+    for t in [0, *range(1, plan.P)] if eager else [*range(1, plan.P), 0]:
         src = (rank - t) % plan.P
         if t == 0:
             keys, values, gk, gv = kc, vc, dkc, dvc
         else:
             keys, values = comm.received_kv(step, t)
-            step = comm.post_kv(t + 1, kc, vc)
+            if not eager:
+                step = comm.post_kv(t + 1, kc, vc)
             grads, gk, gv = comm.grad_buffer(t, acc_dtype)
         for task in plan.tasks[rank][src]:
             s, qs, ks = _task_slices(task)
@@ -222,6 +234,8 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
                            task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
         if t > 0:
             returning.append(comm.post_grads(t, grads))
+    if eager:
+        dq, dk, dv = local_branches()
     for ret, dst in returning:
         comm.add_returned_grads(ret, dst, dkc, dvc)
     for cp, g_q, g_k, g_v in zip(rows, dqc, dkc, dvc):

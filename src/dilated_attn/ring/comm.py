@@ -1,8 +1,11 @@
 """The ring's communication: per-stack tensors `[B, n, Hk, D]` travel as one flat buffer per step and direction.
 
 At step `t = 1 .. P-1` rank `j` sends its compacted K/V rows to `j + t` and receives from `j - t`, only where the
-receiver reads rows (RingPlan.needed); the caller posts step `t + 1` before it computes step `t`. In the backward
-the dK/dV of received rows go back to their owner in float32 (float64 for float64).
+receiver reads rows (RingPlan.needed); the caller posts step `t + 1` before it computes step `t`. Where every step's
+rows together are few (`eager`: at most the bytes of the local q, k, v and output, as for LongNet's dilated
+branches), all steps are posted at once instead, in one batch: the ranks then wait on no peer's step, and memory
+stays within a constant of the shard's. In the backward the dK/dV of received rows go back to their owner in float32
+(float64 for float64).
 """
 
 from __future__ import annotations
@@ -41,14 +44,16 @@ def _global(group, rank: int) -> int:
 
 
 class Step:
-    """One step's point-to-point transfers, posted at once (batch_isend_irecv) and waited on later."""
+    """Point-to-point transfers posted at once (batch_isend_irecv) and waited on later: one step's (one receive), or
+    every step's (`recvs`, one per source)."""
 
-    def __init__(self, group, sends, recv=None):
+    def __init__(self, group, sends, recv=None, recvs=()):
+        recvs = list(recvs) + ([recv] if recv is not None else [])
         ops = [dist.P2POp(dist.isend, buf, _global(group, peer), group) for peer, buf in sends]
-        if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv[1], _global(group, recv[0]), group))
+        ops += [dist.P2POp(dist.irecv, buf, _global(group, peer), group) for peer, buf in recvs]
         self.works = dist.batch_isend_irecv(ops) if ops else []
         self.recv = recv
+        self.recvs = {peer: buf for peer, buf in recvs}
         self.sends = sends  # the send buffers must live until the transfer is done
 
     def wait(self) -> Optional[torch.Tensor]:
@@ -70,25 +75,50 @@ class RingComm:
         return [(self.B, sum(b - a for a, b in rng), len(stack.kv_heads), self.D)
                 for stack, rng in zip(self.plan.stacks, self.plan.needed[dst][src])]
 
-    def post_kv(self, t: int, kc, vc) -> Optional[Step]:
-        """Step t of the K/V exchange: my rows that rank+t reads go there; the rows I read from rank-t come."""
+    def eager(self, heads: int, kv_heads: int) -> bool:
+        """Whether every step's K/V is posted at once (see the module's docstring): the plan's busiest receiver
+        gets at most the bytes of its q, k, v and output (`heads` query and `kv_heads` key/value heads)."""
+        plan = self.plan
+        most = max(sum(plan.rows_needed(dst, src) for src in range(plan.P) if src != dst) for dst in range(plan.P))
+        return 2 * most <= plan.L * (2 * heads + 2 * kv_heads)
+
+    def _kv_ops(self, t: int, kc, vc):
         P, me = self.plan.P, self.rank
-        if t >= P:
-            return None
         dst, src = (me + t) % P, (me - t) % P
-        sends, recv = [], None
+        send = recv = None
         if self.plan.rows_needed(dst, me):
             rng = self.plan.needed[dst][me]
-            sends.append((dst, torch.cat([_pack(kc, rng, kc[0].dtype), _pack(vc, rng, vc[0].dtype)])))
+            send = (dst, torch.cat([_pack(kc, rng, kc[0].dtype), _pack(vc, rng, vc[0].dtype)]))
         rows = self.plan.rows_needed(me, src)
         if rows:
             recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device))
-        return Step(self.group, sends, recv)
+        return send, recv
+
+    def post_kv(self, t: int, kc, vc) -> Optional[Step]:
+        """Step t of the K/V exchange: my rows that rank+t reads go there; the rows I read from rank-t come."""
+        if t >= self.plan.P:
+            return None
+        send, recv = self._kv_ops(t, kc, vc)
+        return Step(self.group, [send] if send else [], recv)
+
+    def post_all_kv(self, kc, vc) -> Step:
+        """Every step's K/V exchange in one batch (eager)."""
+        sends, recvs = [], []
+        for t in range(1, self.plan.P):
+            send, recv = self._kv_ops(t, kc, vc)
+            sends += [send] if send else []
+            recvs += [recv] if recv else []
+        return Step(self.group, sends, recvs=recvs)
 
     def received_kv(self, step: Step, t: int):
-        """(keys, values) per stack received at step t (None for a stack with nothing received)."""
+        """(keys, values) per stack received at step t (None for a stack with nothing received); `step` is that
+        step's, or the one of post_all_kv."""
         src = (self.rank - t) % self.plan.P
-        buf = step.wait()
+        if step.recvs and step.recv is None:  # every step at once: waited on once
+            step.wait()
+            buf = step.recvs.get(src)
+        else:
+            buf = step.wait()
         shapes = self.shapes(self.rank, src)
         if buf is None:
             return [None] * len(shapes), [None] * len(shapes)

@@ -72,17 +72,28 @@ def head_share(P: int, rank: int, num_heads: int, num_kv_heads: int, layout: str
                          f"({group} query heads share one): one of the two counts must divide the other")
     hkv = max(hq // group, 1)
     kv_first = tuple(j * hq // group for j in range(P))
-    # groups: n divides hq, whole key/value heads per group where there are several
-    n = max(x for x in range(1, min(max_groups, hq) + 1) if hq % x == 0 and (hkv % x == 0 or hkv == 1))
-    size = hq // n
-    groups = []
-    for g in range(n):
-        kv = slice(g * size // group, g * size // group + max(size // group, 1)) if hkv > 1 else slice(0, 1)
-        groups.append((slice(g * size, (g + 1) * size), kv))
-    if check is not None:
-        for j in range(P):
-            for qs, _ in groups:
-                check(j * hq + qs.start, qs.stop - qs.start)
+    # n groups: n divides hq, whole key/value heads per group where there are several. The most groups up to
+    # max_groups; where a kernel cannot run such a group's heads (their offsets start inside a run of heads sharing
+    # one), more and smaller groups, which it can.
+    valid = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or hkv == 1)]
+    error = None
+    for n in [*(n for n in reversed(valid) if n <= max_groups), *(n for n in valid if n > max_groups)]:
+        size = hq // n
+        groups = []
+        for g in range(n):
+            kv = slice(g * size // group, g * size // group + max(size // group, 1)) if hkv > 1 else slice(0, 1)
+            groups.append((slice(g * size, (g + 1) * size), kv))
+        try:
+            if check is not None:
+                for j in range(P):
+                    for qs, _ in groups:
+                        check(j * hq + qs.start, qs.stop - qs.start)
+        except ValueError as exc:
+            error = error or exc
+            continue
+        break
+    else:
+        raise error
     return HeadShare(P, rank, num_heads, num_kv_heads, hq, hkv, kv_first, tuple(groups), layout)
 
 
