@@ -104,23 +104,28 @@ def head_share(P: int, rank: int, num_heads: int, num_kv_heads: int, layout: str
 def _positions(x: torch.Tensor, P: int, layout: str) -> torch.Tensor:
     """The P shards of `x` [P, B, L, h, E] (shard j from rank j) as one sequence [B, P*L, h, E] in position order:
     contiguous, the shards one after another; zigzag, their first halves in rank order, then their second halves
-    in reverse rank order (rank j holds chunks j and 2P-1-j)."""
+    in reverse rank order (rank j holds chunks j and 2P-1-j). One pass over the data at most."""
     _, B, L, h, E = x.shape
     if layout == "contiguous":
-        return x.transpose(0, 1).reshape(B, P * L, h, E)
+        return x.transpose(0, 1).reshape(B, P * L, h, E)  # a view for B = 1
     halves = x.view(P, B, 2, L // 2, h, E)
-    return torch.cat([halves[:, :, 0].transpose(0, 1).reshape(B, P * L // 2, h, E),
-                      halves[:, :, 1].flip(0).transpose(0, 1).reshape(B, P * L // 2, h, E)], 1)
+    y = torch.empty((B, 2 * P, L // 2, h, E), dtype=x.dtype, device=x.device)
+    y[:, :P] = halves[:, :, 0].transpose(0, 1)
+    y[:, P:] = halves[:, :, 1].flip(0).transpose(0, 1)
+    return y.view(B, P * L, h, E)
 
 
 def _shards(y: torch.Tensor, P: int, layout: str) -> torch.Tensor:
-    """The inverse of _positions: [B, P*L, h, E] -> [P, B, L, h, E], shard j the positions of rank j."""
+    """The inverse of _positions: [B, P*L, h, E] -> [P, B, L, h, E] (contiguous), shard j the positions of rank j.
+    One pass over the data."""
     B, N, h, E = y.shape
     if layout == "contiguous":
         return y.reshape(B, P, N // P, h, E).transpose(0, 1).contiguous()
     chunks = y.reshape(B, 2 * P, N // (2 * P), h, E)
-    order = [c for j in range(P) for c in (j, 2 * P - 1 - j)]
-    return chunks[:, order].reshape(B, P, N // P, h, E).transpose(0, 1).contiguous()
+    x = torch.empty((P, B, 2, N // (2 * P), h, E), dtype=y.dtype, device=y.device)
+    x[:, :, 0] = chunks[:, :P].transpose(0, 1)
+    x[:, :, 1] = chunks[:, P:].flip(1).transpose(0, 1)
+    return x.view(P, B, N // P, h, E)
 
 
 class _Exchange:
