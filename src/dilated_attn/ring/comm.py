@@ -1,10 +1,10 @@
 """The ring's communication: per-stack tensors `[B, n, Hk, D]` travel as one flat buffer per step and direction.
 
 At step `t = 1 .. P-1` rank `j` sends its compacted K/V rows to `j + t` and receives from `j - t`, only where the
-receiver reads rows (RingPlan.needed); the caller posts step `t + 1` before it computes step `t`. Where every step's
-rows together are few (`eager`: at most the bytes of the local q, k, v and output, as for LongNet's dilated
-branches), all steps are posted at once instead, in one batch: the ranks then wait on no peer's step, and memory
-stays within a constant of the shard's. In the backward the dK/dV of received rows go back to their owner in float32
+receiver reads rows (RingPlan.needed); the caller posts step `t + 1` before it computes step `t`. Where local
+branches compute while the rows travel and every step's rows together are few (`eager`: at most the bytes of the
+local q, k, v and output, as for LongNet's dilated branches), all steps are posted at once instead, in one batch:
+the ranks then wait on no peer's step, and memory stays within a constant of the shard's. In the backward the dK/dV of received rows go back to their owner in float32
 (float64 for float64).
 """
 
@@ -25,7 +25,8 @@ def _pack(parts: list[torch.Tensor], ranges: list[list[tuple[int, int]]], dtype)
     """The given row ranges of each stack's tensor `[B, n, Hk, D]`, stack after stack, flattened (one send buffer).
     A stack's ranges are joined along the rows before flattening, so that the receiver reads `[B, sum, Hk, D]`
     (flattening each range apart would put batch element 1 of the first range before the second range)."""
-    flat = [torch.cat([x[:, a:b] for a, b in rng], 1).reshape(-1) for x, rng in zip(parts, ranges) if rng]
+    flat = [(x[:, rng[0][0]:rng[0][1]] if len(rng) == 1 else torch.cat([x[:, a:b] for a, b in rng], 1)).reshape(-1)
+            for x, rng in zip(parts, ranges) if rng]
     return torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
 
 
@@ -76,9 +77,12 @@ class RingComm:
                 for stack, rng in zip(self.plan.stacks, self.plan.needed[dst][src])]
 
     def eager(self, heads: int, kv_heads: int) -> bool:
-        """Whether every step's K/V is posted at once (see the module's docstring): the plan's busiest receiver
-        gets at most the bytes of its q, k, v and output (`heads` query and `kv_heads` key/value heads)."""
+        """Whether every step's K/V is posted at once (see the module's docstring): where local branches compute
+        while they travel (without them the first block would wait for every step's rows) and the plan's busiest
+        receiver gets at most the bytes of its q, k, v and output (`heads` query and `kv_heads` key/value heads)."""
         plan = self.plan
+        if not plan.local_branches:
+            return False
         most = max(sum(plan.rows_needed(dst, src) for src in range(plan.P) if src != dst) for dst in range(plan.P))
         return 2 * most <= plan.L * (2 * heads + 2 * kv_heads)
 
