@@ -15,7 +15,9 @@ bandwidth (the forward's: the ring plan's K/V (dilated_attn.ring.ring_plan), or 
 forward+backward: the ring sends K/V again and dK/dV in float32, 4x the forward's; the heads mode d_out in and dq,
 dk, dv back, 2x); the ring hides it behind a rank's compute and exposes only what outlasts it, the heads mode (one
 head group) waits for all of it. The two measured GPU counts give e and s (two equations), so the model reproduces
-both runs; the 2-D mode, measured at one size only (2 x 2), takes the ring's and the heads mode's waits and fits e.
+both runs, except where they would make s negative: then s = 0 and e is the mean of the two (the table prints how
+closely it reproduces them). The 2-D mode, measured at one size only (2 x 2), takes the ring's and the heads
+mode's waits and fits e.
 
 Projected: strong scaling at P = 8 (one node), 16 and 64 (nodes of 8 GPUs): NVLink 450 GB/s inside a node, 50 GB/s a
 GPU between nodes (8 x 50 GB/s a node). A transfer that spans nodes runs at the slower link for its bytes that
@@ -160,6 +162,8 @@ def calibrate(runs: list[dict]) -> dict:
                 det = (t_a / p_a) * (p_b - 1) - (t_b / p_b) * (p_a - 1)
                 e = (y_a * (p_b - 1) - y_b * (p_a - 1)) / det
                 s = (y_b * (t_a / p_a) - y_a * (t_b / p_b)) / det
+                if s < 0:  # a wait cannot be negative: no wait, and e the mean of the two runs' (then not exact)
+                    s, e = 0.0, (y_a * p_a / t_a + y_b * p_b / t_b) / 2
                 fit = dict(e=e, s_ring=s if mode == "ring" else 0.0, s_heads=s if mode == "heads" else 0.0)
             fit["reproduced"] = {P: (t1 / (P * tp), t1 / (P * predict_ms(fit, t1, P, comm, mode)))
                                  for P, t1, tp, comm in points}
