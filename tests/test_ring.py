@@ -649,8 +649,9 @@ def _module(case, rank):
     torch.manual_seed(0)
     full = dilated_attn.MultiheadDilatedAttention(H * D, H, case["r"], case["w"], **kw)
     torch.manual_seed(0)
-    ring = dilated_attn.MultiheadDilatedAttention(H * D, H, case["r"], case["w"], **kw,
-                                                  process_group=dist.group.WORLD, layout=case["layout"])
+    group = _mesh_pair(case["inner"]) if case.get("inner") else dist.group.WORLD
+    ring = dilated_attn.MultiheadDilatedAttention(H * D, H, case["r"], case["w"], **kw, process_group=group,
+                                                  layout=case["layout"])
     x = torch.randn(B, N, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     g = torch.randn(B, N, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     xf, xl = x.clone().requires_grad_(), _local(x, case).requires_grad_()
@@ -680,6 +681,12 @@ def test_module_with_process_group(tmp_path):
     cases = [dict(shape=(2, 16, 4, 2, 3), w=[4, 16], r=[1, 2], causal=True, layout="zigzag"),
              dict(shape=(1, 16, 4, 4, 2), w=[8, 16], r=[2, 4], causal=False, layout="contiguous")]
     _check(_spawn(2, "gloo", "module", cases, tmp_path), cases)
+
+
+def test_module_with_a_2d_group(tmp_path):
+    """The module's process_group as the pair (ring_group, heads_group): auto runs the 2-D mode, 2 x 2."""
+    cases = [dict(shape=(2, 32, 4, 2, 3), w=[4, 32], r=[1, 2], causal=True, layout="zigzag", inner=2)]
+    _check(_spawn(4, "gloo", "module", cases, tmp_path), cases)
 
 
 def test_module_ring_arguments_are_checked():

@@ -102,10 +102,23 @@ def _check_ordering(spatial_shape, ordering) -> Optional[tuple[int, ...]]:
         raise type(e)(f"spatial_shape: {str(e).removeprefix('shape: ')}") from None
 
 
+def _ranks(process_group) -> str:
+    """How a module's repr names its ring group."""
+    if isinstance(process_group, dist.ProcessGroup):
+        return f"{process_group.size()} ranks"
+    if isinstance(process_group, tuple):
+        return f"{process_group[0].size()} x {process_group[1].size()} ranks"
+    return f"{' x '.join(map(str, process_group.shape))} mesh"
+
+
 def _check_ring_args(process_group, layout, dropout: float):
     """Validate the ring arguments of the modules; returns (process_group, layout)."""
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be None or a torch.distributed.ProcessGroup, got "
+    pair = isinstance(process_group, tuple) and len(process_group) == 2 and all(
+        isinstance(g, dist.ProcessGroup) for g in process_group)
+    if not (process_group is None or isinstance(process_group, dist.ProcessGroup) or pair
+            or type(process_group).__name__ == "DeviceMesh"):
+        raise TypeError(f"process_group must be None, a torch.distributed.ProcessGroup, or for ring_attention's 2-D "
+                        f"mode a 2-D DeviceMesh or a pair (ring_group, heads_group), got "
                         f"{type(process_group).__name__}")
     check_layout(layout)
     if process_group is not None and dropout > 0:
@@ -160,9 +173,10 @@ class DilatedAttention(nn.Module):
     Keyword-only:
         head_groups: "all" (LongNet) or "split" (dilated-attention-pytorch), as in `dilated_attention`.
         backend: "auto", "cuda", "triton", "cpu" or "reference", as in `dilated_attention`.
-        process_group: None, or a torch.distributed ProcessGroup (`dist.group.WORLD` for all ranks): then the
-            inputs are this rank's shards of a sequence split across the group and forward runs
-            `dilated_attn.ring_attention` (no attention dropout there: ValueError at construction).
+        process_group: None, or a torch.distributed ProcessGroup (`dist.group.WORLD` for all ranks), or a 2-D
+            DeviceMesh or a pair (ring_group, heads_group): then the inputs are this rank's shards of a sequence
+            split across the group and forward runs `dilated_attn.ring_attention` in the mode its `auto` picks (no
+            attention dropout there: ValueError at construction).
         layout: "contiguous" or "zigzag", the sharding of the sequence with a process_group (see
             `ring_attention`).
 
@@ -252,7 +266,7 @@ class DilatedAttention(nn.Module):
             f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
             f"softmax_scale={self.softmax_scale}, attention_dropout={self.attention_dropout}, "
             f"head_groups={self.head_groups!r}, backend={self.backend!r}"
-            + (f", process_group=<{self.process_group.size()} ranks>, layout={self.layout!r}"
+            + (f", process_group=<{_ranks(self.process_group)}>, layout={self.layout!r}"
                if self.process_group is not None else "")
         )
 
