@@ -303,6 +303,8 @@ def _mismatch(case, rank):
         kw["scale"] = 0.25  # the others use the default, head_dim ** -0.5 = 0.5
     if field == "heads" and rank == 1:
         q = torch.randn(B, L_mine, 2 * Hq, D, dtype=dtype)
+    if case.get("inner"):
+        kw.update(group=_mesh_pair(case["inner"]), mode="2d")
     try:
         dilated_attn.ring_attention(q, k, k, w, r, **kw)
     except ValueError as exc:
@@ -472,6 +474,17 @@ def test_mismatched_configuration_raises_on_every_rank(tmp_path):
         for field, res in zip(fields, per_rank):
             assert res.get("raised") == "ValueError", (rank, field, res)
             assert "every rank" in res["message"] or "same" in res["message"], (rank, field, res)
+
+
+def test_mismatched_configuration_raises_on_every_rank_2d(tmp_path):
+    """2 x 2: ranks 0 and 1 (one inner group) differ; ranks 2 and 3, whose own group agrees, raise too."""
+    fields = ["length", "causal", "branches", "scale"]
+    cases = [dict(shape=(1, 16, 2, 2, 4), field=f, inner=2) for f in fields]
+    results = _spawn(4, "gloo", "mismatch", cases, tmp_path)
+    for rank, per_rank in enumerate(results):
+        for field, res in zip(fields, per_rank):
+            assert res.get("raised") == "ValueError", (rank, field, res)
+            assert "same" in res["message"], (rank, field, res)
 
 
 def test_bad_arguments_on_one_rank_raise_on_every_rank_gloo(tmp_path):

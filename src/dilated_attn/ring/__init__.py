@@ -98,14 +98,17 @@ def _check_same_config(groups, q, fields, error: Exception | None) -> None:
         if isinstance(seen, tuple):
             invalid = seen if invalid is None else min(invalid, seen)
         elif seen is not None and mismatch is None:
+            # differing configurations in this group: carried on like invalid arguments, so that the ranks of the
+            # other groups raise too instead of waiting for this group's ranks
             mismatch = seen
+            invalid = invalid or (groups.rank, str(seen).removeprefix("ring_attention: "))
     if error is not None:
         kind = TypeError if isinstance(error, TypeError) else ValueError
         raise kind(f"ring_attention: rank {groups.rank}: {error}") from error
-    if invalid is not None:
-        raise ValueError(f"ring_attention: rank {invalid[0]}'s arguments are invalid: {invalid[1]}")
     if mismatch is not None:
         raise mismatch
+    if invalid is not None:
+        raise ValueError(f"ring_attention: rank {invalid[0]}'s arguments are invalid: {invalid[1]}")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
