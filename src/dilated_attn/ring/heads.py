@@ -243,7 +243,7 @@ class HeadParallelAttention:
             gq, gk, gv = self.attend_backward(g, kept[g], do_h, dl_h)
             kept[g] = None
             returning.append(("q", qs, to_positions(gq, share, group)))
-            if share.hkv > 1:
+            if share.hkv > 1 or len(groups) == 1:
                 returning.append(("kv", ks, to_positions(gk, share, group), to_positions(gv, share, group)))
             else:  # one key/value head for every group: summed here, sent once
                 dk_h = gk.to(acc) if dk_h is None else dk_h + gk
