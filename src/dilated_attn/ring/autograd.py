@@ -134,19 +134,24 @@ class RingAttention(torch.autograd.Function):
         return (*ring_backward(q, k, v, out, lse, d_out, d_lse, ctx.cfg), None)
 
 
+def _start_exchange(cfg: RingConfig, q, k, v):
+    """This rank's compacted rows and their K/V, and the K/V exchange posted: step 1, or every step at once
+    (comm.py, `eager`), in flight while the local branches compute."""
+    comm = RingComm(cfg.plan, cfg.rank, cfg.group, q.shape[0], q.shape[3], q.device)
+    rows = compacted_rows(cfg.plan, cfg.rank, q.device)
+    kc = [cp.kv.gather(k) for cp in rows]
+    vc = [cp.kv.gather(v) for cp in rows]
+    eager = comm.eager(q.shape[2], k.shape[2])
+    return comm, rows, kc, vc, eager, comm.post_all_kv(kc, vc) if eager else comm.post_kv(1, kc, vc)
+
+
 def ring_forward(q, k, v, cfg: RingConfig):
     """(out, lse) of this rank's shard: the local branches, then every head stack's blocks."""
-    plan, rank, group, local_problem, scale = cfg.plan, cfg.rank, cfg.group, cfg.local_problem, cfg.scale
+    plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
     forward_op, _ = backends.get(cfg.backend).ops()
     B, L, H, D = q.shape
     lse_type = lse_dtype(q.dtype)
-    comm = RingComm(plan, rank, group, B, D, q.device)
-    rows = compacted_rows(plan, rank, q.device)
-    kc = [cp.kv.gather(k) for cp in rows]
-    vc = [cp.kv.gather(v) for cp in rows]
-    eager = comm.eager(H, k.shape[2])
-    # in flight while the local branches compute: step 1, or every step at once
-    step = comm.post_all_kv(kc, vc) if eager else comm.post_kv(1, kc, vc)
+    comm, rows, kc, vc, eager, step = _start_exchange(cfg, q, k, v)
     # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
     # result merges into its rows: in place where a stack's rows are a block of the result (dense attention),
     # else into the stack's own (out, lse), merged into its rows at the end.
@@ -183,7 +188,7 @@ def ring_forward(q, k, v, cfg: RingConfig):
 
 def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     """(dq, dk, dv) of this rank's shards, from the merged out and lse (d_out or d_lse may be None)."""
-    plan, rank, group, local_problem, scale = cfg.plan, cfg.rank, cfg.group, cfg.local_problem, cfg.scale
+    plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
     # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
     # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
     # take it, dispatch names the one that runs.
@@ -192,12 +197,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     B, L, H, D = q.shape
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
-    comm = RingComm(plan, rank, group, B, D, q.device)
-    rows = compacted_rows(plan, rank, q.device)
-    kc = [cp.kv.gather(k) for cp in rows]
-    vc = [cp.kv.gather(v) for cp in rows]
-    eager = comm.eager(H, k.shape[2])
-    step = comm.post_all_kv(kc, vc) if eager else comm.post_kv(1, kc, vc)
+    comm, rows, kc, vc, eager, step = _start_exchange(cfg, q, k, v)
 
     def local_branches():
         if plan.local_branches:
