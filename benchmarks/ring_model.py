@@ -212,8 +212,8 @@ def main(argv=None) -> None:
         shown = ", ".join(f"P={P}: {m:.1%} / {x:.1%}" for P, (m, x) in fit["reproduced"].items())
         params = ", ".join(f"{k} {v:.3f}" for k, v in fit.items() if k != "reproduced")
         print(f"  {key}: {params}; {shown}")
-    print(f"projected (strong scaling, nodes of {NODE}: NVLink {NVLINK_GBPS:.0f} GB/s, {CROSS_NODE_GBPS:.0f} GB/s a GPU "
-          f"between nodes), efficiency fwd+bwd / fwd:")
+    print(f"projected (strong scaling, nodes of {NODE}: NVLink {NVLINK_GBPS:.0f} GB/s, {CROSS_NODE_GBPS:.0f} GB/s "
+          f"a GPU between nodes), efficiency fwd+bwd / fwd:")
     for preset in sorted({p for p, _, _ in fitted}):
         for mode in ("ring", "heads", "2d"):
             if (preset, mode, "fwd") not in fitted:

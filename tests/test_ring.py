@@ -246,16 +246,14 @@ def _posts_at_once(case, P: int) -> bool:
 def _heads_runs(case, P: int) -> bool:
     """Whether mode='heads' runs `case` on P ranks (its rules: head_groups 'all', Hq % P == 0, whole key/value
     heads per rank, offsets a kernel can take)."""
-    from dilated_attn.ring.heads import head_share
+    from dilated_attn.ring.modes import heads_share
     from dilated_attn.spec import Problem
 
     B, N, Hq, Hkv, D = case["shape"]
-    if case.get("head_groups", "all") != "all":
-        return False
-    w, r = case.get("w") or [N], case.get("r") or [1]
+    p = Problem.from_sizes(B, N // P, Hq, Hkv, D, case.get("w") or [N], case.get("r") or [1], dtype=torch.float64,
+                           device="cpu", causal=case.get("causal", False), head_groups=case.get("head_groups", "all"))
     try:
-        head_share(P, 0, Hq, Hkv, case.get("layout", "contiguous"), check=lambda h0, n: Problem.from_sizes(
-            B, N, n, max(n * Hkv // Hq, 1), D, w, r, dtype=torch.float64, device="cpu").with_heads(h0, Hq))
+        heads_share(p, N, P, 0, case.get("layout", "contiguous"))
     except ValueError:
         return False
     return True

@@ -143,8 +143,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q_in, const at:
   check_qkv(q_in, k_in, v_in);
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const AttentionShape sh = shape_of(q, k, causal, scale);
-  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads, head_start,
-                                       global_heads);
+  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads,
+                                       head_start, global_heads);
   const auto acc_type = lse_dtype(q.scalar_type());
   at::Tensor out_acc = at::zeros(q.sizes(), q.options().dtype(acc_type));
   at::Tensor lse = at::full({sh.batch, sh.num_heads, sh.seq_len}, -std::numeric_limits<double>::infinity(),
@@ -185,8 +185,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const at::Tensor grad_out = rows_contiguous(grad_out_in.to(q.scalar_type()));
   const AttentionShape sh = shape_of(q, k, causal, scale);
-  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads, head_start,
-                                       global_heads);
+  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads,
+                                       head_start, global_heads);
   const auto acc_type = lse_dtype(q.scalar_type());
   TORCH_CHECK_VALUE(lse_in.sizes() == at::IntArrayRef({sh.batch, sh.num_heads, sh.seq_len}),
                     "lse must have shape [batch, heads, seq]");

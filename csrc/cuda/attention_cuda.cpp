@@ -65,8 +65,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q_in, const at
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const AttentionShape sh = shape_of(q, k, causal, scale);
-  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads, head_start,
-                                       global_heads);
+  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads,
+                                       head_start, global_heads);
   // The running merge starts from "no key yet": out = 0, lse = -inf (also what uncovered rows keep).
   at::Tensor out = at::zeros(q.sizes(), q.options());
   at::Tensor lse = at::full({sh.batch, sh.num_heads, sh.seq_len}, -std::numeric_limits<float>::infinity(),
@@ -95,8 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   const at::Tensor grad_out = rows_contiguous(grad_out_in.to(q.scalar_type()));
   const at::Tensor out = rows_contiguous(out_in.to(q.scalar_type()));
   const AttentionShape sh = shape_of(q, k, causal, scale);
-  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads, head_start,
-                                       global_heads);
+  const auto table = make_branch_table(segment_lengths, dilation_rates, sh.num_heads, sh.seq_len, split_heads,
+                                       head_start, global_heads);
   TORCH_CHECK_VALUE(lse_in.sizes() == at::IntArrayRef({sh.batch, sh.num_heads, sh.seq_len}),
                     "lse must have shape [batch, heads, seq]");
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();

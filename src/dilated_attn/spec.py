@@ -61,7 +61,8 @@ def branch_table(
 ) -> list[Branch]:
     """The branches for `num_heads` query heads. With `global_heads` > 0 these heads are the heads
     `[head_start, head_start + num_heads)` of a problem of `global_heads` heads (a rank's share in the head-parallel
-    ring modes): each keeps the offsets of its global index, written in local head indices (localize_branch)."""
+    ring modes): each keeps the offsets of its global index, written in local head indices (localize_branch), and a
+    branch in which none of them takes part ("split") is left out, as csrc/checks.h leaves it out."""
     total = global_heads or num_heads
     m = len(segment_lengths)
     table = []
@@ -74,7 +75,8 @@ def branch_table(
             table.append(Branch(w, s, r, lo, hi, max(total, 1), i % r))
     if total == num_heads and head_start == 0:
         return table
-    return [localize_branch(br, head_start, num_heads) for br in table]
+    local = (localize_branch(br, head_start, num_heads) for br in table)
+    return [br for br in local if br.head_hi > br.head_lo]
 
 
 def localize_branch(br: Branch, head_start: int, num_heads: int) -> Branch:
@@ -92,7 +94,7 @@ def localize_branch(br: Branch, head_start: int, num_heads: int) -> Branch:
         div = max(num_heads, 1)  # one offset for every head of the range
     else:
         raise ValueError(
-            f"heads [{head_start}, {head_start + num_heads}) of {br.head_hi} cannot run as one problem: branch "
+            f"heads [{head_start}, {head_start + num_heads}) cannot run as one problem: branch "
             f"(w={br.segment_length}, r={br.dilation}) gives runs of {br.offset_div} heads one offset, and the range "
             f"starts inside a run and leaves it (choose a head count per rank that is a multiple of "
             f"ceil(heads / r) or divides it)")

@@ -13,9 +13,9 @@ def register_attention_autograd(forward_op: str, backward_op: str, takes_lse_gra
     """Register autograd for `forward_op` (a `dilated_attn::` op taking `(q, k, v, *config)`) that calls
     `backward_op` (the name of a `dilated_attn::` op taking `(grad_out, grad_lse, q, k, v, out, lse, *config)`)
     with the merged out and lse it saved. `config` is the forward schema's rest (segment_lengths, dilation_rates,
-    split_heads, causal, scale, head_start, global_heads), led for packed sequences by cu_seqlens and max_seqlen. A backward op that
-    `takes_lse_gradient=False` runs only where the LSE has no gradient; where it has one, the backward of the backend
-    dispatch.backward_backend names runs instead (explain() says which)."""
+    split_heads, causal, scale, head_start, global_heads), led for packed sequences by cu_seqlens and max_seqlen. A
+    backward op that `takes_lse_gradient=False` runs only where the LSE has no gradient; where it has one, the
+    backward of the backend dispatch.backward_backend names runs instead (explain() says which)."""
 
     def setup_context(ctx, inputs, output):
         q, k, v, *config = inputs

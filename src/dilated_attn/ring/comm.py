@@ -4,8 +4,8 @@ At step `t = 1 .. P-1` rank `j` sends its compacted K/V rows to `j + t` and rece
 receiver reads rows (RingPlan.needed); the caller posts step `t + 1` before it computes step `t`. Where local
 branches compute while the rows travel and every step's rows together are few (`eager`: at most the bytes of the
 local q, k, v and output, as for LongNet's dilated branches), all steps are posted at once instead, in one batch:
-the ranks then wait on no peer's step, and memory stays within a constant of the shard's. In the backward the dK/dV of received rows go back to their owner in float32
-(float64 for float64).
+the ranks then wait on no peer's step, and memory stays within a constant of the shard's. In the backward the dK/dV
+of received rows go back to their owner in float32 (float64 for float64).
 """
 
 from __future__ import annotations

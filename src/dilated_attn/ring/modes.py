@@ -91,21 +91,9 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
         return RingCall("ring", "one rank: dilated_attention", p, (w, r))
     gw, gr = (tuple(x) for x in p.op_branches(N))  # bounded by the global sequence (the plan's ints stay small)
     Hq, Hkv = p.num_heads, p.num_kv_heads
-
-    def heads_rule(P_heads: int, rank: int, seq_len: int) -> HeadShare:
-        if head_groups != "all":
-            raise ValueError("mode='heads' and '2d' run head_groups='all' (LongNet's); head_groups='split' runs in "
-                             "mode='ring'")
-
-        def check(h0: int, n: int) -> None:
-            Problem.from_sizes(p.batch, seq_len, n, max(n * Hkv // Hq, 1), p.head_dim, gw, gr, dtype=p.dtype,
-                               device=p.device, causal=causal, scale=p.scale).with_heads(h0, Hq)
-
-        return head_share(P_heads, rank, Hq, Hkv, layout, check=check)
-
     if groups.two_d:
         (inner, outer), (ri, ro), (Pi, Po) = groups.all, groups.ranks, groups.sizes
-        share = heads_rule(Pi, ri, N)
+        share = heads_share(p, N, Pi, ri, layout)
         attention, chosen = _two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout, backend)
         return RingCall("2d", f"a 2-D group: heads across the inner {Pi} ranks, ring across the outer {Po}", p,
                         (gw, gr), chosen, head_parallel=attention)
@@ -115,7 +103,7 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     share, why_not = None, None
     if mode in ("auto", "heads"):
         try:
-            share = heads_rule(P, rank, N)
+            share = heads_share(p, N, P, rank, layout)
         except ValueError as exc:
             if mode == "heads":
                 raise
@@ -131,6 +119,22 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     reason = "asked for" if mode == "heads" else "it sends fewer bytes than ring"
     attention, chosen = _heads(p, share, group, N, gw, gr, backend)
     return RingCall("heads", reason, p, (gw, gr), chosen, sent, head_parallel=attention)
+
+
+def heads_share(p: Problem, seq_len: int, P: int, rank: int, layout: str) -> HeadShare:
+    """This rank's share of the heads in a head-parallel group of P ranks for the local problem `p` of a global
+    sequence of `seq_len`, or ValueError naming the rule that `p` breaks (head_share's, the kernels' offsets)."""
+    if p.head_groups != "all":
+        raise ValueError("mode='heads' and '2d' run head_groups='all' (LongNet's); head_groups='split' runs in "
+                         "mode='ring'")
+    w, r = p.op_branches(seq_len)
+    Hq, Hkv = p.num_heads, p.num_kv_heads
+
+    def check(h0: int, n: int) -> None:
+        Problem.from_sizes(p.batch, seq_len, n, max(n * Hkv // Hq, 1), p.head_dim, w, r, dtype=p.dtype,
+                           device=p.device, causal=p.causal, scale=p.scale).with_heads(h0, Hq)
+
+    return head_share(P, rank, Hq, Hkv, layout, check=check)
 
 
 def _group_problem(p: Problem, share: HeadShare, g: int, seq_len: int, gw, gr, head_start: int) -> Problem:

@@ -112,6 +112,9 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
     branches, the rows every rank sends every other, and each rank's block tasks. With `global_heads` > 0 the
     heads are the heads `[head_start, head_start + num_heads)` of a problem of that many (the 2-D mode's ring over
     one head group), with their global offsets."""
+    if global_heads and head_groups != "all":
+        # a share of "split" heads drops the branches it takes no part in, which the branch indices here count
+        raise ValueError("the ring runs a share of the heads with head_groups='all' only")
     N = P * L
     G = num_heads // num_kv_heads
     table = branch_table(segment_lengths, dilation_rates, N, num_heads, head_groups, head_start, global_heads)

@@ -246,8 +246,6 @@ def plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, heads: int
          split_heads: bool, head_start: int = 0, global_heads: int = 0) -> Plan:
     table = branch_table(list(segment_lengths), list(dilation_rates), seq_len, heads, "split" if split_heads else "all",
                          head_start, global_heads)
-    # a rank's share of heads (head_start, global_heads) may take no part in a "split" branch
-    table = [br for br in table if br.head_hi > br.head_lo]
     if not seq_len:
         return Plan((), False)
     calls = tuple(tuple(branch_calls(br, seq_len, heads // kv_heads)) for br in table)

@@ -87,8 +87,6 @@ def _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens, max_
     # packed sequences: segments clipped to the longest sequence here, to each one's length in the kernels
     table = branch_table(segment_lengths, dilation_rates, max_seqlen if varlen else N, H,
                          "split" if split_heads else "all", head_start, global_heads)
-    # a rank's share of heads (head_start, global_heads) may take no part in a "split" branch
-    table = [br for br in table if br.head_hi > br.head_lo] or table[:1]
     tile_d = block_d(D)
     meta = dict(GROUP=H // k.shape[2], HEAD_DIM=D, BLOCK_D=tile_d, EVEN_D=tile_d == D, VARLEN=varlen)
     sequences = cu_seqlens.numel() - 1 if varlen else B
