@@ -454,15 +454,11 @@ def test_ring_matches_dilated_attention_gloo(world, tmp_path):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_heads_mode_matches_dilated_attention_gloo(world, tmp_path):
-    cases = _mode_cases(world, "heads")
+def test_head_parallel_modes_match_dilated_attention_gloo(world, tmp_path):
+    """The heads mode on 2, 3 and 4 ranks; on 4 also the 2-D mode as 2 x 2 (heads across each pair of consecutive
+    ranks, ring across the pairs), in the same world."""
+    cases = _mode_cases(world, "heads") + (_mode_cases(4, "2d", inner=2) if world == 4 else [])
     _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
-
-
-def test_2d_mode_matches_dilated_attention_gloo(tmp_path):
-    """Four ranks as 2 x 2: heads across each pair of consecutive ranks, ring across the pairs."""
-    cases = _mode_cases(4, "2d", inner=2)
-    _check(_spawn(4, "gloo", "compare_f64", cases, tmp_path), cases)
 
 
 def test_ring_on_subgroups_gloo(tmp_path):
@@ -504,10 +500,9 @@ def test_bad_arguments_on_one_rank_raise_on_every_rank_gloo(tmp_path):
     _check_bad_rank(_spawn(2, "gloo", "bad_rank", cases, tmp_path), cases)
 
 
-@pytest.mark.parametrize("mode", ["heads", "2d"])
-def test_bad_arguments_on_one_rank_raise_on_every_rank_head_modes_gloo(mode, tmp_path):
+def test_bad_arguments_on_one_rank_raise_on_every_rank_head_modes_gloo(tmp_path):
     """The head-parallel modes on 4 ranks (2d: 2 x 2, where the bad rank shares a group with only some peers)."""
-    cases = [dict(c, mode=mode) for c in [*BAD_RANK_CASES, dict(name="valid call")]]
+    cases = [dict(c, mode=mode) for mode in ("heads", "2d") for c in [*BAD_RANK_CASES, dict(name="valid call")]]
     _check_bad_rank(_spawn(4, "gloo", "bad_rank", cases, tmp_path), cases)
 
 
