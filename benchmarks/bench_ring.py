@@ -127,6 +127,7 @@ def gpu_time_breakdown(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     kinds = {"attention": [], "merge_and_accumulate": [], "communication": []}
+    by_name = {}  # the merge-and-accumulate kernels by name: (ms, launches)
     for e in prof.profiler.kineto_results.events():
         if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
             continue
@@ -134,6 +135,9 @@ def gpu_time_breakdown(fn) -> dict:
         kind = ("communication" if "nccl" in name.lower() else
                 "attention" if any(k in name for k in ATTENTION_KERNELS) else "merge_and_accumulate")
         kinds[kind].append((e.start_ns() / 1e6, (e.start_ns() + e.duration_ns()) / 1e6))
+        if kind == "merge_and_accumulate":
+            ms, n = by_name.get(name[:100], (0.0, 0))
+            by_name[name[:100]] = (ms + e.duration_ns() / 1e6, n + 1)
     every = _union([iv for ivs in kinds.values() for iv in ivs])
     compute = _union(kinds["attention"] + kinds["merge_and_accumulate"])
     comm = _union(kinds["communication"])
@@ -141,7 +145,9 @@ def gpu_time_breakdown(fn) -> dict:
     return dict(wall_ms=wall, attention_ms=_length(_union(kinds["attention"])),
                 merge_and_accumulate_ms=_length(_union(kinds["merge_and_accumulate"])),
                 communication_ms=_length(comm), exposed_communication_ms=_length(comm) - _overlap(comm, compute),
-                no_kernel_ms=wall - _length(every))
+                no_kernel_ms=wall - _length(every), kernels=sum(len(ivs) for ivs in kinds.values()),
+                top_merge_and_accumulate=[dict(kernel=k, ms=ms, launches=n) for k, (ms, n) in
+                                          sorted(by_name.items(), key=lambda kv: -kv[1][0])[:6]])
 
 
 def mesh_pair(inner: int = 2):
@@ -200,7 +206,9 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
             for part, ranks in breakdown.items():
                 for j, b in enumerate(ranks):
                     say(f"[{name}/{mode}] {part} rank {j}: " + ", ".join(
-                        f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in b.items()))
+                        f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in b.items() if k.endswith("_ms"))
+                        + f", {b['kernels']} kernels; most merge/accumulate time: " + "; ".join(
+                        f"{t['kernel'][:60]} {t['ms']:.2f} ms x{t['launches']}" for t in b["top_merge_and_accumulate"][:3]))
     sent = [None] * P
     dist.all_gather_object(sent, (call.bytes_per_rank or {}).get(mode) if mode != "2d" else None)
     # the peak of one forward+backward, inputs included (measured apart from the timing, whose L2 flush

@@ -389,6 +389,40 @@ def test_gpu_parity(index, causal, dtype):
         assert _err(a, b) <= allowed_error(dtype, _err(lo, b), gradient=True, largest=largest), f"grad {name}"
 
 
+def _dense_ops_match_math(device, dtype, nq, nk, kv_heads):
+    """ops.dense_forward / dense_backward (the ring's blocks of unequal lengths) against math_attend in float64 on
+    the same (rounded) inputs."""
+    g = torch.Generator().manual_seed(nq * 100 + nk + kv_heads)
+    q, go = (torch.randn(2, nq, 4, 64, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(2, nk, kv_heads, 64, generator=g).to(device, dtype) for _ in range(2))
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # heads-first storage: strided views
+    scale = 0.3
+    out, lse = ops.dense_forward(q, k, v, scale)
+    grads = ops.dense_backward(go, q, k, v, out, lse, scale)
+    exact = [x.transpose(1, 2).cpu().double() for x in (q, k, v, go)]
+    ref_out, ref_lse = math_attend(*exact[:3], False, scale)
+    ref_grads = math_attend_backward(exact[3], *exact[:3], ref_out, ref_lse, False, scale)
+    assert out.shape == q.shape and lse.shape == (2, 4, nq)
+    assert _err(out.transpose(1, 2), ref_out) <= allowed_error(dtype, 0.0)
+    assert _err(lse, ref_lse) <= 1e-5 * ref_lse.abs().max().item()
+    for a, b in zip(grads, ref_grads):
+        assert _err(a.transpose(1, 2), b) <= allowed_error(dtype, 0.0, gradient=True, largest=b.abs().max().item())
+
+
+@pytest.mark.parametrize("nq, nk, kv_heads", [(5, 13, 4), (13, 5, 2), (7, 7, 1)])
+def test_dense_ops_take_unequal_lengths(nq, nk, kv_heads, math_loops):
+    """The steps dense_forward and dense_backward pack, through the loops' contract (float64 on CPU)."""
+    _dense_ops_match_math("cpu", torch.float64, nq, nk, kv_heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq, nk, kv_heads", [(1000, 3000, 4), (3000, 1000, 2), (2, 4097, 1)])
+def test_gpu_dense_ops_take_unequal_lengths(nq, nk, kv_heads):
+    if dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    _dense_ops_match_math("cuda", torch.bfloat16, nq, nk, kv_heads)
+
+
 @pytest.mark.parametrize("capability, seq_len, backward, chosen", [
     ((9, 0), 4096, False, "cudnn"), ((9, 0), 2048, False, "triton"), ((9, 0), 2048, True, "cudnn"),
     ((9, 0), 1024, True, "triton"), ((8, 0), 65536, True, "triton")])

@@ -213,6 +213,8 @@ def _named_cases(P):
         dict(name="odd local length", shape=(2, P * 7, 4, 2, 3), w=[3, 10], r=[1, 2], causal=True),
         dict(name="LongNet offsets, 12 heads", shape=(2, N, 12, 6, 3), w=[4, 2 * L, N], r=[1, 2, 8], causal=True,
              layout="zigzag"),
+        # every rank's keys at once, each head stack's blocks joined into one (test_joined_blocks)
+        dict(name="LongNet, joined blocks", shape=(2, N, 4, 4, 3), w=[4, L, N], r=[1, 2, 4]),
         dict(name="custom scale", shape=(2, N, 2, 2, 3), w=[N], r=[1], scale=0.37, causal=True),
         dict(name="reference blocks", shape=(2, N, 4, 2, 3), w=[4, N], r=[1, 2], causal=True, layout="zigzag",
              backend="reference"),
@@ -576,6 +578,31 @@ def test_invalid_arguments(kwargs, error, match):
         dilated_attn.ring_attention(q, q, q, **kwargs)
 
 
+@pytest.mark.parametrize("P", [2, 4])
+def test_joined_blocks(P):
+    """The named case "LongNet, joined blocks" posts every step at once and joins each head stack's blocks into
+    one (so that its parity run covers them), its rows are strided views, and a causal stack's own block stays
+    apart while its received blocks join."""
+    from dilated_attn.ring.autograd import compacted_rows, joined_blocks
+
+    case = next(c for c in _named_cases(P) if c["name"] == "LongNet, joined blocks")
+    B, N, H, _, D = case["shape"]
+    L = N // P
+    assert _posts_at_once(case, P)
+    plan = ring_plan(P, L, H, H, (4, L, N), (1, 2, 4), "all", False, "contiguous")
+    for rank in range(P):
+        (joined,) = joined_blocks(plan, rank).values()
+        assert joined.steps == tuple(range(P)) and joined.q == slice(0, L // 4)
+        (rows,) = compacted_rows(plan, rank, torch.device("cpu"))
+        x = torch.randn(B, L, H, D)
+        for rs in (rows.q, rows.kv):
+            indexed = torch.stack([x[:, r, h] for r, h in zip(plan.stacks[0].rows(rank, plan.stacks[0].q_offsets),
+                                                               plan.stacks[0].q_heads)], 2)
+            assert rs.is_view and torch.equal(rs.gather(x), indexed)
+    causal = ring_plan(4, 8, 4, 4, (32,), (2,), "all", True, "zigzag")
+    assert [j.steps for j in joined_blocks(causal, 0).values()] == [(1, 2, 3)]
+
+
 def test_traffic_is_what_the_branches_select():
     """Local branches send nothing; a spanning branch sends 1/r of K and V, to the ranks that read it."""
     B, L, H, D, item = 1, 64, 4, 8, 2
@@ -650,6 +677,9 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
                  backend="cudnn", lse_gradient=False),
             dict(name="cudnn LongNet GQA", shape=(1, N, 8, 2, 128), w=[256, L, N], r=[1, 2, 4], backend="cudnn",
                  lse_gradient=False),
+            # each head stack's blocks joined into one cuDNN call over every rank's keys (test_joined_blocks)
+            dict(name="cudnn LongNet, joined blocks", shape=(2, N, 8, 8, 128), w=[256, L, N], r=[1, 2, 8],
+                 backend="cudnn", lse_gradient=False),
             dict(name="cudnn LongNet, LSE gradient", shape=(1, N, 8, 4, 64), w=[128, 2 * L, N], r=[1, 2, 8],
                  causal=True, layout="zigzag", backend="cudnn"),
         ]

@@ -214,10 +214,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward_steps(
     if (xs[1].size(2) == 1) {
       grads = one_key_gradients(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], scale);
     } else {
-      const int64_t members = xs[1].size(2);
+      // a step's queries and keys may differ in number (the ring's rectangular blocks)
       std::tie(grads[0], grads[1], grads[2]) = at::_scaled_dot_product_cudnn_attention_backward(
           xs[0], xs[1], xs[2], xs[3], xs[4], xs[5].unsqueeze(-1), no_philox, no_philox, /*attn_bias=*/at::Tensor(),
-          /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), members, members, /*dropout_p=*/0.0, causal, scale);
+          /*cum_seq_q=*/at::Tensor(), /*cum_seq_k=*/at::Tensor(), xs[1].size(2), xs[2].size(2), /*dropout_p=*/0.0,
+          causal, scale);
     }
     const int64_t* q_target = view + 6 * kViewInts;
     const int64_t* kv_target = view + 7 * kViewInts;

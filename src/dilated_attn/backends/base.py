@@ -84,6 +84,13 @@ class Backend:
         """(forward, backward) with the signatures above."""
         raise NotImplementedError
 
+    def dense_ops(self) -> Optional[tuple[Callable, Callable]]:
+        """Full attention of queries over keys of another length in one call, where the backend has it (the ring's
+        blocks over several ranks' keys): `forward(q, k, v, scale) -> (out, lse)` and `backward(grad_out, q, k, v,
+        out, lse, scale) -> (dq, dk, dv)`, tensors `[B, n, H, D]`, lengths >= 2. None: the ring cuts such blocks
+        into squares of ops()."""
+        return None
+
     def forward(self, q, k, v, p: Problem):
         """The forward op on a validated problem: returns the differentiable `(out, lse)`."""
         forward, _ = self.ops()

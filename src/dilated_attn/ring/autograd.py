@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from .. import backends, dispatch
+from .. import dispatch
 from ..spec import Problem, lse_dtype
-from .blocks import merge_block, block_backward, block_forward
+from .blocks import block_backward, block_forward, block_ops, merge_block
 from .comm import RingComm
 from .plan import HeadStack, RingPlan
 
@@ -25,41 +26,53 @@ __all__ = ["RingAttention", "RingConfig", "ring_forward", "ring_backward"]
 
 class RowSet:
     """A set of (row, head) pairs of a [B, L, H, ...] tensor: head heads[c] at rows[:, c]. Gathers them as a
-    [B, n, c, ...] tensor and writes back. Where every head has the same contiguous rows and the heads are
-    contiguous (dense attention), the gather is a slice (a view), not a copy."""
+    [B, n, c, ...] tensor and writes back. Where the rows of column c are `first + c*column_rows + i*step` of head
+    `head0 + c*column_heads` (a dense block, or a dilated branch's members with offsets rising by head, as the cudnn
+    backend reads them), the gather is a strided view of the tensor, not a copy, and writes go through it."""
 
     def __init__(self, rows: list[torch.Tensor], heads: list[int], device):
         n = len(rows[0])
-        first = int(rows[0][0]) if n else 0
         # Columns with the same head and rows (query heads of one stack that share a kv entry's rows without a
         # uniform grouping) are summed into the first of them before a write-back: `merge[c]` is its index.
         first_col = {}
         self.merge = [first_col.setdefault((h, int(r[0]) if n else None), c)
                       for c, (h, r) in enumerate(zip(heads, rows))]
         self.unique = [c for c, m in enumerate(self.merge) if m == c]
-        contiguous = n > 0 and all(torch.equal(r, rows[0]) for r in rows) and int(rows[0][-1]) == first + n - 1
-        if contiguous and heads == list(range(heads[0], heads[0] + len(heads))):
-            self.slices = (slice(first, first + n), slice(heads[0], heads[0] + len(heads)))
-        else:
-            self.slices = None
+        self.shape = (n, len(heads))
+        self.strides = _progression(rows, heads) if len(self.unique) == len(heads) else None
+        if self.strides is None:
             self.all_rows = torch.stack(rows, 1).to(device)  # [n, columns]
             self.all_heads = torch.tensor(heads, dtype=torch.long, device=device)
             self.rows, self.heads = self.all_rows[:, self.unique], self.all_heads[self.unique]
 
+    @property
+    def is_view(self) -> bool:
+        return self.strides is not None
+
+    def _view(self, x):  # [B, L, H, ...] -> a [B, n, c, ...] view
+        first, step, column_rows, head0, column_heads = self.strides
+        sb, sl, sh, *rest = x.stride()
+        return x.as_strided((x.shape[0], *self.shape, *x.shape[3:]),
+                            (sb, step * sl, column_rows * sl + column_heads * sh, *rest),
+                            x.storage_offset() + first * sl + head0 * sh)
+
     def _index(self, B: int, device, every_column: bool = False):
-        if self.slices is not None:
-            return (slice(None), *self.slices)
         rows, heads = (self.all_rows, self.all_heads) if every_column else (self.rows, self.heads)
         return (torch.arange(B, device=device).view(B, 1, 1), rows.unsqueeze(0), heads.view(1, 1, -1))
 
     def gather(self, x):  # [B, L, H, ...] -> [B, n, c, ...]
+        if self.is_view:
+            return self._view(x)
         return x[self._index(x.shape[0], x.device, every_column=True)]
 
     def gather_lse(self, x):  # [B, H, L] -> [B, c, n]
         return self.gather(x.transpose(1, 2)).transpose(1, 2)
 
     def put(self, x, values):  # every column is distinct here: query rows (one per head and position)
-        x[self._index(x.shape[0], x.device, every_column=True)] = values.to(x.dtype)
+        if self.is_view:
+            self._view(x).copy_(values)
+        else:
+            x[self._index(x.shape[0], x.device, every_column=True)] = values.to(x.dtype)
 
     def put_lse(self, x, values):
         self.put(x.transpose(1, 2), values.transpose(1, 2))
@@ -67,6 +80,10 @@ class RowSet:
     def add(self, acc, values):
         """acc[rows, heads] += values (float32/64, one rounding to acc's dtype; `values` is consumed). Repeated
         columns are summed first, in column order, so the result does not depend on the device's scheduling."""
+        if self.is_view:  # added in place through the view, two passes
+            view = self._view(acc)
+            view.copy_(values.add_(view))
+            return
         if len(self.unique) < len(self.merge):
             summed = values[:, :, self.unique].clone()
             slot = {c: i for i, c in enumerate(self.unique)}
@@ -75,11 +92,26 @@ class RowSet:
                     summed[:, :, slot[m]] += values[:, :, c]
             values = summed
         index = self._index(acc.shape[0], acc.device)
-        if self.slices is not None:  # a view: added in place, two passes
-            view = acc[index]
-            view.copy_(values.add_(view))
-        else:
-            acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
+        acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
+
+
+def _progression(rows: list[torch.Tensor], heads: list[int]) -> Optional[tuple[int, int, int, int, int]]:
+    """(first, step, column_rows, head0, column_heads) where column c holds rows `first + c*column_rows + i*step` of
+    head `head0 + c*column_heads` (every step >= 0, as strides are; distinct heads, so no two elements meet), else
+    None."""
+    n, c = len(rows[0]), len(rows)
+    if n == 0 or (c > 1 and heads[1] <= heads[0]):
+        return None
+    first = int(rows[0][0])
+    step = int(rows[0][1] - rows[0][0]) if n > 1 else 1
+    column_rows = int(rows[1][0]) - first if c > 1 else 0
+    column_heads = heads[1] - heads[0] if c > 1 else 0
+    if step <= 0 or column_rows < 0:
+        return None
+    expected = first + column_rows * torch.arange(c).view(c, 1) + step * torch.arange(n).view(1, n)
+    if heads != [heads[0] + column_heads * j for j in range(c)] or not torch.equal(torch.stack(rows), expected):
+        return None
+    return first, step, column_rows, heads[0], column_heads
 
 
 class CompactedRows:
@@ -101,6 +133,44 @@ def _zeros_like(xs, dtype):
 
 def _task_slices(task):
     return task.stack, slice(task.q_start, task.q_stop), slice(task.kv_start, task.kv_stop)
+
+
+@dataclass(frozen=True)
+class JoinedBlock:
+    """The full blocks of one head stack that read the same queries against whole key buffers (the own rows' and
+    each received one's), run as one block over those buffers joined along the rows: one attention call and one
+    merge instead of one per block. Where every rank's keys are posted at once (comm.RingComm.eager) they are all
+    here together, as for LongNet's spanning branches."""
+
+    stack: int
+    q: slice
+    steps: tuple[int, ...]  # the ring step t of each joined buffer (0: own rows), in order
+
+
+@functools.lru_cache(maxsize=64)
+def joined_blocks(plan: RingPlan, rank: int) -> dict[int, JoinedBlock]:
+    """Per head stack (index), its JoinedBlock on `rank`, where it has one: every full block of the stack reads the
+    same query rows and all of one key buffer, and there are at least two."""
+    joined = {}
+    for s, stack in enumerate(plan.stacks):
+        full = []
+        for t in range(plan.P):
+            src = (rank - t) % plan.P
+            rows = (stack.segments[rank][-1][3] if stack.segments[rank] else 0) if t == 0 else \
+                sum(b - a for a, b in plan.needed[rank][src][s])
+            full += [(t, task) for task in plan.tasks[rank][src] if task.stack == s and not task.causal
+                     and (task.kv_start, task.kv_stop) == (0, rows)]
+        every = sum(task.stack == s and not task.causal for tasks in plan.tasks[rank] for task in tasks)
+        q_ranges = {(task.q_start, task.q_stop) for _, task in full}
+        steps = [t for t, _ in full]
+        if len(full) >= 2 and len(full) == every and len(q_ranges) == 1 and len(set(steps)) == len(steps):
+            joined[s] = JoinedBlock(s, slice(*q_ranges.pop()), tuple(steps))
+    return joined
+
+
+def _joined(parts: list, steps: tuple[int, ...], s: int) -> torch.Tensor:
+    """Stack s's tensors of the given steps, joined along the rows."""
+    return torch.cat([parts[t][s] for t in steps], 1)
 
 
 @dataclass(frozen=True)
@@ -148,23 +218,25 @@ def _start_exchange(cfg: RingConfig, q, k, v):
 def ring_forward(q, k, v, cfg: RingConfig):
     """(out, lse) of this rank's shard: the local branches, then every head stack's blocks."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
-    forward_op, _ = backends.get(cfg.backend).ops()
+    ops = block_ops(cfg.backend)
     B, L, H, D = q.shape
     lse_type = lse_dtype(q.dtype)
     comm, rows, kc, vc, eager, step = _start_exchange(cfg, q, k, v)
+    joined = joined_blocks(plan, rank) if eager else {}
     # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
-    # result merges into its rows: in place where a stack's rows are a block of the result (dense attention),
-    # else into the stack's own (out, lse), merged into its rows at the end.
+    # result merges into its rows: in place where a stack's rows are a view of the result, else into the stack's
+    # own (out, lse), merged into its rows at the end.
     if plan.local_branches:
-        out, lse = forward_op(q, k, v, **local_problem.op_arguments())
+        out, lse = ops.forward(q, k, v, **local_problem.op_arguments())
     else:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), -math.inf, dtype=lse_type, device=q.device)
     qc = [cp.q.gather(q) for cp in rows]
-    acc = [(cp.q.gather(out), cp.q.gather_lse(lse)) if cp.q.slices is not None else
+    acc = [(cp.q.gather(out), cp.q.gather_lse(lse)) if cp.q.is_view else
            (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
             torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
            for cp, x in zip(rows, qc)]
+    keys_of, values_of = [], []  # per step, kept for the joined blocks
     for t in range(plan.P):
         src = (rank - t) % plan.P
         if t == 0:
@@ -173,12 +245,20 @@ def ring_forward(q, k, v, cfg: RingConfig):
             keys, values = comm.received_kv(step, t)
             if not eager:
                 step = comm.post_kv(t + 1, kc, vc)
+        if joined:
+            keys_of.append(keys)
+            values_of.append(values)
         for task in plan.tasks[rank][src]:
+            if task.stack in joined and not task.causal:
+                continue
             s, qs, ks = _task_slices(task)
-            block_forward(forward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
+            block_forward(ops, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
                           acc[s][0][:, qs], acc[s][1][:, :, qs])
+    for s, j in joined.items():
+        block_forward(ops, qc[s][:, j.q], _joined(keys_of, j.steps, s), _joined(values_of, j.steps, s), False,
+                      scale, acc[s][0][:, j.q], acc[s][1][:, :, j.q])
     for cp, (acc_out, acc_lse) in zip(rows, acc):
-        if cp.q.slices is None:
+        if not cp.q.is_view:
             cur_out, cur_lse = cp.q.gather(out), cp.q.gather_lse(lse)
             merge_block(cur_out, cur_lse, acc_out, acc_lse)
             cp.q.put(out, cur_out)
@@ -193,22 +273,23 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
     # take it, dispatch names the one that runs.
     name, _ = dispatch.backward_backend(local_problem, cfg.backend, lse_gradient=d_lse is not None)
-    _, backward_op = backends.get(name).ops()
+    ops = block_ops(name)
     B, L, H, D = q.shape
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
     comm, rows, kc, vc, eager, step = _start_exchange(cfg, q, k, v)
+    joined = joined_blocks(plan, rank) if eager else {}
 
     def local_branches():
         if plan.local_branches:
-            return backward_op(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
+            return ops.backward(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
         return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
     # Stepwise: the local branches' gradients (the kernel's, as on one device) while the first K/V block travels;
     # then the received blocks, each one's dK/dV sent back as soon as they are complete; the own rows last, while
     # the last of them travel. Eager (every K/V already posted): the own rows first while the K/V arrive, then the
-    # received blocks, and the local branches last, while the dK/dV travel back. Each head stack's float32 sums are
-    # added to their rows with one rounding.
+    # received blocks and the joined ones, and the local branches last, while the dK/dV travel back. Each head
+    # stack's float32 sums are added to their rows with one rounding.
     if not eager:
         dq, dk, dv = local_branches()
     qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
@@ -216,10 +297,10 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     dlc = [None if d_lse is None else cp.q.gather_lse(d_lse) for cp in rows]
     dqc, dkc, dvc = _zeros_like(qc, acc_dtype), _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
     returning = []  # the dK/dV of my rows coming back from the ranks that read them
-    # The received blocks first, each one's dK/dV sent back as soon as they are complete; the own rows last,
-    # while the last of them travel.
+    held = {}  # step -> (keys, values, dK, dV, send buffer) where joined blocks read them
     for t in [0, *range(1, plan.P)] if eager else [*range(1, plan.P), 0]:
         src = (rank - t) % plan.P
+        grads = None
         if t == 0:
             keys, values, gk, gv = kc, vc, dkc, dvc
         else:
@@ -228,12 +309,30 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
                 step = comm.post_kv(t + 1, kc, vc)
             grads, gk, gv = comm.grad_buffer(t, acc_dtype)
         for task in plan.tasks[rank][src]:
+            if task.stack in joined and not task.causal:
+                continue
             s, qs, ks = _task_slices(task)
-            block_backward(backward_op, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
+            block_backward(ops, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
                            lc[s][:, :, qs], doc[s][:, qs], None if dlc[s] is None else dlc[s][:, :, qs],
                            task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
-        if t > 0:
+        if joined:
+            held[t] = (keys, values, gk, gv, grads)
+        elif t > 0:
             returning.append(comm.post_grads(t, grads))
+    if joined:
+        parts = [held[t] for t in range(plan.P)]
+        for s, j in joined.items():
+            keys, values = _joined([p[0] for p in parts], j.steps, s), _joined([p[1] for p in parts], j.steps, s)
+            gk, gv = _zeros_like([keys, values], acc_dtype)
+            block_backward(ops, qc[s][:, j.q], keys, values, oc[s][:, j.q], lc[s][:, :, j.q], doc[s][:, j.q],
+                           None if dlc[s] is None else dlc[s][:, :, j.q], False, scale, dqc[s][:, j.q], gk, gv)
+            start = 0
+            for t in j.steps:  # each buffer's rows take their part of the joined gradients
+                n = parts[t][2][s].shape[1]
+                parts[t][2][s].add_(gk[:, start:start + n])
+                parts[t][3][s].add_(gv[:, start:start + n])
+                start += n
+        returning = [comm.post_grads(t, parts[t][4]) for t in range(1, plan.P)]
     if eager:
         dq, dk, dv = local_branches()
     for ret, dst in returning:

@@ -1,20 +1,43 @@
 """The block primitive of the ring: local queries against one dense block of keys.
 
 A block runs a backend's single-device ops (dilated_attn.backends) with one branch `(n, 1)`: causal on a rank's own
-rows, full otherwise; unequal query and key lengths are cut into squares. So the ring and the single-device path
-share one kernel family. Each block's partial result merges in place into the rows' running `(out, lse)`: out in the
+rows, full otherwise; unequal query and key lengths run in one call where the backend has ops for them
+(`Backend.dense_ops`: cudnn), else are cut into squares. So the ring and the single-device path share one kernel
+family. Each block's partial result merges in place into the rows' running `(out, lse)`: out in the
 inputs' dtype, the LSE in float32 (float64 for float64), with the CUDA merge kernel where it runs (one pass over the
 rows), else merge.merge_into.
 """
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple, Optional
+
 import torch
 
+from .. import backends
 from ..backends import compiled
 from ..merge import merge_into
 
-__all__ = ["block_forward", "block_backward", "merge_block"]
+__all__ = ["BlockOps", "block_ops", "block_forward", "block_backward", "merge_block"]
+
+
+class BlockOps(NamedTuple):
+    """A backend's ops as the blocks run them: its forward and backward of one branch, and its ops for unequal
+    query and key lengths (Backend.dense_ops) or None."""
+
+    forward: Callable
+    backward: Callable
+    dense: Optional[tuple[Callable, Callable]]
+
+
+def block_ops(name: str) -> BlockOps:
+    backend = backends.get(name)
+    return BlockOps(*backend.ops(), backend.dense_ops())
+
+
+def _one_call(ops: BlockOps, causal: bool, nq: int, nk: int) -> bool:
+    """Whether a full block of unequal lengths runs in one call of the backend's dense ops."""
+    return ops.dense is not None and not causal and nq != nk and min(nq, nk) >= 2
 
 
 def _squares(nq: int, nk: int) -> list[tuple[int, int, int, int]]:
@@ -54,28 +77,37 @@ def _dense(n: int, causal: bool, scale: float) -> dict:
     return dict(segment_lengths=[n], dilation_rates=[1], split_heads=False, causal=causal, scale=scale)
 
 
-def block_forward(forward_op, q, k, v, causal, scale, acc_out, acc_lse) -> None:
+def block_forward(ops: BlockOps, q, k, v, causal, scale, acc_out, acc_lse) -> None:
     """Merge the attention of q [B, nq, H, D] over k, v [B, nk, Hk, D] (one dense block) into acc_out/acc_lse."""
+    if _one_call(ops, causal, q.shape[1], k.shape[1]):
+        merge_block(acc_out, acc_lse, *ops.dense[0](q, k, v, scale))
+        return
     if causal:  # own rows: nq == nk
-        out, lse = forward_op(q, k, v, **_dense(q.shape[1], True, scale))
+        out, lse = ops.forward(q, k, v, **_dense(q.shape[1], True, scale))
         merge_block(acc_out, acc_lse, out, lse)
         return
     for q0, q1, k0, k1 in _squares(q.shape[1], k.shape[1]):
         n = k1 - k0
-        out, lse = forward_op(_pad_rows(q[:, q0:q1], n), k[:, k0:k1], v[:, k0:k1], **_dense(n, False, scale))
+        out, lse = ops.forward(_pad_rows(q[:, q0:q1], n), k[:, k0:k1], v[:, k0:k1], **_dense(n, False, scale))
         merge_block(acc_out[:, q0:q1], acc_lse[:, :, q0:q1], out[:, : q1 - q0], lse[:, :, : q1 - q0])
 
 
-def block_backward(backward_op, q, k, v, out, lse, d_out, d_lse, causal, scale, dq, dk, dv) -> None:
+def block_backward(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, causal, scale, dq, dk, dv) -> None:
     """Add one block's exact gradients (merged out/LSE of its query rows, and the LSE's gradient d_lse, or None
     where it has none) into dq, dk, dv (accumulators)."""
+    if d_lse is None and _one_call(ops, causal, q.shape[1], k.shape[1]):
+        gq, gk, gv = ops.dense[1](d_out, q, k, v, out, lse, scale)
+        dq += gq
+        dk += gk
+        dv += gv
+        return
     squares = [(0, q.shape[1], 0, k.shape[1])] if causal else _squares(q.shape[1], k.shape[1])
     for q0, q1, k0, k1 in squares:
         n = k1 - k0
         rows = [_pad_rows(x[:, q0:q1], n) for x in (q, out, d_out)]
         pad_l = [None if x is None else torch.nn.functional.pad(x[:, :, q0:q1], (0, n - (q1 - q0)))
                  for x in (lse, d_lse)]
-        gq, gk, gv = backward_op(rows[2], pad_l[1], rows[0], k[:, k0:k1], v[:, k0:k1], rows[1], pad_l[0],
+        gq, gk, gv = ops.backward(rows[2], pad_l[1], rows[0], k[:, k0:k1], v[:, k0:k1], rows[1], pad_l[0],
                                  **_dense(n, causal, scale))
         dq[:, q0:q1] += gq[:, : q1 - q0]
         dk[:, k0:k1] += gk

@@ -21,13 +21,18 @@ from .plan import RingPlan
 __all__ = ["RingComm", "Step"]
 
 
-def _pack(parts: list[torch.Tensor], ranges: list[list[tuple[int, int]]], dtype) -> torch.Tensor:
-    """The given row ranges of each stack's tensor `[B, n, Hk, D]`, stack after stack, flattened (one send buffer).
-    A stack's ranges are joined along the rows before flattening, so that the receiver reads `[B, sum, Hk, D]`
-    (flattening each range apart would put batch element 1 of the first range before the second range)."""
-    flat = [(x[:, rng[0][0]:rng[0][1]] if len(rng) == 1 else torch.cat([x[:, a:b] for a, b in rng], 1)).reshape(-1)
-            for x, rng in zip(parts, ranges) if rng]
-    return torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
+def _pack(parts: list[torch.Tensor], ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """The given row ranges of each stack's tensor `[B, n, Hk, D]`, stack after stack, copied into one flat send
+    buffer. A stack's ranges are joined along the rows, so that the receiver reads `[B, sum, Hk, D]` (flattening
+    each range apart would put batch element 1 of the first range before the second range)."""
+    shapes = [(x.shape[0], sum(b - a for a, b in rng), *x.shape[2:]) for x, rng in zip(parts, ranges)]
+    buf = torch.empty(sum(math.prod(shape) for shape in shapes), dtype=parts[0].dtype, device=parts[0].device)
+    for x, rng, view in zip(parts, ranges, _unpack(buf, shapes)):
+        row = 0
+        for a, b in rng:
+            view[:, row:row + b - a].copy_(x[:, a:b])
+            row += b - a
+    return buf
 
 
 def _unpack(buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -92,7 +97,7 @@ class RingComm:
         send = recv = None
         if self.plan.rows_needed(dst, me):
             rng = self.plan.needed[dst][me]
-            send = (dst, torch.cat([_pack(kc, rng, kc[0].dtype), _pack(vc, rng, vc[0].dtype)]))
+            send = (dst, _pack(kc + vc, rng + rng))
         rows = self.plan.rows_needed(me, src)
         if rows:
             recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device))

@@ -91,5 +91,11 @@ class CudnnBackend(Backend):
             raise RuntimeError(f"dilated_attn: the cudnn backend cannot run: {why}")
         return torch.ops.dilated_attn.cudnn_forward, torch.ops.dilated_attn.cudnn_backward
 
+    def dense_ops(self):
+        self.ops()  # loaded, or why not
+        from .ops import dense_backward, dense_forward
+
+        return dense_forward, dense_backward
+
 
 CUDNN = CudnnBackend()

@@ -29,7 +29,8 @@ import torch
 from ...spec import Branch, branch_table, covers_everything, lse_dtype
 from ..autograd import register_attention_autograd
 
-__all__ = ["Call", "Plan", "Schedule", "branch_calls", "plan", "cudnn_forward", "cudnn_backward"]
+__all__ = ["Call", "Plan", "Schedule", "branch_calls", "plan", "cudnn_forward", "cudnn_backward", "dense_forward",
+           "dense_backward"]
 
 
 @dataclass(frozen=True)
@@ -332,3 +333,44 @@ def _(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, sp
 
 
 register_attention_autograd("dilated_attn::cudnn_forward", "cudnn_backward", takes_lse_gradient=False)
+
+
+def _heads_view(x: torch.Tensor) -> list[int]:
+    """The packed view `[B, H, n, D]` of a `[B, n, H, D]` tensor (the batch elements as the loop's segments)."""
+    B, n, H, D = x.shape
+    sb, sn, sh, sd = x.stride()
+    return [B, H, n, D, sb, sh, sn, sd, x.storage_offset()]
+
+
+def _rows_view(B: int, n: int, H: int, D: int) -> list[int]:
+    """The packed view `[B, H, n(, D)]` of a fresh contiguous `[B, n, H(, D)]` result (D = 0: an LSE's rows)."""
+    if D == 0:
+        return [B, H, n, 1, n * H, 1, H, 0, 0]
+    return [B, H, n, D, n * H * D, D, H * D, 1, 0]
+
+
+def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Full (non-causal) attention of q `[B, nq, H, D]` over k, v `[B, nk, Hk, D]` in one cuDNN call, the lengths
+    unequal where they are (both >= 2): `(out [B, nq, H, D], lse [B, H, nq])`. The ring's blocks over the keys of
+    several ranks at once run here; the op of one branch `(n, 1)` needs nq == nk."""
+    q, k, v = _cudnn_layout(q), _cudnn_layout(k), _cudnn_layout(v)
+    B, nq, H, D = q.shape
+    steps = torch.tensor([_heads_view(q) + _heads_view(k) + _heads_view(v) + _rows_view(B, nq, H, D)
+                          + _rows_view(B, nq, H, 0)], dtype=torch.int64)
+    out, lse_rows = torch.ops.dilated_attn.cudnn_forward_steps(q, k, v, steps, 1, False, scale)
+    return out, lse_rows.transpose(1, 2)
+
+
+def dense_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float):
+    """The gradients `(dq, dk, dv)` of dense_forward, given its out and the LSE `[B, H, nq]` of the rows (the merged
+    ones in the ring: each block's share of the exact gradient, as in cudnn_backward)."""
+    q, k, v, grad_out, out = (_cudnn_layout(x) for x in (q, k, v, grad_out.to(q.dtype), out))
+    B, nq, H, D = q.shape
+    _, nk, Hk, _ = k.shape
+    lse_rows = lse.to(lse_dtype(q.dtype)).transpose(1, 2).contiguous()
+    steps = torch.tensor([_heads_view(grad_out) + _heads_view(q) + _heads_view(k) + _heads_view(v)
+                          + _heads_view(out) + _rows_view(B, nq, H, 0) + _rows_view(B, nq, H, D)
+                          + _rows_view(B, nk, Hk, D)],
+                         dtype=torch.int64)
+    return torch.ops.dilated_attn.cudnn_backward_steps(grad_out, q, k, v, out, lse_rows, steps, 1, False, scale)
