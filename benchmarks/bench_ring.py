@@ -24,7 +24,8 @@ benchmarks/results/ring_<device>_<P>gpu.json (or --out), rewritten after every r
 --profile adds, per preset and rank, where one ring forward and one forward+backward spend their GPU time
 (torch.profiler's kernel timeline): attention kernels (cuDNN's or Triton's), merges and gradient additions (the merge
 and addition kernels and PyTorch's elementwise, copy and reduction kernels), the communication kernels, the
-communication time no compute kernel overlaps (exposed), and the time no kernel runs (the host).
+communication time no compute kernel overlaps (exposed), the time no kernel runs (the host) from the first kernel on,
+the host's time from the call to its first kernel, and the merge and accumulation kernels that take the most time.
 benchmarks/ring_model.py projects the efficiency at more GPUs from these figures.
 """
 
@@ -34,6 +35,7 @@ import argparse
 import os
 import shlex
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -120,17 +122,25 @@ def _overlap(xs, ys) -> float:
     return total
 
 
-def gpu_time_breakdown(fn) -> dict:
-    """Milliseconds of one call of fn by kind of kernel, from torch.profiler's timeline of this rank's GPU."""
+def gpu_time_breakdown(fn, trace: Optional[str] = None) -> dict:
+    """Milliseconds of one call of fn by kind of kernel, from torch.profiler's timeline of this rank's GPU (with
+    `trace`, the host's too, written there as a Chrome trace)."""
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    marker = torch.empty(1, device="cuda")
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        marker.fill_(0)  # the call starts here (as TP's start event): the host's time before its first kernel shows
         fn()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     kinds = {"attention": [], "merge_and_accumulate": [], "communication": []}
     by_name = {}  # the merge-and-accumulate kernels by name: (ms, launches)
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
-            continue
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0),
+                    key=lambda e: e.start_ns())
+    called = (events[0].start_ns() + events[0].duration_ns()) / 1e6 if events else 0.0
+    for e in events[1:]:
         name = e.name()
         kind = ("communication" if "nccl" in name.lower() else
                 "attention" if any(k in name for k in ATTENTION_KERNELS) else "merge_and_accumulate")
@@ -142,7 +152,8 @@ def gpu_time_breakdown(fn) -> dict:
     compute = _union(kinds["attention"] + kinds["merge_and_accumulate"])
     comm = _union(kinds["communication"])
     wall = every[-1][1] - every[0][0] if every else 0.0
-    return dict(wall_ms=wall, attention_ms=_length(_union(kinds["attention"])),
+    return dict(wall_ms=wall, before_first_kernel_ms=every[0][0] - called if every else 0.0,
+                attention_ms=_length(_union(kinds["attention"])),
                 merge_and_accumulate_ms=_length(_union(kinds["merge_and_accumulate"])),
                 communication_ms=_length(comm), exposed_communication_ms=_length(comm) - _overlap(comm, compute),
                 no_kernel_ms=wall - _length(every), kernels=sum(len(ivs) for ivs in kinds.values()),
@@ -181,7 +192,7 @@ def single_gpu(name: str, cfg: dict, N: int, warmup: int, repeats: int) -> dict:
 
 
 def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, repeats: int,
-        profile: bool = False) -> dict:
+        profile: bool = False, trace: Optional[str] = None) -> dict:
     """One mode of one preset on P GPUs at global length N: TP, the efficiency against t1, traffic, profile."""
     P, rank = dist.get_world_size(), dist.get_rank()
     L = N // P
@@ -197,7 +208,8 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
         breakdown = {}
         for part, fn in (("fwd", f), ("fwd_bwd", fb)):
             dist.barrier()
-            mine = gpu_time_breakdown(fn)
+            where = None if trace is None or rank else os.path.join(trace, f"trace_{name}_{mode}_{P}gpu_{part}.json")
+            mine = gpu_time_breakdown(fn, where)
             every = [None] * P
             dist.all_gather_object(every, mine)
             breakdown[part] = every
@@ -253,8 +265,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="each rank's kernel-time breakdown of one call per mode")
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help="with --profile: rank 0's host and GPU timeline of each profiled call, as Chrome traces")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_<device>_<P>gpu.json)")
     args = ap.parse_args()
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -284,7 +300,7 @@ def main():
         for mode in modes:
             try:
                 row = run(name, cfg, mode, pair if mode == "2d" else None, N, t1, args.warmup, args.repeats,
-                          args.profile)
+                          args.profile, args.trace)
             except ValueError as exc:  # a mode these sizes cannot run (the same on every rank)
                 if rank == 0:
                     say(f"[{name}/{mode}] not run: {exc}")

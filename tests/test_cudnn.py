@@ -403,10 +403,11 @@ def _dense_ops_match_math(device, dtype, nq, nk, kv_heads):
     ref_out, ref_lse = math_attend(*exact[:3], False, scale)
     ref_grads = math_attend_backward(exact[3], *exact[:3], ref_out, ref_lse, False, scale)
     assert out.shape == q.shape and lse.shape == (2, 4, nq)
-    assert _err(out.transpose(1, 2), ref_out) <= allowed_error(dtype, 0.0)
-    assert _err(lse, ref_lse) <= 1e-5 * ref_lse.abs().max().item()
+    assert _err(out.transpose(1, 2).cpu(), ref_out) <= allowed_error(dtype, 0.0)
+    assert _err(lse.cpu(), ref_lse) <= 1e-4 * (1 + ref_lse.abs().max().item())  # float32 sums of exact products
     for a, b in zip(grads, ref_grads):
-        assert _err(a.transpose(1, 2), b) <= allowed_error(dtype, 0.0, gradient=True, largest=b.abs().max().item())
+        largest = b.abs().max().item()
+        assert _err(a.transpose(1, 2).cpu(), b) <= allowed_error(dtype, 0.0, gradient=True, largest=largest)
 
 
 @pytest.mark.parametrize("nq, nk, kv_heads", [(5, 13, 4), (13, 5, 2), (7, 7, 1)])

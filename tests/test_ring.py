@@ -215,6 +215,7 @@ def _named_cases(P):
              layout="zigzag"),
         # every rank's keys at once, each head stack's blocks joined into one (test_joined_blocks)
         dict(name="LongNet, joined blocks", shape=(2, N, 4, 4, 3), w=[4, L, N], r=[1, 2, 4]),
+        dict(name="LongNet, joined blocks, batch 1", shape=(1, N, 4, 4, 3), w=[4, L, N], r=[1, 2, 4]),  # in place
         dict(name="custom scale", shape=(2, N, 2, 2, 3), w=[N], r=[1], scale=0.37, causal=True),
         dict(name="reference blocks", shape=(2, N, 4, 2, 3), w=[4, N], r=[1, 2], causal=True, layout="zigzag",
              backend="reference"),
@@ -592,7 +593,7 @@ def test_joined_blocks(P):
     plan = ring_plan(P, L, H, H, (4, L, N), (1, 2, 4), "all", False, "contiguous")
     for rank in range(P):
         (joined,) = joined_blocks(plan, rank).values()
-        assert joined.steps == tuple(range(P)) and joined.q == slice(0, L // 4)
+        assert joined.steps == tuple(range(P)) and joined.q == slice(0, L // 4) and joined.whole
         (rows,) = compacted_rows(plan, rank, torch.device("cpu"))
         x = torch.randn(B, L, H, D)
         for rs in (rows.q, rows.kv):
@@ -600,7 +601,7 @@ def test_joined_blocks(P):
                                                                plan.stacks[0].q_heads)], 2)
             assert rs.is_view and torch.equal(rs.gather(x), indexed)
     causal = ring_plan(4, 8, 4, 4, (32,), (2,), "all", True, "zigzag")
-    assert [j.steps for j in joined_blocks(causal, 0).values()] == [(1, 2, 3)]
+    assert [(j.steps, j.whole) for j in joined_blocks(causal, 0).values()] == [((1, 2, 3), False)]
 
 
 def test_traffic_is_what_the_branches_select():
@@ -678,7 +679,7 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
             dict(name="cudnn LongNet GQA", shape=(1, N, 8, 2, 128), w=[256, L, N], r=[1, 2, 4], backend="cudnn",
                  lse_gradient=False),
             # each head stack's blocks joined into one cuDNN call over every rank's keys (test_joined_blocks)
-            dict(name="cudnn LongNet, joined blocks", shape=(2, N, 8, 8, 128), w=[256, L, N], r=[1, 2, 8],
+            dict(name="cudnn LongNet, joined blocks", shape=(1, N, 8, 8, 128), w=[256, L, N], r=[1, 2, 8],
                  backend="cudnn", lse_gradient=False),
             dict(name="cudnn LongNet, LSE gradient", shape=(1, N, 8, 4, 64), w=[128, 2 * L, N], r=[1, 2, 8],
                  causal=True, layout="zigzag", backend="cudnn"),

@@ -17,7 +17,7 @@ import torch
 
 from .. import dispatch
 from ..spec import Problem, lse_dtype
-from .blocks import block_backward, block_forward, block_ops, merge_block
+from .blocks import block_backward, block_forward, block_gradients, block_ops, merge_block
 from .comm import RingComm
 from .plan import HeadStack, RingPlan
 
@@ -145,6 +145,7 @@ class JoinedBlock:
     stack: int
     q: slice
     steps: tuple[int, ...]  # the ring step t of each joined buffer (0: own rows), in order
+    whole: bool  # the block is all of the stack's work on this rank (every query row, no causal block beside it)
 
 
 @functools.lru_cache(maxsize=64)
@@ -154,23 +155,41 @@ def joined_blocks(plan: RingPlan, rank: int) -> dict[int, JoinedBlock]:
     joined = {}
     for s, stack in enumerate(plan.stacks):
         full = []
+        own = stack.segments[rank][-1][3] if stack.segments[rank] else 0  # the stack's rows on this rank
         for t in range(plan.P):
             src = (rank - t) % plan.P
-            rows = (stack.segments[rank][-1][3] if stack.segments[rank] else 0) if t == 0 else \
-                sum(b - a for a, b in plan.needed[rank][src][s])
+            rows = own if t == 0 else sum(b - a for a, b in plan.needed[rank][src][s])
             full += [(t, task) for task in plan.tasks[rank][src] if task.stack == s and not task.causal
                      and (task.kv_start, task.kv_stop) == (0, rows)]
-        every = sum(task.stack == s and not task.causal for tasks in plan.tasks[rank] for task in tasks)
+        tasks = [task for per_src in plan.tasks[rank] for task in per_src if task.stack == s]
         q_ranges = {(task.q_start, task.q_stop) for _, task in full}
         steps = [t for t, _ in full]
-        if len(full) >= 2 and len(full) == every and len(q_ranges) == 1 and len(set(steps)) == len(steps):
-            joined[s] = JoinedBlock(s, slice(*q_ranges.pop()), tuple(steps))
+        if (len(full) >= 2 and len(full) == sum(not task.causal for task in tasks) and len(q_ranges) == 1
+                and len(set(steps)) == len(steps)):
+            q = q_ranges.pop()
+            joined[s] = JoinedBlock(s, slice(*q), tuple(steps), q == (0, own) and len(full) == len(tasks))
     return joined
 
 
-def _joined(parts: list, steps: tuple[int, ...], s: int) -> torch.Tensor:
-    """Stack s's tensors of the given steps, joined along the rows."""
-    return torch.cat([parts[t][s] for t in steps], 1)
+def _joined_buffers(plan: RingPlan, rank: int, joined: dict, kc, vc):
+    """Per joined stack (index): its keys' and values' buffers `[B, rows, Hk, D]`, the own rows copied in, and each
+    step's rows in them; and where each step's received rows go (RingComm.post_all_kv's `into`)."""
+    buffers, into = {}, {}
+    for s, j in joined.items():
+        rows, spans = 0, {}
+        for t in j.steps:
+            n = kc[s].shape[1] if t == 0 else sum(b - a for a, b in plan.needed[rank][(rank - t) % plan.P][s])
+            spans[t] = (rows, rows + n)
+            rows += n
+        keys, values = (x.new_empty((x.shape[0], rows, *x.shape[2:])) for x in (kc[s], vc[s]))
+        for t, (a, b) in spans.items():
+            if t == 0:
+                keys[:, a:b].copy_(kc[s])
+                values[:, a:b].copy_(vc[s])
+            else:
+                into[(t, s)] = (keys[:, a:b], values[:, a:b])
+        buffers[s] = (keys, values, spans)
+    return buffers, into
 
 
 @dataclass(frozen=True)
@@ -205,14 +224,17 @@ class RingAttention(torch.autograd.Function):
 
 
 def _start_exchange(cfg: RingConfig, q, k, v):
-    """This rank's compacted rows and their K/V, and the K/V exchange posted: step 1, or every step at once
-    (comm.py, `eager`), in flight while the local branches compute."""
+    """This rank's compacted rows and their K/V, the joined blocks and their buffers, and the K/V exchange posted:
+    step 1, or every step at once (comm.py, `eager`), in flight while the local branches compute."""
     comm = RingComm(cfg.plan, cfg.rank, cfg.group, q.shape[0], q.shape[3], q.device)
     rows = compacted_rows(cfg.plan, cfg.rank, q.device)
     kc = [cp.kv.gather(k) for cp in rows]
     vc = [cp.kv.gather(v) for cp in rows]
-    eager = comm.eager(q.shape[2], k.shape[2])
-    return comm, rows, kc, vc, eager, comm.post_all_kv(kc, vc) if eager else comm.post_kv(1, kc, vc)
+    if not comm.eager(q.shape[2], k.shape[2]):
+        return comm, rows, kc, vc, False, {}, {}, comm.post_kv(1, kc, vc)
+    joined = joined_blocks(cfg.plan, cfg.rank)
+    buffers, into = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
+    return comm, rows, kc, vc, True, joined, buffers, comm.post_all_kv(kc, vc, into)
 
 
 def ring_forward(q, k, v, cfg: RingConfig):
@@ -221,8 +243,7 @@ def ring_forward(q, k, v, cfg: RingConfig):
     ops = block_ops(cfg.backend)
     B, L, H, D = q.shape
     lse_type = lse_dtype(q.dtype)
-    comm, rows, kc, vc, eager, step = _start_exchange(cfg, q, k, v)
-    joined = joined_blocks(plan, rank) if eager else {}
+    comm, rows, kc, vc, eager, joined, buffers, step = _start_exchange(cfg, q, k, v)
     # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
     # result merges into its rows: in place where a stack's rows are a view of the result, else into the stack's
     # own (out, lse), merged into its rows at the end.
@@ -236,7 +257,6 @@ def ring_forward(q, k, v, cfg: RingConfig):
            (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
             torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
            for cp, x in zip(rows, qc)]
-    keys_of, values_of = [], []  # per step, kept for the joined blocks
     for t in range(plan.P):
         src = (rank - t) % plan.P
         if t == 0:
@@ -245,9 +265,6 @@ def ring_forward(q, k, v, cfg: RingConfig):
             keys, values = comm.received_kv(step, t)
             if not eager:
                 step = comm.post_kv(t + 1, kc, vc)
-        if joined:
-            keys_of.append(keys)
-            values_of.append(values)
         for task in plan.tasks[rank][src]:
             if task.stack in joined and not task.causal:
                 continue
@@ -255,8 +272,8 @@ def ring_forward(q, k, v, cfg: RingConfig):
             block_forward(ops, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
                           acc[s][0][:, qs], acc[s][1][:, :, qs])
     for s, j in joined.items():
-        block_forward(ops, qc[s][:, j.q], _joined(keys_of, j.steps, s), _joined(values_of, j.steps, s), False,
-                      scale, acc[s][0][:, j.q], acc[s][1][:, :, j.q])
+        block_forward(ops, qc[s][:, j.q], buffers[s][0], buffers[s][1], False, scale, acc[s][0][:, j.q],
+                      acc[s][1][:, :, j.q])
     for cp, (acc_out, acc_lse) in zip(rows, acc):
         if not cp.q.is_view:
             cur_out, cur_lse = cp.q.gather(out), cp.q.gather_lse(lse)
@@ -277,8 +294,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     B, L, H, D = q.shape
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
-    comm, rows, kc, vc, eager, step = _start_exchange(cfg, q, k, v)
-    joined = joined_blocks(plan, rank) if eager else {}
+    comm, rows, kc, vc, eager, joined, buffers, step = _start_exchange(cfg, q, k, v)
 
     def local_branches():
         if plan.local_branches:
@@ -295,9 +311,11 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
     lc = [cp.q.gather_lse(lse) for cp in rows]
     dlc = [None if d_lse is None else cp.q.gather_lse(d_lse) for cp in rows]
-    dqc, dkc, dvc = _zeros_like(qc, acc_dtype), _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
+    # float32 sums of each stack's gradients (a whole joined block's dq is its call's own)
+    dqc = _zeros_like([None if s in joined and joined[s].whole else x for s, x in enumerate(qc)], acc_dtype)
+    dkc, dvc = _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
     returning = []  # the dK/dV of my rows coming back from the ranks that read them
-    held = {}  # step -> (keys, values, dK, dV, send buffer) where joined blocks read them
+    held = {}  # step -> (dK, dV, send buffer) of the received rows, where joined blocks read them
     for t in [0, *range(1, plan.P)] if eager else [*range(1, plan.P), 0]:
         src = (rank - t) % plan.P
         grads = None
@@ -316,23 +334,26 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
                            lc[s][:, :, qs], doc[s][:, qs], None if dlc[s] is None else dlc[s][:, :, qs],
                            task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
         if joined:
-            held[t] = (keys, values, gk, gv, grads)
+            held[t] = (gk, gv, grads)
         elif t > 0:
             returning.append(comm.post_grads(t, grads))
-    if joined:
-        parts = [held[t] for t in range(plan.P)]
-        for s, j in joined.items():
-            keys, values = _joined([p[0] for p in parts], j.steps, s), _joined([p[1] for p in parts], j.steps, s)
+    for s, j in joined.items():
+        # The joined block's gradients of each buffer's rows are those rows' whole share: the own rows' go to
+        # their float32 sums, the received rows' into the buffers sent back; and where the block is all of the
+        # stack's work, its dq is the stack's.
+        keys, values, spans = buffers[s]
+        args = (qc[s][:, j.q], keys, values, oc[s][:, j.q], lc[s][:, :, j.q], doc[s][:, j.q],
+                None if dlc[s] is None else dlc[s][:, :, j.q])
+        if j.whole:
+            dqc[s], gk, gv = block_gradients(ops, *args, scale)
+        else:
             gk, gv = _zeros_like([keys, values], acc_dtype)
-            block_backward(ops, qc[s][:, j.q], keys, values, oc[s][:, j.q], lc[s][:, :, j.q], doc[s][:, j.q],
-                           None if dlc[s] is None else dlc[s][:, :, j.q], False, scale, dqc[s][:, j.q], gk, gv)
-            start = 0
-            for t in j.steps:  # each buffer's rows take their part of the joined gradients
-                n = parts[t][2][s].shape[1]
-                parts[t][2][s].add_(gk[:, start:start + n])
-                parts[t][3][s].add_(gv[:, start:start + n])
-                start += n
-        returning = [comm.post_grads(t, parts[t][4]) for t in range(1, plan.P)]
+            block_backward(ops, *args, False, scale, dqc[s][:, j.q], gk, gv)
+        for t, (a, b) in spans.items():
+            held[t][0][s].add_(gk[:, a:b])
+            held[t][1][s].add_(gv[:, a:b])
+    if joined:
+        returning = [comm.post_grads(t, held[t][2]) for t in range(1, plan.P)]
     if eager:
         dq, dk, dv = local_branches()
     for ret, dst in returning:

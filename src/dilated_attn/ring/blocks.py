@@ -18,7 +18,7 @@ from .. import backends
 from ..backends import compiled
 from ..merge import merge_into
 
-__all__ = ["BlockOps", "block_ops", "block_forward", "block_backward", "merge_block"]
+__all__ = ["BlockOps", "block_ops", "block_forward", "block_backward", "block_gradients", "merge_block"]
 
 
 class BlockOps(NamedTuple):
@@ -112,3 +112,14 @@ def block_backward(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, causal, scale
         dq[:, q0:q1] += gq[:, : q1 - q0]
         dk[:, k0:k1] += gk
         dv[:, k0:k1] += gv
+
+
+def block_gradients(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, scale):
+    """(dq, dk, dv) of one full block (as block_backward, without accumulators): the one call's gradients where it
+    runs in one, else their float32 (float64) sums over the squares."""
+    if d_lse is None and _one_call(ops, False, q.shape[1], k.shape[1]):
+        return ops.dense[1](d_out, q, k, v, out, lse, scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+    block_backward(ops, q, k, v, out, lse, d_out, d_lse, False, scale, dq, dk, dv)
+    return dq, dk, dv

@@ -50,8 +50,8 @@ def _global(group, rank: int) -> int:
 
 
 class Step:
-    """Point-to-point transfers posted at once (batch_isend_irecv) and waited on later: one step's (one receive), or
-    every step's (`recvs`, one per source)."""
+    """Point-to-point transfers posted at once (batch_isend_irecv) and waited on later: one step's (one receive,
+    `recv`), or every step's (`recvs`: any number per source)."""
 
     def __init__(self, group, sends, recv=None, recvs=()):
         recvs = list(recvs) + ([recv] if recv is not None else [])
@@ -59,7 +59,6 @@ class Step:
         ops += [dist.P2POp(dist.irecv, buf, _global(group, peer), group) for peer, buf in recvs]
         self.works = dist.batch_isend_irecv(ops) if ops else []
         self.recv = recv
-        self.recvs = {peer: buf for peer, buf in recvs}
         self.sends = sends  # the send buffers must live until the transfer is done
 
     def wait(self) -> Optional[torch.Tensor]:
@@ -75,6 +74,7 @@ class RingComm:
     def __init__(self, plan: RingPlan, rank: int, group, B: int, D: int, device):
         self.plan, self.rank, self.group, self.B, self.D = plan, rank, group, B, D
         self.device = device
+        self._arrived = None  # post_all_kv's receive buffers per step: (per-stack views, copies due on arrival)
 
     def shapes(self, dst: int, src: int) -> list[tuple[int, ...]]:
         """Shapes of the per-stack tensors that src sends dst (one of K, V, dK or dV)."""
@@ -110,28 +110,56 @@ class RingComm:
         send, recv = self._kv_ops(t, kc, vc)
         return Step(self.group, [send] if send else [], recv)
 
-    def post_all_kv(self, kc, vc) -> Step:
-        """Every step's K/V exchange in one batch (eager)."""
+    def post_all_kv(self, kc, vc, into: Optional[dict] = None) -> Step:
+        """Every step's K/V exchange in one batch (eager): one message per stack and tensor, so that a receiver can
+        take each where it reads it. `into[(t, s)]`: the (keys, values) views `[B, n, Hk, D]` where step t's rows
+        of stack s go (the joined blocks' buffers: received in place where the views are contiguous, else copied
+        there on arrival); other rows arrive in one buffer per step."""
+        P, me, into = self.plan.P, self.rank, into or {}
         sends, recvs = [], []
-        for t in range(1, self.plan.P):
-            send, recv = self._kv_ops(t, kc, vc)
-            sends += [send] if send else []
-            recvs += [recv] if recv else []
+        self._arrived = {}
+        for t in range(1, P):
+            dst, src = (me + t) % P, (me - t) % P
+            if self.plan.rows_needed(dst, me):
+                rng = self.plan.needed[dst][me]
+                shapes = self.shapes(dst, me)
+                parts = _unpack(_pack(kc + vc, rng + rng), shapes + shapes)
+                sends += [(dst, x.view(-1)) for x in parts if x.numel()]
+            if not self.plan.rows_needed(me, src):
+                continue
+            shapes = self.shapes(me, src)
+            buf = torch.empty(2 * self.plan.rows_needed(me, src) * self.B * self.D, dtype=kc[0].dtype,
+                              device=kc[0].device)
+            parts, copies = _unpack(buf, shapes + shapes), []
+            for i, part in enumerate(parts):
+                target = into.get((t, i % len(shapes)))
+                target = None if target is None else target[i // len(shapes)]
+                if part.numel() and target is not None and target.is_contiguous():
+                    parts[i] = part = target
+                elif target is not None:
+                    copies.append((target, part))
+                if part.numel():
+                    recvs.append((src, part.view(-1)))
+            self._arrived[t] = (parts, copies)
         return Step(self.group, sends, recvs=recvs)
 
     def received_kv(self, step: Step, t: int):
         """(keys, values) per stack received at step t (None for a stack with nothing received); `step` is that
         step's, or the one of post_all_kv."""
         src = (self.rank - t) % self.plan.P
-        if step.recvs and step.recv is None:  # every step at once: waited on once
+        shapes = self.shapes(self.rank, src)
+        if self._arrived is not None:  # every step at once (post_all_kv): waited on once
             step.wait()
-            buf = step.recvs.get(src)
+            if t not in self._arrived:
+                return [None] * len(shapes), [None] * len(shapes)
+            parts, copies = self._arrived[t]
+            for target, part in copies:
+                target.copy_(part)
         else:
             buf = step.wait()
-        shapes = self.shapes(self.rank, src)
-        if buf is None:
-            return [None] * len(shapes), [None] * len(shapes)
-        parts = _unpack(buf, shapes + shapes)
+            if buf is None:
+                return [None] * len(shapes), [None] * len(shapes)
+            parts = _unpack(buf, shapes + shapes)
         return parts[: len(shapes)], parts[len(shapes):]
 
     def grad_buffer(self, t: int, dtype) -> tuple[torch.Tensor, list, list]:
