@@ -2,8 +2,11 @@
 
 Forward: the local branches run as one single-device call; each head stack's compacted queries meet the blocks of
 keys of every rank (own rows first, then one received block per step) and their partials merge into the local
-result. Backward: the exact method of the spec (each block's backward with the merged out and LSE), K/V exchanged
-again, dK/dV of received rows summed in float32 and sent back to their owner, dQ local.
+result. Where every step's keys are posted at once (comm.RingComm.eager, as for LongNet), a stack's full blocks run
+as one block over their keys joined (JoinedBlock): one call and one merge. Backward: the exact method of the spec
+(each block's backward with the merged out and LSE); the K/V the forward received where it posted every step at
+once (Exchanged), else exchanged again; dK/dV of received rows summed in float32 and sent back to their owner, dQ
+local.
 """
 
 from __future__ import annotations
@@ -206,10 +209,23 @@ class RingConfig:
     causal: bool
 
 
+@dataclass
+class Exchanged:
+    """The K/V rows a forward that posted every step at once (eager) holds: its own compacted rows, the joined
+    blocks and their buffers, and each step's received rows. The backward takes them again instead of a second
+    exchange: they are at most the bytes of the shard's q, k, v and output (RingComm.eager)."""
+
+    kc: list
+    vc: list
+    joined: dict
+    buffers: dict
+    received: dict  # step t >= 1 -> (keys, values) per stack
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: RingConfig):
-        out, lse = ring_forward(q, k, v, cfg)
+        out, lse, ctx.exchanged = ring_forward(q, k, v, cfg, keep=True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
         # An output without a gradient arrives as None, not as zeros: the blocks then get no LSE gradient, which
@@ -220,7 +236,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*ring_backward(q, k, v, out, lse, d_out, d_lse, ctx.cfg), None)
+        exchanged, ctx.exchanged = ctx.exchanged, None
+        return (*ring_backward(q, k, v, out, lse, d_out, d_lse, ctx.cfg, exchanged), None)
 
 
 def _start_exchange(cfg: RingConfig, q, k, v):
@@ -234,11 +251,16 @@ def _start_exchange(cfg: RingConfig, q, k, v):
         return comm, rows, kc, vc, False, {}, {}, comm.post_kv(1, kc, vc)
     joined = joined_blocks(cfg.plan, cfg.rank)
     buffers, into = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
-    return comm, rows, kc, vc, True, joined, buffers, comm.post_all_kv(kc, vc, into)
+    # the own rows leave from their copy in a joined buffer where they have one (no second copy to send)
+    own = [buffers[s][:2] if s in buffers and 0 in buffers[s][2] else None for s in range(len(kc))]
+    sources = [[x if o is None else o[i][:, slice(*buffers[s][2][0])] for s, (x, o) in enumerate(zip(xc, own))]
+               for i, xc in enumerate((kc, vc))]
+    return comm, rows, kc, vc, True, joined, buffers, comm.post_all_kv(*sources, into)
 
 
-def ring_forward(q, k, v, cfg: RingConfig):
-    """(out, lse) of this rank's shard: the local branches, then every head stack's blocks."""
+def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False):
+    """(out, lse) of this rank's shard: the local branches, then every head stack's blocks. With `keep`, also the
+    Exchanged rows where every step was posted at once (else None), for ring_backward."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
     ops = block_ops(cfg.backend)
     B, L, H, D = q.shape
@@ -257,14 +279,16 @@ def ring_forward(q, k, v, cfg: RingConfig):
            (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
             torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
            for cp, x in zip(rows, qc)]
+    received = {}
     for t in range(plan.P):
         src = (rank - t) % plan.P
         if t == 0:
             keys, values = kc, vc
         else:
-            keys, values = comm.received_kv(step, t)
+            keys, values = received[t] = comm.received_kv(step, t)
             if not eager:
                 step = comm.post_kv(t + 1, kc, vc)
+                del received[t]
         for task in plan.tasks[rank][src]:
             if task.stack in joined and not task.causal:
                 continue
@@ -280,11 +304,14 @@ def ring_forward(q, k, v, cfg: RingConfig):
             merge_block(cur_out, cur_lse, acc_out, acc_lse)
             cp.q.put(out, cur_out)
             cp.q.put_lse(lse, cur_lse)
+    if keep:
+        return out, lse, Exchanged(kc, vc, joined, buffers, received) if eager else None
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
-    """(dq, dk, dv) of this rank's shards, from the merged out and lse (d_out or d_lse may be None)."""
+def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: Optional[Exchanged] = None):
+    """(dq, dk, dv) of this rank's shards, from the merged out and lse (d_out or d_lse may be None); `exchanged`:
+    the forward's K/V rows (ring_forward's `keep`), else they travel again."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
     # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
     # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
@@ -294,7 +321,12 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
     B, L, H, D = q.shape
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
-    comm, rows, kc, vc, eager, joined, buffers, step = _start_exchange(cfg, q, k, v)
+    if exchanged is None:
+        comm, rows, kc, vc, eager, joined, buffers, step = _start_exchange(cfg, q, k, v)
+    else:
+        comm = RingComm(plan, rank, cfg.group, B, D, q.device)
+        rows, eager, step = compacted_rows(plan, rank, q.device), True, None
+        kc, vc, joined, buffers = exchanged.kc, exchanged.vc, exchanged.joined, exchanged.buffers
 
     def local_branches():
         if plan.local_branches:
@@ -322,7 +354,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
         if t == 0:
             keys, values, gk, gv = kc, vc, dkc, dvc
         else:
-            keys, values = comm.received_kv(step, t)
+            keys, values = exchanged.received[t] if exchanged is not None else comm.received_kv(step, t)
             if not eager:
                 step = comm.post_kv(t + 1, kc, vc)
             grads, gk, gv = comm.grad_buffer(t, acc_dtype)
@@ -333,7 +365,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
             block_backward(ops, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
                            lc[s][:, :, qs], doc[s][:, qs], None if dlc[s] is None else dlc[s][:, :, qs],
                            task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
-        if joined:
+        if eager:
             held[t] = (gk, gv, grads)
         elif t > 0:
             returning.append(comm.post_grads(t, grads))
@@ -352,8 +384,8 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig):
         for t, (a, b) in spans.items():
             held[t][0][s].add_(gk[:, a:b])
             held[t][1][s].add_(gv[:, a:b])
-    if joined:
-        returning = [comm.post_grads(t, held[t][2]) for t in range(1, plan.P)]
+    if eager:  # every step's dK/dV in one batch (one transfer kernel, which the local branches' hide)
+        returning = comm.post_all_grads({t: held[t][2] for t in range(1, plan.P)})
     if eager:
         dq, dk, dv = local_branches()
     for ret, dst in returning:

@@ -4,12 +4,15 @@ At step `t = 1 .. P-1` rank `j` sends its compacted K/V rows to `j + t` and rece
 receiver reads rows (RingPlan.needed); the caller posts step `t + 1` before it computes step `t`. Where local
 branches compute while the rows travel and every step's rows together are few (`eager`: at most the bytes of the
 local q, k, v and output, as for LongNet's dilated branches), all steps are posted at once instead, in one batch:
-the ranks then wait on no peer's step, and memory stays within a constant of the shard's. In the backward the dK/dV
-of received rows go back to their owner in float32 (float64 for float64).
+the ranks then wait on no peer's step, and memory stays within a constant of the shard's; each stack's rows then
+travel as messages of their own, received straight into the buffers of the blocks that read them. In the backward
+the dK/dV of received rows go back to their owner in float32 (float64 for float64), all steps' in one batch where
+the K/V came in one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -68,6 +71,20 @@ class Step:
         return None if self.recv is None else self.recv[1]
 
 
+_exchange_streams: dict = {}  # device -> the stream the step-by-step exchange posts from (RingComm.post_kv)
+
+
+class _Arrival:
+    """One receive of a batch (post_all_grads): waiting on it waits on the batch."""
+
+    def __init__(self, step: Step, buf: Optional[torch.Tensor]):
+        self.step, self.buf = step, buf
+
+    def wait(self) -> Optional[torch.Tensor]:
+        self.step.wait()
+        return self.buf
+
+
 class RingComm:
     """This rank's transfers under a plan: the K/V exchange of each step and the return of dK/dV."""
 
@@ -75,6 +92,7 @@ class RingComm:
         self.plan, self.rank, self.group, self.B, self.D = plan, rank, group, B, D
         self.device = device
         self._arrived = None  # post_all_kv's receive buffers per step: (per-stack views, copies due on arrival)
+        self._stream = None  # post_kv's stream, once it has waited for the inputs
 
     def shapes(self, dst: int, src: int) -> list[tuple[int, ...]]:
         """Shapes of the per-stack tensors that src sends dst (one of K, V, dK or dV)."""
@@ -91,24 +109,34 @@ class RingComm:
         most = max(sum(plan.rows_needed(dst, src) for src in range(plan.P) if src != dst) for dst in range(plan.P))
         return 2 * most <= plan.L * (2 * heads + 2 * kv_heads)
 
-    def _kv_ops(self, t: int, kc, vc):
-        P, me = self.plan.P, self.rank
-        dst, src = (me + t) % P, (me - t) % P
-        send = recv = None
-        if self.plan.rows_needed(dst, me):
-            rng = self.plan.needed[dst][me]
-            send = (dst, _pack(kc + vc, rng + rng))
-        rows = self.plan.rows_needed(me, src)
-        if rows:
-            recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device))
-        return send, recv
-
     def post_kv(self, t: int, kc, vc) -> Optional[Step]:
-        """Step t of the K/V exchange: my rows that rank+t reads go there; the rows I read from rank-t come."""
+        """Step t of the K/V exchange: my rows that rank+t reads go there; the rows I read from rank-t come.
+
+        On a GPU the send is packed and posted from a stream of the exchange's own, which waits only for what
+        was queued before the first step (the inputs): posted while step t-1 computes, its transfer kernel is
+        queued before step t's attention and takes its SMs first. (Posted after the attention on the same stream,
+        it waits for a kernel that fills every SM and runs only at its tail: the ring then computes and transfers
+        in turn.) The receive buffer comes from the caller's stream, which reads it."""
         if t >= self.plan.P:
             return None
-        send, recv = self._kv_ops(t, kc, vc)
-        return Step(self.group, [send] if send else [], recv)
+        P, me = self.plan.P, self.rank
+        dst, src = (me + t) % P, (me - t) % P
+        rows = self.plan.rows_needed(me, src)
+        recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device)) if rows else None
+        with self._exchange_stream():
+            send = []
+            if self.plan.rows_needed(dst, me):
+                rng = self.plan.needed[dst][me]
+                send = [(dst, _pack(kc + vc, rng + rng))]
+            return Step(self.group, send, recv)
+
+    def _exchange_stream(self):
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = _exchange_streams.setdefault(self.device, torch.cuda.Stream(self.device))
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
 
     def post_all_kv(self, kc, vc, into: Optional[dict] = None) -> Step:
         """Every step's K/V exchange in one batch (eager): one message per stack and tensor, so that a receiver can
@@ -122,9 +150,14 @@ class RingComm:
             dst, src = (me + t) % P, (me - t) % P
             if self.plan.rows_needed(dst, me):
                 rng = self.plan.needed[dst][me]
-                shapes = self.shapes(dst, me)
-                parts = _unpack(_pack(kc + vc, rng + rng), shapes + shapes)
-                sends += [(dst, x.view(-1)) for x in parts if x.numel()]
+                for x, ranges in zip(kc + vc, rng + rng):
+                    if not ranges:
+                        continue
+                    # all of a contiguous tensor leaves as it is, else its ranges are copied into one buffer
+                    whole = ranges == [(0, x.shape[1])] and x.is_contiguous()
+                    chunk = (x if whole else _pack([x], [ranges])).view(-1)
+                    if chunk.numel():  # as the receiver's parts (empty ones travel in no message)
+                        sends.append((dst, chunk))
             if not self.plan.rows_needed(me, src):
                 continue
             shapes = self.shapes(me, src)
@@ -182,6 +215,22 @@ class RingComm:
         if rows:
             recv = (dst, torch.empty(2 * rows * self.B * self.D, dtype=grads.dtype, device=self.device))
         return Step(self.group, sends, recv), dst
+
+    def post_all_grads(self, grads: dict) -> list:
+        """post_grads of every step t (grads[t], grad_buffer's buffer) in one batch: [(arrival, dst)] for
+        add_returned_grads."""
+        P, me = self.plan.P, self.rank
+        sends, recvs, arrivals = [], [], []
+        for t, buf in grads.items():
+            src, dst = (me - t) % P, (me + t) % P
+            if self.plan.rows_needed(me, src):
+                sends.append((src, buf))
+            rows = self.plan.rows_needed(dst, me)
+            recv = torch.empty(2 * rows * self.B * self.D, dtype=buf.dtype, device=self.device) if rows else None
+            recvs += [(dst, recv)] if rows else []
+            arrivals.append((recv, dst))
+        step = Step(self.group, sends, recvs=recvs)
+        return [(_Arrival(step, recv), dst) for recv, dst in arrivals]
 
     def add_returned_grads(self, step: Step, dst: int, dkc, dvc) -> None:
         """Wait for the dK/dV that `dst` returns (posted by post_grads) and add them into my rows' accumulators."""
