@@ -115,44 +115,66 @@ def _positions(x: torch.Tensor, P: int, layout: str) -> torch.Tensor:
     return y.view(B, P * L, h, E)
 
 
-def _shards(y: torch.Tensor, P: int, layout: str) -> torch.Tensor:
-    """The inverse of _positions: [B, P*L, h, E] -> [P, B, L, h, E] (contiguous), shard j the positions of rank j.
-    One pass over the data."""
+def _shards(y: torch.Tensor, P: int, layout: str, out: torch.Tensor) -> None:
+    """The inverse of _positions: [B, P*L, h, E] -> out [P, B, L, h, E], shard j the positions of rank j. One pass
+    over the data."""
     B, N, h, E = y.shape
     if layout == "contiguous":
-        return y.reshape(B, P, N // P, h, E).transpose(0, 1).contiguous()
+        out.copy_(y.reshape(B, P, N // P, h, E).transpose(0, 1))
+        return
     chunks = y.reshape(B, 2 * P, N // (2 * P), h, E)
-    x = torch.empty((P, B, 2, N // (2 * P), h, E), dtype=y.dtype, device=y.device)
+    x = out.unflatten(2, (2, N // (2 * P)))
     x[:, :, 0] = chunks[:, :P].transpose(0, 1)
     x[:, :, 1] = chunks[:, P:].flip(1).transpose(0, 1)
-    return x.view(P, B, N // P, h, E)
 
 
 class _Exchange:
     """One all-to-all in flight: `wait()` gives what arrived."""
 
-    def __init__(self, send: torch.Tensor, group, finish: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, send: torch.Tensor, group, finish: Callable[[torch.Tensor], object]):
         self.recv = torch.empty_like(send)
         self.send, self.finish = send, finish
         self.work = dist.all_to_all_single(self.recv, send, group=group, async_op=True)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self):
         self.work.wait()
         self.send = None
         return self.finish(self.recv)
 
 
-def to_heads(x: torch.Tensor, heads: list[slice], share: HeadShare, group) -> _Exchange:
-    """Post the exchange of x [B, L, H, E] that gives this rank [B, P*L, h, E] of its heads: rank j receives the
-    heads `heads[j]` of every rank's positions."""
-    send = torch.stack([x[:, :, s] for s in heads])  # [P, B, L, h, E]
-    return _Exchange(send, group, lambda recv: _positions(recv, share.P, share.layout))
+def _split(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """Views of y [..., sum(widths), E] along its heads, `widths` heads each."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return [y[..., a:a + w, :] for a, w in zip(starts, widths)]
 
 
-def to_positions(y: torch.Tensor, share: HeadShare, group) -> _Exchange:
-    """Post the exchange of y [B, P*L, h, E] (this rank's heads, every position) that gives back [P, B, L, h, E]:
-    entry j holds rank j's heads at this rank's positions."""
-    return _Exchange(_shards(y, share.P, share.layout), group, lambda recv: recv)
+def to_heads(parts: list[tuple[torch.Tensor, list[slice]]], share: HeadShare, group) -> _Exchange:
+    """Post one exchange of tensors x [B, L, H_x, E] (one dtype) that gives this rank, of each, [B, P*L, h_x, E] of
+    its heads: rank j receives the heads `heads[j]` of every rank's positions, for each (x, heads) of `parts`. One
+    all-to-all for them all: one transfer kernel, whose latency counts once."""
+    x0 = parts[0][0]
+    B, L, _, E = x0.shape
+    widths = [heads[0].stop - heads[0].start for _, heads in parts]
+    send = torch.empty((share.P, B, L, sum(widths), E), dtype=x0.dtype, device=x0.device)
+    for (x, heads), view in zip(parts, _split(send, widths)):
+        w = heads[0].stop - heads[0].start
+        if all(s.start == heads[0].start + j * w for j, s in enumerate(heads)):  # every rank's heads in turn
+            view.copy_(x[:, :, heads[0].start:heads[-1].stop].unflatten(2, (share.P, w)).permute(2, 0, 1, 3, 4))
+        else:
+            for j, s in enumerate(heads):
+                view[j].copy_(x[:, :, s])
+    return _Exchange(send, group, lambda recv: _split(_positions(recv, share.P, share.layout), widths))
+
+
+def to_positions(ys: list[torch.Tensor], share: HeadShare, group) -> _Exchange:
+    """Post one exchange of tensors y [B, P*L, h_y, E] (this rank's heads, every position; one dtype) that gives
+    back, of each, [P, B, L, h_y, E]: entry j holds rank j's heads at this rank's positions."""
+    B, N, _, E = ys[0].shape
+    widths = [y.shape[2] for y in ys]
+    send = torch.empty((share.P, B, N // share.P, sum(widths), E), dtype=ys[0].dtype, device=ys[0].device)
+    for y, view in zip(ys, _split(send, widths)):
+        _shards(y, share.P, share.layout, view)
+    return _Exchange(send, group, lambda recv: _split(recv, widths))
 
 
 def _query_heads(share: HeadShare, qs: slice) -> list[slice]:
@@ -191,14 +213,18 @@ class HeadParallelAttention:
         def post(g):
             qs, ks = groups[g]
             kv = g == 0 or share.hkv > 1  # a single key/value head serves every group: it travels once
-            return (to_heads(q, _query_heads(share, qs), share, group),
-                    *((to_heads(k, _kv_heads(share, ks), share, group),
-                       to_heads(v, _kv_heads(share, ks), share, group)) if kv else ()))
+            parts = [(q, _query_heads(share, qs))]
+            if kv and k.dtype == q.dtype == v.dtype:
+                parts += [(k, _kv_heads(share, ks)), (v, _kv_heads(share, ks))]
+            pending = [to_heads(parts, share, group)]
+            if kv and len(parts) == 1:
+                pending += [to_heads([(x, _kv_heads(share, ks))], share, group) for x in (k, v)]
+            return pending
 
         kept, returning, pending = [], [], post(0)
         k_h = v_h = None
         for g, (qs, _) in enumerate(groups):
-            arrived = [x.wait() for x in pending]
+            arrived = [t for x in pending for t in x.wait()]
             q_h = arrived[0]
             if len(arrived) == 3:
                 k_h, v_h = arrived[1], arrived[2]
@@ -206,12 +232,12 @@ class HeadParallelAttention:
                 pending = post(g + 1)
             o_h, l_h, keep = self.attend(g, q_h, k_h, v_h)
             kept.append(keep)
-            returning.append((qs, to_positions(o_h, share, group), to_positions(_lse_rows(l_h), share, group)))
+            returning.append((qs, to_positions([o_h], share, group), to_positions([_lse_rows(l_h)], share, group)))
         out_heads = out.view(B, L, share.P, share.hq, D)
         lse_heads = lse.view(B, share.P, share.hq, L)
         for qs, o, l in returning:
-            out_heads[:, :, :, qs] = o.wait().permute(1, 2, 0, 3, 4)
-            lse_heads[:, :, qs] = l.wait()[..., 0].permute(1, 0, 3, 2)
+            out_heads[:, :, :, qs] = o.wait()[0].permute(1, 2, 0, 3, 4)
+            lse_heads[:, :, qs] = l.wait()[0][..., 0].permute(1, 0, 3, 2)
         return out, lse, kept
 
     def backward(self, kept, d_out, d_lse, q, k, v):
@@ -226,8 +252,8 @@ class HeadParallelAttention:
 
         def post(g):
             heads = _query_heads(share, groups[g][0])
-            return (to_heads(d_out, heads, share, group),
-                    None if d_lse is None else to_heads(_lse_rows(d_lse), heads, share, group))
+            return (to_heads([(d_out, heads)], share, group),
+                    None if d_lse is None else to_heads([(_lse_rows(d_lse), heads)], share, group))
 
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dq_heads = dq.view(B, L, share.P, share.hq, D)
@@ -237,29 +263,32 @@ class HeadParallelAttention:
         returning, pending = [], post(0)
         dk_h = dv_h = None
         for g, (qs, ks) in enumerate(groups):
-            do_h, dl_h = pending[0].wait(), None if pending[1] is None else pending[1].wait()[..., 0].transpose(1, 2)
+            do_h = pending[0].wait()[0]
+            dl_h = None if pending[1] is None else pending[1].wait()[0][..., 0].transpose(1, 2)
             if g + 1 < len(groups):
                 pending = post(g + 1)
             gq, gk, gv = self.attend_backward(g, kept[g], do_h, dl_h)
             kept[g] = None
-            returning.append(("q", qs, to_positions(gq, share, group)))
+            if (share.hkv > 1 or len(groups) == 1) and gq.dtype == gk.dtype == gv.dtype:  # one exchange of all
+                returning.append((qs, ks, to_positions([gq, gk, gv], share, group)))
+                continue
+            returning.append((qs, None, to_positions([gq], share, group)))
             if share.hkv > 1 or len(groups) == 1:
-                returning.append(("kv", ks, to_positions(gk, share, group), to_positions(gv, share, group)))
+                returning.append((None, ks, to_positions([gk, gv], share, group)))
             else:  # one key/value head for every group: summed here, sent once
                 dk_h = gk.to(acc) if dk_h is None else dk_h + gk
                 dv_h = gv.to(acc) if dv_h is None else dv_h + gv
         if dk_h is not None:
-            returning.append(("kv", groups[0][1], to_positions(dk_h, share, group),
-                              to_positions(dv_h, share, group)))
-        for item in returning:
-            if item[0] == "q":
-                dq_heads[:, :, :, item[1]] = item[2].wait().permute(1, 2, 0, 3, 4)
-                continue
-            _, ks, gk, gv = item
-            gk, gv = gk.wait(), gv.wait()
-            for j, s in enumerate(_kv_heads(share, ks)):
-                dk[:, :, s] += gk[j]
-                dv[:, :, s] += gv[j]
+            returning.append((None, groups[0][1], to_positions([dk_h, dv_h], share, group)))
+        for qs, ks, exchange in returning:
+            arrived = exchange.wait()
+            if qs is not None:
+                dq_heads[:, :, :, qs] = arrived.pop(0).permute(1, 2, 0, 3, 4)
+            if ks is not None:
+                gk, gv = arrived
+                for j, s in enumerate(_kv_heads(share, ks)):
+                    dk[:, :, s] += gk[j]
+                    dv[:, :, s] += gv[j]
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
