@@ -220,7 +220,8 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
                     say(f"[{name}/{mode}] {part} rank {j}: " + ", ".join(
                         f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in b.items() if k.endswith("_ms"))
                         + f", {b['kernels']} kernels; most merge/accumulate time: " + "; ".join(
-                        f"{t['kernel'][:60]} {t['ms']:.2f} ms x{t['launches']}" for t in b["top_merge_and_accumulate"][:3]))
+                        f"{t['kernel'][:60]} {t['ms']:.2f} ms x{t['launches']}"
+                        for t in b["top_merge_and_accumulate"][:3]))
     sent = [None] * P
     dist.all_gather_object(sent, (call.bytes_per_rank or {}).get(mode) if mode != "2d" else None)
     # the peak of one forward+backward, inputs included (measured apart from the timing, whose L2 flush

@@ -12,9 +12,9 @@ layout copies, smaller launches, the host). s is the time a rank loses per ring 
 all-to-all peer: waiting for the slowest peer's step, which the profiles show as communication no kernel overlaps
 and which does not shrink with the bytes. The transfer time is the bytes the busiest rank sends over the link's
 bandwidth (the forward's: the ring plan's K/V (dilated_attn.ring.ring_plan), or the heads mode's all-to-all;
-forward+backward: the ring sends K/V again and dK/dV in float32, 4x the forward's; the heads mode d_out in and dq,
-dk, dv back, 2x); the ring hides it behind a rank's compute and exposes only what outlasts it, the heads mode (one
-head group) waits for all of it. The two measured GPU counts give e and s (two equations), so the model reproduces
+forward+backward: the ring sends dK/dV in float32 and, where its forward exchanged step by step, K/V again: 3x or 4x
+the forward's (RingComm.eager); the heads mode d_out in and dq, dk, dv back, 2x); the ring hides it behind a rank's
+compute and exposes only what outlasts it, the heads mode (one head group) waits for all of it. The two measured GPU counts give e and s (two equations), so the model reproduces
 both runs, except where they would make s negative: then s = 0 and e is the mean of the two (the table prints how
 closely it reproduces them). The 2-D mode, measured at one size only (2 x 2), takes the ring's and the heads
 mode's waits and fits e.
@@ -24,7 +24,7 @@ GPU between nodes (8 x 50 GB/s a node). A transfer that spans nodes runs at the 
 cross. heads needs Hq % P == 0 (16 heads: P <= 16); 2d runs heads inside a node and the ring across nodes.
 The seeds' machine: 2 GTX 1080 over PCIe 3.0 x16 without peer-to-peer (6 GB/s assumed: two host-staged copies),
 running the CUDA kernels in float32 at the Pascal tiles' measured share of the FMA peak (46% forward, 31% forward +
-backward; benchmarks/README.md), the H200 calibration's e and k, at sizes that fit 8 GB.
+backward; benchmarks/README.md), the H200 calibration's e and s, at sizes that fit 8 GB.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import os
 import torch
 
 from dilated_attn.ring import ring_plan
+from dilated_attn.ring.comm import RingComm
 from dilated_attn.spec import Problem, flops
 
 NODE = 8
@@ -43,7 +44,7 @@ NVLINK_GBPS = 450.0
 CROSS_NODE_GBPS = 50.0
 PCIE_GBPS = 6.0
 GTX1080 = dict(peak_tflops=8.9, share_fwd=0.46, share_fwd_bwd=0.31)
-PASSES = (("fwd", 1.0, 1.0), ("fwd_bwd", 4.0, 2.0))  # (pass, ring traffic factor, heads traffic factor)
+PASSES = (("fwd", 1.0), ("fwd_bwd", 2.0))  # (pass, the heads mode's traffic in units of its forward's)
 
 
 def _branches(row):
@@ -52,14 +53,24 @@ def _branches(row):
     return (row["N"],), (1,)
 
 
-def ring_bytes(row, P: int, heads: int = 0, head_start: int = 0, itemsize: int = 2) -> int:
-    """Forward bytes the busiest rank sends in the ring mode (over `heads` of the row's heads, from head_start)."""
+def _plan(row, P: int, heads: int = 0, head_start: int = 0):
     w, r = _branches(row)
     H = row["H"]
     n = heads or H
-    plan = ring_plan(P, row["N"] // P, n, n, w, r, "all", row["causal"], row["layout"],
-                     head_start if heads else 0, H if heads else 0)
-    return max(plan.bytes_sent(j, row["B"], row["D"], itemsize) for j in range(P))
+    return ring_plan(P, row["N"] // P, n, n, w, r, "all", row["causal"], row["layout"], head_start if heads else 0,
+                     H if heads else 0)
+
+
+def ring_bytes(row, P: int, heads: int = 0, head_start: int = 0, itemsize: int = 2, name: str = "fwd") -> float:
+    """Bytes the busiest rank sends in the ring mode (over `heads` of the row's heads, from head_start) in pass
+    `name`: the forward's K/V; forward+backward adds dK/dV in float32 (2x) and, where the forward exchanged step by
+    step rather than at once (RingComm.eager: then the backward keeps the forward's), the K/V again."""
+    plan = _plan(row, P, heads, head_start)
+    forward = max(plan.bytes_sent(j, row["B"], row["D"], itemsize) for j in range(P))
+    if name == "fwd":
+        return forward
+    n = heads or row["H"]
+    return forward * (3 if RingComm(plan, 0, None, row["B"], row["D"], "cpu").eager(n, n) else 4)
 
 
 def heads_bytes(row, P: int, itemsize: int = 2) -> int:
@@ -82,32 +93,33 @@ def _ring_seconds(nbytes: float, P: int) -> float:
     return nbytes / (NVLINK_GBPS if P <= NODE else CROSS_NODE_GBPS) / 1e9
 
 
-def transfer_ms(row, mode: str, P: int, factor_ring: float, factor_heads: float) -> dict:
+def transfer_ms(row, mode: str, P: int, name: str, factor_heads: float) -> dict:
     """{'inner': ms, 'outer': ms} of the busiest rank's transfers at P on nodes of NODE GPUs (inner: heads)."""
     if mode == "ring":
-        return {"outer": _ring_seconds(ring_bytes(row, P) * factor_ring, P) * 1e3}
+        return {"outer": _ring_seconds(ring_bytes(row, P, name=name), P) * 1e3}
     if mode == "heads":
         return {"inner": _a2a_seconds(heads_bytes(row, P) * factor_heads, P) * 1e3}
     pi = min(P, NODE) if P > NODE else 2
     po = P // pi
     share = dict(row, N=row["N"] // po)  # the inner group's sequence
     inner = heads_bytes(share, pi) * factor_heads
-    outer = 0 if po == 1 else max(ring_bytes(row, po, row["H"] // pi, j * (row["H"] // pi)) for j in range(pi))
+    outer = 0 if po == 1 else max(ring_bytes(row, po, row["H"] // pi, j * (row["H"] // pi), name=name)
+                                  for j in range(pi))
     return {"inner": _a2a_seconds(inner, pi) * 1e3,
-            "outer": (outer * factor_ring / (CROSS_NODE_GBPS if P > NODE else NVLINK_GBPS) / 1e9) * 1e3}
+            "outer": (outer / (CROSS_NODE_GBPS if P > NODE else NVLINK_GBPS) / 1e9) * 1e3}
 
 
-def measured_transfer_ms(row, mode: str, bw: float, factor_ring: float, factor_heads: float) -> dict:
+def measured_transfer_ms(row, mode: str, bw: float, name: str, factor_heads: float) -> dict:
     """transfer_ms at the measured P with the measured link bandwidth (one host)."""
     P = row["P"]
     if mode == "ring":
-        return {"outer": ring_bytes(row, P) * factor_ring / bw / 1e6}
+        return {"outer": ring_bytes(row, P, name=name) / bw / 1e6}
     if mode == "heads":
         return {"inner": heads_bytes(row, P) * factor_heads / bw / 1e6}
     pi, po = 2, P // 2
     share = dict(row, N=row["N"] // po)
-    outer = max(ring_bytes(row, po, row["H"] // pi, j * (row["H"] // pi)) for j in range(pi))
-    return {"inner": heads_bytes(share, pi) * factor_heads / bw / 1e6, "outer": outer * factor_ring / bw / 1e6}
+    outer = max(ring_bytes(row, po, row["H"] // pi, j * (row["H"] // pi), name=name) for j in range(pi))
+    return {"inner": heads_bytes(share, pi) * factor_heads / bw / 1e6, "outer": outer / bw / 1e6}
 
 
 def exposed_ms(mode: str, compute_ms: float, comm: dict) -> float:
@@ -141,9 +153,9 @@ def calibrate(runs: list[dict]) -> dict:
             rows.setdefault((row["preset"], row["mode"]), []).append((row, data["p2p_GBps"]))
     fitted = {}
     for (preset, mode), found in sorted(rows.items(), key=lambda x: x[0][1] == "2d"):
-        for name, fr, fh in PASSES:
+        for name, fh in PASSES:
             t1_key, tp_key = ("t1_fwd_ms", "tp_fwd_ms") if name == "fwd" else ("t1_fwd_bwd_ms", "tp_fwd_bwd_ms")
-            points = [(row["P"], row[t1_key], row[tp_key], measured_transfer_ms(row, mode, bw, fr, fh))
+            points = [(row["P"], row[t1_key], row[tp_key], measured_transfer_ms(row, mode, bw, name, fh))
                       for row, bw in sorted(found, key=lambda x: x[0]["P"])]
             if mode == "2d":
                 ring, heads = fitted.get((preset, "ring", name)), fitted.get((preset, "heads", name))
@@ -172,7 +184,7 @@ def calibrate(runs: list[dict]) -> dict:
 
 
 def gtx1080(row, fit: dict, name: str, P: int = 2) -> dict:
-    """Efficiency on 2 GTX 1080 (PCIe, float32, the CUDA kernels) from the H200 calibration's e and k."""
+    """Efficiency on 2 GTX 1080 (PCIe, float32, the CUDA kernels) from the H200 calibration's e and s."""
     N = row["N"]
     w, r = _branches(row)
     q = torch.empty(row["B"], N, row["H"], row["D"], device="meta", dtype=torch.float32)
@@ -181,10 +193,10 @@ def gtx1080(row, fit: dict, name: str, P: int = 2) -> dict:
     del q
     share = GTX1080["share_fwd" if name == "fwd" else "share_fwd_bwd"]
     t1 = flops(p, backward=name != "fwd") / (GTX1080["peak_tflops"] * 1e12 * share) * 1e3
-    fr, fh = (1.0, 1.0) if name == "fwd" else (4.0, 2.0)
+    fh = dict(PASSES)[name]
     mode = row["mode"]
     if mode == "ring":
-        comm = {"outer": ring_bytes(row, P, itemsize=4) * fr / PCIE_GBPS / 1e6}
+        comm = {"outer": ring_bytes(row, P, itemsize=4, name=name) / PCIE_GBPS / 1e6}
     else:
         comm = {"inner": heads_bytes(row, P, itemsize=4) * fh / PCIE_GBPS / 1e6}
     tp = predict_ms(fit, t1, P, comm, mode)
@@ -226,10 +238,10 @@ def main(argv=None) -> None:
                     cells.append(f"P={P}: n/a ({row['H']} heads)")
                     report["projected"].setdefault(f"{preset}/{mode}", {})[P] = None
                     continue
-                for name, fr, fh in PASSES:
+                for name, fh in PASSES:
                     fit = fitted[(preset, mode, name)]
                     t1 = row["t1_fwd_ms" if name == "fwd" else "t1_fwd_bwd_ms"]
-                    tp = predict_ms(fit, t1, P, transfer_ms(row, mode, P, fr, fh), mode)
+                    tp = predict_ms(fit, t1, P, transfer_ms(row, mode, P, name, fh), mode)
                     out[name] = dict(tp_ms=tp, efficiency=t1 / (P * tp))
                 report["projected"].setdefault(f"{preset}/{mode}", {})[P] = out
                 cells.append(f"P={P}: {out['fwd_bwd']['efficiency']:.1%} / {out['fwd']['efficiency']:.1%}")
@@ -240,7 +252,7 @@ def main(argv=None) -> None:
         if (preset, mode, "fwd") not in fitted:
             continue
         row = dict(rows[(preset, mode)], N=N, mode=mode)
-        res = {name: gtx1080(row, fitted[(preset, mode, name)], name) for name, _, _ in PASSES}
+        res = {name: gtx1080(row, fitted[(preset, mode, name)], name) for name, _ in PASSES}
         report["gtx1080_2gpu"][f"{preset}/{mode}/N={N}"] = res
         print(f"  {preset} N={N} {mode}: {res['fwd_bwd']['efficiency']:.1%} / {res['fwd']['efficiency']:.1%} "
               f"(T1 {res['fwd_bwd']['t1_ms']:.0f} / {res['fwd']['t1_ms']:.0f} ms)")
