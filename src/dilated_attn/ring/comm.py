@@ -134,7 +134,9 @@ class RingComm:
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         if self._stream is None:
-            self._stream = _exchange_streams.setdefault(self.device, torch.cuda.Stream(self.device))
+            if self.device not in _exchange_streams:
+                _exchange_streams[self.device] = torch.cuda.Stream(self.device)
+            self._stream = _exchange_streams[self.device]
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self._stream)
 
