@@ -3,6 +3,7 @@
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,11 +61,16 @@ INVALID = [
     (dict(head_groups="split", segment_lengths=[1, 2, 3, 4, 5], dilation_rates=[1] * 5), ValueError,
      ["head_groups='split'", "4 heads < 5 branches"]),
     (dict(causal="yes"), TypeError, ["causal", "bool"]),
+    (dict(causal=np.int64(1)), TypeError, ["causal", "bool", "numpy.int64"]),
     (dict(causal=None), TypeError, ["causal", "bool"]),
     (dict(return_lse=1), TypeError, ["return_lse", "bool"]),
     (dict(scale="0.5"), TypeError, ["scale"]),
     (dict(scale=math.nan), ValueError, ["scale", "finite"]),
     (dict(scale=math.inf), ValueError, ["scale", "finite"]),
+    # finite, but the float32 scores overflow to inf (every row NaN)
+    (dict(scale=1e39), ValueError, ["scale", "1e+30", "float32"]),
+    (dict(scale=-1e300), ValueError, ["scale", "1e+30", "float32"]),
+    (dict(scale=1e38, q=q0.half(), k=k0.half(), v=v0.half()), ValueError, ["scale", "1e+30", "float16"]),
     (dict(backend="fast"), ValueError, ["backend", "'auto'"]),
     (dict(backend=None), TypeError, ["backend"]),
     (dict(backend="cuda"), ValueError, ["backend='cuda'", "CUDA tensors", "cpu: can run"]),
@@ -83,9 +89,10 @@ def test_invalid_input_raises_naming_the_argument(overrides, exc, words, monkeyp
 
 def test_valid_variants_are_accepted():
     """Things that look unusual but are valid by the spec."""
-    import numpy as np
-
     _call(segment_lengths=(4, 8), dilation_rates=(1, 2))
+    _call(causal=np.bool_(True), return_lse=np.bool_(False))  # NumPy's bools, as torch takes them
+    _call(scale=1e30)
+    assert torch.isfinite(_call(q=q0.double(), k=k0.double(), v=v0.double(), scale=1e300)).all()
     _call(segment_lengths=torch.tensor([4, 8]), dilation_rates=[np.int64(1), 2])
     _call(segment_lengths=[100, 3], dilation_rates=[7, 5])  # w > N, r > w
     _call(scale=0)
@@ -123,6 +130,18 @@ def test_heads_first_layout_is_warned_about():
         for shape in ((2, 1, 64, 8), (1, 3, 128, 8)):
             y = torch.randn(shape)
             dilated_attn.dilated_attention(y, y, y, [4], [1])
+
+
+def test_swapped_branch_lists_are_warned_about():
+    """Every r > w is legal but is what passing dilation_rates for segment_lengths gives (the modules, which take
+    them in the other order too, raise): the functions warn; one such branch among others does not."""
+    x = torch.randn(1, 64, 4, 8)
+    with pytest.warns(UserWarning, match=r"dilation_rates \[16, 32\] are each larger than the segment_lengths "
+                                         r"\[1, 2\].*look swapped"):
+        dilated_attn.dilated_attention(x, x, x, [1, 2], [16, 32])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dilated_attn.dilated_attention(x, x, x, [16, 2], [1, 32])
 
 
 def test_problem_from_sizes_is_validate_without_tensors():

@@ -250,3 +250,14 @@ def test_interleaved_kv_cache_views_are_accepted():
     out = dilated_attn.dilated_attention_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], 5, [4, 8], [1, 2], **kw)
     want = dilated_attn.dilated_attention_with_kvcache(q, *separate, 5, [4, 8], [1, 2], **kw)
     assert torch.equal(out, want) and torch.equal(kv[:, :, 0], separate[0]) and torch.equal(kv[:, :, 1], separate[1])
+
+
+def test_meta_tensors_give_meta_results():
+    """Meta tensors (shape inference) have no memory to check for overlap: the caches' check that reads it is
+    skipped, as under torch.compile, and the call gives meta results of the right shapes."""
+    q, k, v = (torch.empty(2, 1, 4, 8, device="meta") for _ in range(3))
+    k_cache, v_cache = (torch.empty(2, 32, 4, 8, device="meta") for _ in range(2))
+    out, lse = dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, 5, [16], [1], k=k, v=v,
+                                                           return_lse=True)
+    assert out.device.type == lse.device.type == "meta"
+    assert out.shape == (2, 1, 4, 8) and lse.shape == (2, 4, 1)

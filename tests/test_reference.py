@@ -139,3 +139,20 @@ def test_reference_merge_gradient_includes_merge_weights():
         return dilated_attention_reference(q, k, v, [4, 16], [1, 2])[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_lse_joins_the_graph_of_every_input(backend, monkeypatch):
+    """With only v requiring grad, every backend's LSE (which does not read v) is in v's graph with a zero
+    gradient, so torch.autograd.grad([out, lse], [v]) runs alike on each and gives out's gradient."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(1, 16, 2, 16, generator=g) for _ in range(4))
+    v.requires_grad_()
+    out, lse = dilated_attn.dilated_attention(q, k, v, [8], [1], return_lse=True, backend=backend)
+    assert lse.requires_grad
+    (both,) = torch.autograd.grad([out, lse], [v], [go, torch.randn(lse.shape, generator=g)], retain_graph=True)
+    (alone,) = torch.autograd.grad(out, [v], go)
+    torch.testing.assert_close(both, alone, rtol=0, atol=0)

@@ -252,3 +252,50 @@ def test_gpu_bitwise_repeatable():
         runs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
     for a, b in zip(runs[1], runs[2]):
         assert torch.equal(a, b)
+
+
+FIRST_CALL_FROM_TWO_THREADS = r"""
+import builtins, threading, time
+import torch
+import dilated_attn
+
+real_import = builtins.__import__
+
+def slow_ops_import(name, globals=None, locals=None, fromlist=(), level=0):
+    # the backend's `from . import ops` takes a second, so that the other thread calls while it is in flight
+    if level == 1 and fromlist and "ops" in fromlist and (globals or {}).get("__name__") == \
+            "dilated_attn.backends.triton":
+        time.sleep(1.0)
+    return real_import(name, globals, locals, fromlist, level)
+
+builtins.__import__ = slow_ops_import
+device = "cuda" if torch.cuda.is_available() else "cpu"
+q = torch.randn(1, 8, 2, 16, device=device)
+errors = []
+
+def call():
+    try:
+        dilated_attn.dilated_attention(q, q, q, [4], [1], backend="triton")
+    except Exception as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=call) for _ in range(2)]
+for t in threads:
+    t.start()
+    time.sleep(0.3)
+for t in threads:
+    t.join()
+assert not errors, errors
+"""
+
+
+def test_first_call_from_two_threads(tmp_path):
+    """Two threads making the process's first triton call at once (a data-loader thread, a server's worker pool):
+    the second waits until the ops are registered instead of finding them missing."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_threads.py"
+    script.write_text(FIRST_CALL_FROM_TWO_THREADS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -34,7 +34,8 @@ def dilated_attention(
             `h // (Hq // Hkv)`).
         segment_lengths, dilation_rates: the branches `(w_i, r_i)`, positive ints, same length >= 1.
         causal: a query attends only to keys at positions <= its own.
-        scale: score scale, default `D ** -0.5`.
+        scale: score scale, default `D ** -0.5`; at most 1e30 in magnitude (1e300 for float64), past which the
+            scores overflow.
         head_groups: "all" (LongNet/torchscale: every head in every branch, head offsets
             `h // ceil(Hq / r)`) or "split" (heads cut into one group per branch, offset `i % r`).
         return_lse: also return the merged log-sum-exp `[B, Hq, N]` (float32; float64 for float64).

@@ -105,6 +105,22 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _flag(name: str, value) -> bool:
+    """A bool argument: Python's bool or NumPy's (as torch takes them)."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ == "bool"):
+        return bool(value)
+    kind = type(value)
+    shown = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    raise TypeError(f"{name} must be a bool, got {shown}")
+
+
+# The largest |scale| taken: the scores q.k * scale are float32 (float64 for float64 inputs), and a scale beyond
+# this overflows them to inf for ordinary q.k (|q.k| above max / scale), where the softmax turns NaN. At 1e30 every
+# finite score is already a hard max (docs/numerics.md, "Extremes").
+MAX_SCALE = {torch.float64: 1e300}
+MAX_SCALE_OTHER = 1e30
+
+
 def _int_list(name: str, value) -> list[int]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point():
@@ -264,8 +280,16 @@ def validate(
                   f"head_dim] (flash-attn's layout); if q, k and v are [batch, heads, seq, head_dim] (PyTorch SDPA's), "
                   f"pass them .transpose(1, 2)", stacklevel=3)
     records_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, q.dtype, q.device, causal, scale, head_groups,
-                    return_lse, backend, records_backward)
+    p = _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, q.dtype, q.device, causal, scale, head_groups,
+                 return_lse, backend, records_backward)
+    w, r = list(p.segment_lengths), list(p.dilation_rates)
+    if all(ri > wi for wi, ri in zip(w, r)):
+        # legal (each segment then holds at most one position per head), but what swapping the two lists gives;
+        # the modules, which take them in the other order too, raise
+        warn_once(f"dilated_attn: dilation_rates {r} are each larger than the segment_lengths {w}: every segment "
+                  f"holds at most one position per head; the lists look swapped (the functions take "
+                  f"segment_lengths first, MultiheadDilatedAttention dilation_rates first)", stacklevel=3)
+    return p
 
 
 def _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, causal, scale, head_groups, return_lse,
@@ -292,16 +316,19 @@ def _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, c
         raise ValueError(
             f"head_groups='split' needs at least one query head per branch: {Hq} heads < {len(w)} branches"
         )
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    causal, return_lse = _flag("causal", causal), _flag("return_lse", return_lse)
     if scale is None:
         scale = D**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     elif not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
+    elif abs(float(scale)) > MAX_SCALE.get(dtype, MAX_SCALE_OTHER):
+        limit = MAX_SCALE.get(dtype, MAX_SCALE_OTHER)
+        compute = "float64" if dtype == torch.float64 else "float32"
+        raise ValueError(f"scale must be at most {limit:g} in magnitude for {dtype_name(dtype)} inputs, got {scale}: "
+                         f"the scores q.k * scale are {compute}, which a larger scale overflows to inf (at "
+                         f"{limit:g} every score is already a hard max)")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, one of {BACKEND_CHOICES}, got {type(backend).__name__}")
     if backend not in BACKEND_CHOICES:
@@ -493,8 +520,8 @@ def validate_kvcache(
         if x is not None and tuple(x.shape) != (B, Sq, Hkv, D):
             raise ValueError(f"{name} must be [B, Sq, Hkv, D] = {(B, Sq, Hkv, D)}, got {tuple(x.shape)}")
     # The caches are written in place: every element needs memory of its own, checked before anything is written.
-    # A traced call (torch.compile) has no memory to look at: there only strides of 0 can be seen.
-    eager = not torch.compiler.is_compiling()
+    # A traced call (torch.compile) and meta tensors have no memory to look at: there only strides of 0 can be seen.
+    eager = not torch.compiler.is_compiling() and q.device.type != "meta"
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)) or (
                 eager and torch._debug_has_internal_overlap(x) == 1):

@@ -17,11 +17,29 @@ from .base import Backend
 __all__ = ["REFERENCE", "memory_bytes"]
 
 
+class _InGraph(torch.autograd.Function):
+    """The LSE as it is, in the autograd graph of inputs it does not depend on (with a zero gradient): the compiled
+    and Triton ops' autograd puts both results in the graph of q, k and v whenever one of them requires grad, so
+    `torch.autograd.grad([out, lse], [v])` runs on every backend alike."""
+
+    @staticmethod
+    def forward(ctx, lse, *inputs):
+        ctx.inputs = len(inputs)
+        return lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(None,) * ctx.inputs)
+
+
 def forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     """The reference with the forward op's arguments; differentiable through PyTorch's autograd."""
-    return dilated_attention_reference(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
-                                       head_groups="split" if split_heads else "all", head_start=head_start,
-                                       global_heads=global_heads)
+    out, lse = dilated_attention_reference(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
+                                           head_groups="split" if split_heads else "all", head_start=head_start,
+                                           global_heads=global_heads)
+    if torch.is_grad_enabled() and not lse.requires_grad and any(x.requires_grad for x in (q, k, v)):
+        lse = _InGraph.apply(lse, q, k, v)  # only v requires grad: the LSE, which does not read v, joins its graph
+    return out, lse
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale,

@@ -17,6 +17,7 @@ where the LSE has one, autograd runs the backward of the backend dispatch.backwa
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -32,27 +33,35 @@ MIN_CUDNN_VERSION = 90000  # cuDNN 9: fused attention forward and backward with 
 
 _load_error: Optional[str] = None
 _loaded = False
+_load_lock = threading.Lock()
 
 
 @trace_constant
 def load_error() -> Optional[str]:
-    """Import the ops (registering them) on the first call; None, or why they cannot be loaded."""
+    """Import the ops (registering them) on the first call; None, or why they cannot be loaded. Thread-safe: a
+    second thread's first call waits until the ops are registered."""
     global _load_error, _loaded
     if not _loaded:
-        _loaded = True
-        if not compiled.has_kernel("cuda"):
-            _load_error = ("its loops over the cuDNN calls are CUDA code of dilated_attn._C, "
-                           + ("which was built without CUDA" if compiled.LOAD_ERROR is None else "which is not loaded"))
-        elif not torch.backends.cudnn.is_available():
-            _load_error = "this torch has no cuDNN"
-        elif torch.backends.cudnn.version() < MIN_CUDNN_VERSION:
-            _load_error = f"cuDNN {torch.backends.cudnn.version()} < {MIN_CUDNN_VERSION} (cuDNN 9)"
-        else:
-            try:
-                from . import ops  # noqa: F401 - registers the ops
-            except Exception as exc:  # noqa: BLE001
-                _load_error = f"{type(exc).__name__}: {exc}"
+        with _load_lock:
+            if not _loaded:
+                _load_error = _load()
+                _loaded = True
     return _load_error
+
+
+def _load() -> Optional[str]:
+    if not compiled.has_kernel("cuda"):
+        return ("its loops over the cuDNN calls are CUDA code of dilated_attn._C, "
+                + ("which was built without CUDA" if compiled.LOAD_ERROR is None else "which is not loaded"))
+    if not torch.backends.cudnn.is_available():
+        return "this torch has no cuDNN"
+    if torch.backends.cudnn.version() < MIN_CUDNN_VERSION:
+        return f"cuDNN {torch.backends.cudnn.version()} < {MIN_CUDNN_VERSION} (cuDNN 9)"
+    try:
+        from . import ops  # noqa: F401 - registers the ops
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 @trace_constant

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -38,21 +39,25 @@ def interpreting() -> bool:
 _ops = None  # the module ops.py once loaded
 _load_error: Optional[str] = None
 _loaded = False
+_load_lock = threading.Lock()
 
 
 @trace_constant
 def load_error() -> Optional[str]:
     """Import triton and the kernels (registering the triton ops) on the first call; None, or why they cannot
-    be loaded. Marked constant for torch.compile, so a first call inside a traced function loads them then."""
+    be loaded. Marked constant for torch.compile, so a first call inside a traced function loads them then.
+    Thread-safe: a second thread's first call waits until the ops are registered."""
     global _ops, _load_error, _loaded
     if not _loaded:
-        _loaded = True
-        try:
-            from . import ops as module
-        except Exception as exc:  # noqa: BLE001 - triton missing, or failing to load on this machine
-            _load_error = f"{type(exc).__name__}: {exc}"
-        else:
-            _ops = module
+        with _load_lock:
+            if not _loaded:
+                try:
+                    from . import ops as module
+                except Exception as exc:  # noqa: BLE001 - triton missing, or failing to load on this machine
+                    _load_error = f"{type(exc).__name__}: {exc}"
+                else:
+                    _ops = module
+                _loaded = True
     return _load_error
 
 
