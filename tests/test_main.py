@@ -209,6 +209,7 @@ def test_bench_json_and_csv(tmp_path, capsys):
         p = validate(q, kv, kv, [16, 32], [1, 2])
         assert r["tflops"] == pytest.approx(flops(p, backward=r["mode"] == "fwd+bwd") / r["median_ms"] / 1e9)
         assert r["median_ms"] > 0 and r["peak_memory_mib"] is None
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["runs"] >= 1
         if r["provider"] == "reference":
             assert r["speedup_over_reference"] == 1.0
     with open(cpath) as f:
@@ -362,7 +363,7 @@ def test_record_rewrites_json_and_csv_after_every_row(tmp_path):
 
 
 def test_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):
-    timed = harness.median_ms
+    timed = harness.run_times_ms
 
     def interrupted_at_the_third(fn, *args, **kwargs):
         if len(calls) == 2:
@@ -371,7 +372,7 @@ def test_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):
         return timed(fn, *args, **kwargs)
 
     calls = []
-    monkeypatch.setattr(bench, "median_ms", interrupted_at_the_third)  # as run_bench looks it up
+    monkeypatch.setattr(bench, "run_times_ms", interrupted_at_the_third)  # as run_bench looks it up
     path = tmp_path / "bench.json"
     with pytest.raises(KeyboardInterrupt):
         cli.main(["bench", *TINY, "--json", str(path)])
@@ -424,3 +425,26 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.split()[-1] == dilated_attn.__version__
+
+
+def test_format_ms_keeps_four_digits_without_exponents():
+    """Benchmark times print alike at every size: no `1160.` and no `1.668e+04`."""
+    assert [harness.format_ms(x) for x in (16680.4, 1160.2, 999.96, 72.346, 1.6, 0.43101)] == [
+        "16680", "1160", "1000", "72.35", "1.600", "0.4310"]
+
+
+def test_bench_shows_each_measurements_spread_and_says_when_a_call_is_slow(monkeypatch, capsys):
+    """Each line gives the fastest and slowest run beside the median, and a measurement whose first call is slow
+    says what it will take before the silence (here every call counts as slow)."""
+    monkeypatch.setattr(bench, "SLOW_CALL_S", 0.0)
+    assert cli.main(["bench", *TINY, "--backends", "cpu", "--mode", "fwd", "--repeats", "3", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("a call takes") == 2 and out.count(", 3 runs)") == 2  # one of each per N
+
+
+def test_help_examples_run_as_given():
+    """The module docstring's bench examples (dilated-attn --help) need nothing beyond the install, or say what
+    they need (--plot: matplotlib) and what they are sized for."""
+    lines = [line for line in cli.__doc__.splitlines() if " bench " in line]
+    assert lines and all("--plot" not in line or "matplotlib" in line for line in lines)
+    assert any("sized for a GPU" in line for line in lines)

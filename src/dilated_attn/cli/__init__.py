@@ -3,7 +3,8 @@
     python -m dilated_attn          # all three: env, check, then a short benchmark sized for the device
     python -m dilated_attn env      # python, torch, CUDA, GPUs, triton, build_info(), backend verdicts
     python -m dilated_attn check    # every backend that can run here against the float64 reference
-    python -m dilated_attn bench --seq-len 16384 65536 --mode both --json out.json --plot out.png
+    python -m dilated_attn bench --seq-len 16384 65536 --json out.json   # sized for a GPU (minutes on a CPU)
+    python -m dilated_attn bench --plot out.png    # the device's default sizes; --plot needs matplotlib
     python -m dilated_attn warmup --dtype bfloat16 --head-dim 128 --causal both   # compile kernels ahead of time
 
 Exit status: 0 when all is well; 1 when the self-check (or the warm-up of a family) fails; 2 for bad arguments

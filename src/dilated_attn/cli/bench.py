@@ -7,6 +7,8 @@ which benchmarks/plot_results.py draws with too). The measuring itself is dilate
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -15,8 +17,12 @@ import torch
 from .. import backends
 from ..functional import dilated_attention
 from ..spec import Problem, dtype_name, validate
-from .harness import (LONGNET, MODES, Record, applicable_backends, attention_call, median_ms, peak_memory_bytes,
-                      random_inputs, say, tflops)
+from .harness import (LONGNET, MODES, Record, applicable_backends, attention_call, format_ms, peak_memory_bytes,
+                      random_inputs, run_times_ms, say, tflops)
+
+# A measurement whose first call takes longer than this says so before it times the rest (a CPU run of the
+# reference at the GPU sizes takes minutes).
+SLOW_CALL_S = 2.0
 
 __all__ = [
     "BENCH_DEFAULTS", "METRICS", "BenchConfig", "Plan", "plan", "refusals", "run_bench", "print_table", "plot_rows",
@@ -114,22 +120,36 @@ def run_bench(cfg: BenchConfig, timed: dict[int, list[str]], record: Record) -> 
 
             for mode in MODES[cfg.mode]:
                 fn = attention_call(attention, inputs, mode)
+                label = f"  N={n:>7} {name:<10} {mode:<8}:"
                 try:
-                    ms = median_ms(fn, device, cfg.warmup, cfg.repeats)
+                    warmup = cfg.warmup
+                    if warmup:  # the first call timed: a slow measurement says what it will take before it does
+                        start = time.perf_counter()
+                        fn()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        took, warmup = time.perf_counter() - start, warmup - 1
+                        if took > SLOW_CALL_S:
+                            say(f"{label} a call takes {took:.0f} s; timing {cfg.repeats} runs after {warmup} more "
+                                f"warm-up (about {took * (warmup + cfg.repeats):.0f} s)")
+                    times = run_times_ms(fn, device, warmup, cfg.repeats)
+                    ms = statistics.median(times)
                     peak = peak_memory_bytes(fn, device)
                 except torch.OutOfMemoryError:  # e.g. the reference at a large N: report it, go on
-                    say(f"  N={n:>7} {name:<10} {mode:<8}: out of memory, skipped")
+                    say(f"{label} out of memory, skipped")
                     torch.cuda.empty_cache()
                     continue
                 row = dict(N=n, batch=cfg.batch, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                            dtype=dtype_name(cfg.dtype), segment_lengths=cfg.segment_lengths,
                            dilation_rates=cfg.dilation_rates, causal=cfg.causal, provider=name, mode=mode,
-                           median_ms=ms, tflops=tflops(p, ms, backward=mode == "fwd+bwd"),
+                           median_ms=ms, min_ms=min(times), max_ms=max(times), runs=len(times),
+                           tflops=tflops(p, ms, backward=mode == "fwd+bwd"),
                            peak_memory_mib=None if peak is None else peak / 2**20, speedup_over_reference=None)
                 _fill_speedups(record.rows + [row])
                 record.add(row)
                 extra = f"  peak {row['peak_memory_mib']:.0f} MiB" if peak is not None else ""
-                say(f"  N={n:>7} {name:<10} {mode:<8}: {ms:#10.4g} ms  {row['tflops']:8.3g} TFLOP/s{extra}")
+                spread = f"({format_ms(min(times))}-{format_ms(max(times))}, {len(times)} runs)"
+                say(f"{label} {format_ms(ms):>8} ms {spread:<24} {row['tflops']:8.3g} TFLOP/s{extra}")
         del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -148,7 +168,7 @@ def print_table(rows: list[dict]) -> None:
     def cell(n, name, mode, key, fmt):
         for r in rows:
             if (r["N"], r["provider"], r["mode"]) == (n, name, mode) and r[key] is not None:
-                return format(r[key], fmt)
+                return fmt(r[key]) if callable(fmt) else format(r[key], fmt)
         return "-"
 
     say(f"{'N':>7}  {'backend':<10} {'fwd ms':>9} {'fwd+bwd ms':>10} {'TFLOP/s fwd':>11} "
@@ -156,13 +176,14 @@ def print_table(rows: list[dict]) -> None:
     for n, name in dict.fromkeys((r["N"], r["provider"]) for r in rows):
         peaks = [r["peak_memory_mib"] for r in rows
                  if (r["N"], r["provider"]) == (n, name) and r["peak_memory_mib"] is not None]
-        say(f"{n:>7}  {name:<10} {cell(n, name, 'fwd', 'median_ms', '#.4g'):>9} "
-            f"{cell(n, name, 'fwd+bwd', 'median_ms', '#.4g'):>10} {cell(n, name, 'fwd', 'tflops', '.3g'):>11} "
+        say(f"{n:>7}  {name:<10} {cell(n, name, 'fwd', 'median_ms', format_ms):>9} "
+            f"{cell(n, name, 'fwd+bwd', 'median_ms', format_ms):>10} {cell(n, name, 'fwd', 'tflops', '.3g'):>11} "
             f"{cell(n, name, 'fwd+bwd', 'tflops', '.3g'):>11} {format(max(peaks), '.0f') if peaks else '-':>8} "
             f"{cell(n, name, 'fwd', 'speedup_over_reference', '.2f'):>10} "
             f"{cell(n, name, 'fwd+bwd', 'speedup_over_reference', '.2f'):>10}")
-    say("  (TFLOP/s from dilated_attn.spec.flops; peak MiB: CUDA only, the most allocated above the inputs "
-        "during one call; vs ref: the reference backend's time over this backend's)")
+    say("  (medians; each measurement's line above gives its fastest and slowest run; TFLOP/s from "
+        "dilated_attn.spec.flops; peak MiB: CUDA only, the most allocated above the inputs during one call; vs ref: "
+        "the reference backend's time over this backend's)")
 
 
 # --- plots ----------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ..spec import BACKEND_NAMES, Problem, flops
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
-    "say", "median_ms", "peak_memory_bytes", "Inputs", "random_inputs", "attention_call", "tflops",
+    "say", "median_ms", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs", "random_inputs", "attention_call", "tflops",
     "device_info", "versions", "triton_version", "command_line", "Record", "applicable_backends",
 ]
 
@@ -60,10 +60,11 @@ def say(*parts) -> None:
 # --- measuring ------------------------------------------------------------------------------------------
 
 
-def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int, repeats: int, *,
-              before_run: Optional[Callable[[], None]] = None,
-              combine: Optional[Callable[[list[float]], Sequence[float]]] = None) -> float:
-    """Median milliseconds of `fn()` over `repeats` timed runs after `warmup` untimed ones.
+def run_times_ms(fn: Callable[[], object], device: torch.device | str, warmup: int, repeats: int, *,
+                 before_run: Optional[Callable[[], None]] = None,
+                 combine: Optional[Callable[[list[float]], Sequence[float]]] = None) -> list[float]:
+    """Milliseconds of each of `repeats` timed runs of `fn()` after `warmup` untimed ones (median_ms: their
+    median).
 
     On a GPU each run is timed by two CUDA events on the current stream, with the L2 cache flushed before it
     and no host synchronisation between runs; on the CPU by time.perf_counter (CPU ops are synchronous).
@@ -113,7 +114,19 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int,
             times.append((time.perf_counter() - t0) * 1e3)
     if combine is not None:
         times = list(combine(times))
-    return statistics.median(times)
+    return list(times)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int, repeats: int, *,
+              before_run: Optional[Callable[[], None]] = None,
+              combine: Optional[Callable[[list[float]], Sequence[float]]] = None) -> float:
+    """Median milliseconds of `fn()` over `repeats` timed runs after `warmup` untimed ones (run_times_ms)."""
+    return statistics.median(run_times_ms(fn, device, warmup, repeats, before_run=before_run, combine=combine))
+
+
+def format_ms(ms: float) -> str:
+    """Milliseconds with four significant digits and no exponent: 1160, 72.35, 0.4310."""
+    return f"{ms:.0f}" if ms >= 1000 else f"{ms:#.4g}".rstrip(".")
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str) -> Optional[int]:
