@@ -17,9 +17,10 @@ try:
     from torch.utils import cpp_extension
 except ImportError:  # pragma: no cover
     sys.exit(
-        "dilated_attn builds against the installed torch: install torch first, then run\n"
-        "    pip install --no-build-isolation .\n"
-        "(without --no-build-isolation pip would build against a fresh, multi-GB CUDA torch)."
+        "dilated_attn builds against the installed torch, and torch cannot be imported here. With a plain\n"
+        "`pip install .` pip builds in an isolated environment that does not see your torch (and would fetch a\n"
+        "fresh, multi-GB CUDA one): install torch first if it is not installed, then run\n"
+        "    pip install --no-build-isolation ."
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

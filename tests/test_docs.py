@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import dilated_attn
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINKED_PAGES = [*PAGES, ROOT / "benchmarks" / "README.md"]
@@ -168,3 +170,16 @@ def test_headings_cited_in_the_code_exist():
     missing = [f"{source}: {page}, \"{title}\"" for source, page, title in cited
                if not (ROOT / page).exists() or slug(title) not in anchors(ROOT / page)]
     assert not missing, "cited headings that do not exist:\n  " + "\n  ".join(missing)
+
+
+@pytest.mark.parametrize("name", ["dilated_attention", "ring_attention"])
+def test_help_of_the_main_functions(name):
+    """help() of the two main functions: Args, Returns and an example, in 80 columns (help indents by 4); the
+    ring's example is a whole launch recipe."""
+    import inspect
+
+    doc = inspect.getdoc(getattr(dilated_attn, name))
+    assert "Args:" in doc and "Returns:" in doc and "Example" in doc
+    assert max(len(line) for line in doc.splitlines()) + 4 <= 80
+    if name == "ring_attention":
+        assert "torchrun --nproc_per_node" in doc and "init_process_group" in doc

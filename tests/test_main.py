@@ -163,8 +163,8 @@ def test_check_refuses_a_named_backend_that_cannot_run(capsys):
     status = cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cuda", "cpu", "cudnn"])
     assert status == cli.EXIT_CANNOT_RUN == 3
     captured = capsys.readouterr()
-    assert "backend 'cuda' cannot run here: needs CUDA tensors, got cpu" in captured.err
-    assert "backend 'cudnn' cannot run here: needs CUDA tensors, got cpu" in captured.err
+    assert "check: error: backend 'cuda' cannot run here: needs CUDA tensors, got cpu" in captured.err
+    assert "check: error: backend 'cudnn' cannot run here: needs CUDA tensors, got cpu" in captured.err
     assert "PASS" not in captured.out
 
 
@@ -179,7 +179,8 @@ def test_check_skips_backends_not_named_that_cannot_run(capsys, monkeypatch):
 def test_bench_refuses_a_named_backend_that_cannot_run(capsys):
     assert cli.main(["bench", *TINY, "--backends", "cpu", "cuda"]) == cli.EXIT_CANNOT_RUN
     captured = capsys.readouterr()
-    assert "backend 'cuda' cannot run here: needs CUDA tensors, got cpu" in captured.err
+    # as argparse reports errors: the program's name first
+    assert " bench: error: backend 'cuda' cannot run here: needs CUDA tensors, got cpu" in captured.err
     assert "N=" not in captured.out  # refused before anything was timed
 
 
@@ -448,3 +449,14 @@ def test_help_examples_run_as_given():
     lines = [line for line in cli.__doc__.splitlines() if " bench " in line]
     assert lines and all("--plot" not in line or "matplotlib" in line for line in lines)
     assert any("sized for a GPU" in line for line in lines)
+
+
+def test_env_names_a_missing_triton_as_not_needed_on_a_cpu(monkeypatch, capsys):
+    """Without a GPU, triton's absence is no error: `env` says what needs it instead of printing the import
+    error."""
+    env = cli.environment(torch.device("cpu"))
+    env.update(gpus=[], triton=None, triton_error="ModuleNotFoundError: No module named 'triton'")
+    cli.print_environment(env)
+    out = capsys.readouterr().out
+    assert "triton       not installed (only the triton backend, for CUDA GPUs, needs it)" in out
+    assert "ModuleNotFoundError" not in out

@@ -27,24 +27,37 @@ def dilated_attention(
     return_lse: bool = False,
     backend: str = "auto",
 ) -> Attention:
-    """LongNet dilated attention, exactly as docs/SPEC.md defines it.
+    """LongNet dilated attention, exactly as the spec (docs/SPEC.md in the
+    repository) defines it.
 
     Args:
-        q: `[B, N, Hq, D]`; k, v: `[B, N, Hkv, D]` with `Hq % Hkv == 0` (query head h reads kv head
-            `h // (Hq // Hkv)`).
-        segment_lengths, dilation_rates: the branches `(w_i, r_i)`, positive ints, same length >= 1.
+        q: `[B, N, Hq, D]`; k, v: `[B, N, Hkv, D]` with `Hq % Hkv == 0`
+            (query head h reads kv head `h // (Hq // Hkv)`).
+        segment_lengths, dilation_rates: the branches `(w_i, r_i)`,
+            positive ints, same length >= 1.
         causal: a query attends only to keys at positions <= its own.
-        scale: score scale, default `D ** -0.5`; at most 1e30 in magnitude (1e300 for float64), past which the
-            scores overflow.
-        head_groups: "all" (LongNet/torchscale: every head in every branch, head offsets
-            `h // ceil(Hq / r)`) or "split" (heads cut into one group per branch, offset `i % r`).
-        return_lse: also return the merged log-sum-exp `[B, Hq, N]` (float32; float64 for float64).
-        backend: "auto", "cuda", "triton", "cudnn", "cpu" or "reference". "auto" follows the environment variable
-            DILATED_ATTN_BACKEND when it names a backend, else `dispatch.auto_preference`;
+        scale: score scale, default `D ** -0.5`; at most 1e30 in magnitude
+            (1e300 for float64), past which the scores overflow.
+        head_groups: "all" (LongNet/torchscale: every head in every branch,
+            head offsets `h // ceil(Hq / r)`) or "split" (heads cut into one
+            group per branch, offset `i % r`).
+        return_lse: also return the merged log-sum-exp `[B, Hq, N]` (float32;
+            float64 for float64).
+        backend: "auto", "cuda", "triton", "cudnn", "cpu" or "reference".
+            "auto" follows the environment variable DILATED_ATTN_BACKEND
+            when it names a backend, else `dispatch.auto_preference`;
             `dilated_attn.explain(...)` tells which backend runs and why.
 
     Returns:
-        `out` `[B, N, Hq, D]` (contiguous, q's dtype), or `(out, lse)` with `return_lse=True`.
+        `out` `[B, N, Hq, D]` (contiguous, q's dtype), or `(out, lse)` with
+        `return_lse=True`.
+
+    Example::
+
+        q, k, v = (torch.randn(1, 8192, 8, 64) for _ in range(3))
+        out = dilated_attn.dilated_attention(
+            q, k, v, segment_lengths=[2048, 4096, 8192],
+            dilation_rates=[1, 2, 4], causal=True)
     """
     p = validate(
         q,

@@ -50,10 +50,11 @@ def use_device(device: torch.device) -> torch.device:
     return device
 
 
-def cannot_run(refused: dict[str, str]) -> int:
-    """Reports each backend named with --backends that cannot run, with the package's reason."""
+def cannot_run(refused: dict[str, str], prog: str) -> int:
+    """Reports each backend named with --backends that cannot run, with the package's reason, as argparse
+    reports errors (the program's name first)."""
     for name, why in refused.items():
-        print(f"error: backend {name!r} cannot run here: {why}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: backend {name!r} cannot run here: {why}", file=sys.stderr, flush=True)
     return EXIT_CANNOT_RUN
 
 
@@ -108,6 +109,8 @@ def print_environment(env: dict) -> None:
         why = env["triton_backend_error"]
         note = f" (the triton backend did not load: {why})" if why else ""
         say(f"  triton       {env['triton']}{note}")
+    elif not env["gpus"] and (env["triton_error"] or "").startswith("ModuleNotFoundError"):
+        say("  triton       not installed (only the triton backend, for CUDA GPUs, needs it)")
     else:
         say(f"  triton       not available ({env['triton_error']})")
     say(f"  build_info   {', '.join(f'{k}={v}' for k, v in env['build_info'].items())}")
@@ -175,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--backends", nargs="+", choices=BACKEND_NAMES, default=None,
                        help="default: every backend that applies to the device, those that cannot run skipped; "
                             f"a backend named that cannot run is an error (exit status {EXIT_CANNOT_RUN})")
-    check.set_defaults(command="check", fail=check.error)
+    check.set_defaults(command="check", fail=check.error, prog=check.prog)
     b = sub.add_parser("bench", help="time backends (defaults: a size suited to the device)",
                        description="Times backends forward and forward+backward, printing each measurement as it "
                                    "finishes and writing --json/--csv after every row. Flags left out take the "
@@ -202,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     b.add_argument("--plot", metavar="FILE.png", help="plot the metric against N per backend (needs matplotlib)")
     b.add_argument("--plot-metric", choices=["tflops", "ms"], default="tflops", help="default: tflops")
-    b.set_defaults(command="bench", fail=b.error)
+    b.set_defaults(command="bench", fail=b.error, prog=b.prog)
     w = sub.add_parser("warmup", help="compile the Triton kernels a training run needs, before it starts",
                        description="Compiles the Triton kernels of each (dtype, head dim, causal) family into "
                                    "Triton's on-disk cache (TRITON_CACHE_DIR), several families at once in separate "
@@ -260,7 +263,7 @@ def bench_command(args, env=None) -> int:
     except (ValueError, TypeError) as exc:  # the package's own message for an invalid configuration
         args.fail(str(exc))
     if planned.refused:
-        return cannot_run(planned.refused)
+        return cannot_run(planned.refused, args.prog)
     device = device_info(cfg.device)
     where = device["name"] + (f", {device['threads']} threads" if "threads" in device else "")
     timing = "CUDA events, L2 flushed before each run" if cfg.device.type == "cuda" else "time.perf_counter"
@@ -283,13 +286,13 @@ def bench_command(args, env=None) -> int:
     return 0
 
 
-def check_command(device: torch.device, dtypes, backends) -> int:
+def check_command(device: torch.device, dtypes, backends, prog: str = "dilated-attn check") -> int:
     """The `check` command: refuses backends named that cannot run here, else runs the self-check."""
     refused = {}
     for name in backends or ():
         refused.update(refusals(check_problems(device, dtypes, name), [name]))
     if refused:
-        return cannot_run(refused)
+        return cannot_run(refused, prog)
     rows = self_check(use_device(device), dtypes, backends)
     return EXIT_CHECK_FAILED if any(r["result"] == "FAIL" for r in rows) else 0
 
@@ -327,7 +330,7 @@ def _main(argv=None) -> int:
         print_environment(environment(args.device or default_device()))
         return 0
     if args.command == "check":
-        return check_command(args.device or default_device(), args.dtypes, args.backends)
+        return check_command(args.device or default_device(), args.dtypes, args.backends, args.prog)
     if args.command == "bench":
         return bench_command(args)
     if args.command == "warmup":

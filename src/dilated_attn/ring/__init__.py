@@ -115,39 +115,66 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
                    dilation_rates: Optional[Sequence[int]] = None, *, causal: bool = False,
                    scale: Optional[float] = None, head_groups: str = "all", group=None, layout: str = "contiguous",
                    return_lse: bool = False, backend: str = "auto", mode: str = "auto") -> Attention:
-    """Dilated attention over a sequence sharded across the ranks of `group` (docs/SPEC.md, docs/ring.md).
+    """Dilated attention over a sequence sharded across the ranks of `group`.
+
+    Every rank calls it with its shard; the result is `dilated_attention` of
+    the gathered tensors at this rank's positions, and its backward gives the
+    gradients of this rank's shards. (The method and the modes: docs/ring.md
+    in the repository.)
 
     Args:
-        q: this rank's shard `[B, L, Hq, D]` of a global sequence of `N = P * L` tokens.
+        q: this rank's shard `[B, L, Hq, D]` of a global sequence of
+            `N = P * L` tokens.
         k, v: `[B, L, Hkv, D]` shards (`Hq % Hkv == 0`).
-        segment_lengths, dilation_rates: the branches, as in `dilated_attention`; both None is dense attention
-            over the whole sequence (one branch `(N, 1)`).
-        causal, scale, head_groups, return_lse, backend: as in `dilated_attention` (`backend` picks the
-            single-device kernels every mode runs).
-        group: the ranks: a ProcessGroup (None: the default group, or one process where none is initialised);
-            for `mode="2d"` a 2-D DeviceMesh (dim 0 the ring, e.g. across nodes; dim 1 the heads, e.g. the GPUs
-            of a node) or the pair `(ring_group, heads_group)`. A rank's shard is the `outer * inner_size +
-            inner`-th of the sequence: `shard(x, group)` cuts it.
-        layout: "contiguous" (rank j holds `[j*L, (j+1)*L)`) or "zigzag" (the sequence cut in 2P chunks, rank j
-            holding chunks j and 2P-1-j, which balances causal work; L even).
-        mode: "ring" (K/V blocks travel around the ring; no condition on the heads), "heads" (an all-to-all trades
-            the sequence shards for a share of the heads; `Hq % P == 0`), "2d" (heads inside the mesh's second
-            dim, ring along its first), or "auto": "2d" for a mesh or a pair, else whichever of "ring" and
-            "heads" moves fewer bytes per rank. `explain_ring(...)` says which and why.
+        segment_lengths, dilation_rates: the branches, as in
+            `dilated_attention`; both None is dense attention over the whole
+            sequence (one branch `(N, 1)`).
+        causal, scale, head_groups, return_lse, backend: as in
+            `dilated_attention` (`backend` picks the single-device kernels
+            every mode runs).
+        group: the ranks: a ProcessGroup (None: the default group, or one
+            process where none is initialised); for `mode="2d"` a 2-D
+            DeviceMesh (dim 0 the ring, e.g. across nodes; dim 1 the heads,
+            e.g. the GPUs of a node) or the pair `(ring_group, heads_group)`.
+            A rank's shard is the `outer * inner_size + inner`-th of the
+            sequence: `shard(x, group)` cuts it.
+        layout: "contiguous" (rank j holds `[j*L, (j+1)*L)`) or "zigzag"
+            (the sequence cut in 2P chunks, rank j holding chunks j and
+            2P-1-j, which balances causal work; L even).
+        mode: "ring" (K/V blocks travel around the ring; any head count),
+            "heads" (an all-to-all trades the sequence shards for a share of
+            the heads; `Hq % P == 0`), "2d" (heads inside the mesh's second
+            dim, ring along its first), or "auto": "2d" for a mesh or a pair,
+            else whichever of "ring" and "heads" moves fewer bytes per rank.
+            `explain_ring(...)` says which and why.
 
     Returns:
-        out `[B, L, Hq, D]` (and with `return_lse=True` the LSE `[B, Hq, L]`): `dilated_attention` of the gathered
-        tensors at this rank's positions. The backward gives this rank's shards' gradients.
+        out `[B, L, Hq, D]`, and with `return_lse=True` the LSE `[B, Hq, L]`.
 
-    Every rank must pass the same configuration: the call all-gathers a small descriptor first and raises the same
-    ValueError on every rank if they differ; invalid arguments on one rank make every rank raise (that rank its own
-    error, the others a ValueError naming it).
+    Every rank must pass the same configuration: the call all-gathers a small
+    descriptor first and raises the same ValueError on every rank if they
+    differ; invalid arguments on one rank make every rank raise (that rank its
+    own error, the others a ValueError naming it).
 
-    Example (`torchrun --nproc_per_node=4 script.py`; docs/ring.md has the whole script)::
+    Example: save as `example.py`, launch with
+    `torchrun --nproc_per_node=4 example.py` (NCCL on 4 GPUs; on a machine
+    without GPUs use "gloo" and CPU tensors)::
+
+        import torch
+        import torch.distributed as dist
+        import dilated_attn
 
         dist.init_process_group("nccl")
-        q, k, v = (dilated_attn.shard(x, layout="zigzag") for x in (q_full, k_full, v_full))
-        out = dilated_attn.ring_attention(q, k, v, causal=True, layout="zigzag")
+        torch.cuda.set_device(dist.get_rank())
+        torch.manual_seed(0)  # the same global tensors on every rank
+        q_full, k_full, v_full = (
+            torch.randn(1, 65536, 16, 128, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3))
+        q, k, v = (dilated_attn.shard(x, layout="zigzag")
+                   for x in (q_full, k_full, v_full))
+        out = dilated_attn.ring_attention(q, k, v, causal=True,
+                                          layout="zigzag")
+        dist.destroy_process_group()
     """
     groups = resolve_groups(group, mode)  # raises alone: without valid groups there are no peers to tell
     P = groups.size
