@@ -36,3 +36,15 @@ def test_package_is_typed_and_licensed():
         assert f.readline().strip() == "MIT License"
     with open(os.path.join(root, "pyproject.toml")) as f:
         assert 'license = { text = "MIT" }' in f.read()
+
+
+def test_one_version_number():
+    """The version is written once, in dilated_attn/__init__.py: pyproject.toml reads it from there, and the
+    installed package's metadata agrees."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version\s*=\s*"', pyproject, re.M) is None and 'dynamic = ["version"]' in pyproject
+    assert importlib.metadata.version("dilated_attn") == dilated_attn.__version__
