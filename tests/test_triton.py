@@ -269,23 +269,25 @@ def slow_ops_import(name, globals=None, locals=None, fromlist=(), level=0):
     return real_import(name, globals, locals, fromlist, level)
 
 builtins.__import__ = slow_ops_import
-device = "cuda" if torch.cuda.is_available() else "cpu"
-q = torch.randn(1, 8, 2, 16, device=device)
 errors = []
 
-def call():
+def first_call():  # what a call does before its kernels: the backend's ops, loaded on first use
     try:
-        dilated_attn.dilated_attention(q, q, q, [4], [1], backend="triton")
+        dilated_attn.backends.TRITON.ops()
     except Exception as exc:
         errors.append(repr(exc))
 
-threads = [threading.Thread(target=call) for _ in range(2)]
+threads = [threading.Thread(target=first_call) for _ in range(2)]
 for t in threads:
     t.start()
     time.sleep(0.3)
 for t in threads:
     t.join()
 assert not errors, errors
+# and the kernels run (here: one thread; Triton's CPU interpreter is not thread-safe itself)
+device = "cuda" if torch.cuda.is_available() else "cpu"
+q = torch.randn(1, 8, 2, 16, device=device)
+dilated_attn.dilated_attention(q, q, q, [4], [1], backend="triton")
 """
 
 
