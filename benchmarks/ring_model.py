@@ -14,10 +14,10 @@ and which does not shrink with the bytes. The transfer time is the bytes the bus
 bandwidth (the forward's: the ring plan's K/V (dilated_attn.ring.ring_plan), or the heads mode's all-to-all;
 forward+backward: the ring sends dK/dV in float32 and, where its forward exchanged step by step, K/V again: 3x or 4x
 the forward's (RingComm.eager); the heads mode d_out in and dq, dk, dv back, 2x); the ring hides it behind a rank's
-compute and exposes only what outlasts it, the heads mode (one head group) waits for all of it. The two measured GPU counts give e and s (two equations), so the model reproduces
-both runs, except where they would make s negative: then s = 0 and e is the mean of the two (the table prints how
-closely it reproduces them). The 2-D mode, measured at one size only (2 x 2), takes the ring's and the heads
-mode's waits and fits e.
+compute and exposes only what outlasts it, the heads mode (one head group) waits for all of it. The two measured
+GPU counts give e and s (two equations), so the model reproduces both runs, except where they would make s
+negative: then s = 0 and e is the mean of the two (the table prints how closely it reproduces them). The 2-D mode,
+measured at one size only (2 x 2), takes the ring's and the heads mode's waits and fits e.
 
 Projected: strong scaling at P = 8 (one node), 16 and 64 (nodes of 8 GPUs): NVLink 450 GB/s inside a node, 50 GB/s a
 GPU between nodes (8 x 50 GB/s a node). A transfer that spans nodes runs at the slower link for its bytes that

@@ -114,11 +114,11 @@ def _flag(name: str, value) -> bool:
     raise TypeError(f"{name} must be a bool, got {shown}")
 
 
-# The largest |scale| taken: the scores q.k * scale are float32 (float64 for float64 inputs), and a scale beyond
-# this overflows them to inf for ordinary q.k (|q.k| above max / scale), where the softmax turns NaN. At 1e30 every
-# finite score is already a hard max (docs/numerics.md, "Extremes").
-MAX_SCALE = {torch.float64: 1e300}
-MAX_SCALE_OTHER = 1e30
+def max_scale(dtype: torch.dtype) -> float:
+    """The largest |scale| taken for inputs of `dtype`: the scores q.k * scale are float32 (float64 for float64),
+    and a larger scale overflows them to inf for ordinary q.k, where the softmax turns NaN. At this scale every
+    finite score is already a hard max (docs/numerics.md, "Extremes")."""
+    return 1e300 if dtype == torch.float64 else 1e30
 
 
 def _int_list(name: str, value) -> list[int]:
@@ -323,8 +323,8 @@ def _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, c
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     elif not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
-    elif abs(float(scale)) > MAX_SCALE.get(dtype, MAX_SCALE_OTHER):
-        limit = MAX_SCALE.get(dtype, MAX_SCALE_OTHER)
+    elif abs(float(scale)) > max_scale(dtype):
+        limit = max_scale(dtype)
         compute = "float64" if dtype == torch.float64 else "float32"
         raise ValueError(f"scale must be at most {limit:g} in magnitude for {dtype_name(dtype)} inputs, got {scale}: "
                          f"the scores q.k * scale are {compute}, which a larger scale overflows to inf (at "

@@ -35,7 +35,8 @@ from ..spec import BACKEND_NAMES, Problem, flops
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
-    "say", "median_ms", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs", "random_inputs", "attention_call", "tflops",
+    "say", "median_ms", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs", "random_inputs",
+    "attention_call", "tflops",
     "device_info", "versions", "triton_version", "command_line", "Record", "applicable_backends",
 ]
 
