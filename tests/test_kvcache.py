@@ -92,8 +92,9 @@ def lengths_on_device(monkeypatch):
 DEVICE_CASES = [(Sq, write, groups) for Sq, write, groups in [(1, True, "all"), (3, True, "split"), (5, False, "all")]]
 
 
-# Triton's interpreter takes 30-50 s a case here: one case for it (its decoding is test_interpreter_triton_decode's)
 # Triton's interpreter takes 30-50 s a case here: one case for it (test_interpreter_triton_decode covers its decoding)
+@pytest.mark.parametrize("backend, Sq, write, head_groups",
+                         [(b, *c) for b in ("cpu", "reference") for c in DEVICE_CASES]
                          + ([("triton", *DEVICE_CASES[1])] if INTERPRETED_TRITON else []))
 def test_decode_with_lengths_left_on_the_device(lengths_on_device, backend, Sq, write, head_groups):
     dtype, atol = (torch.float32, 1e-5) if backend == "triton" else (torch.float64, 1e-12)
