@@ -30,7 +30,7 @@ from .hilbert import _check_shape, hilbert_index
 from .reference import dilated_attention_reference
 from .ring import ring_attention
 from .ring.layout import check_layout
-from .spec import Problem, _int_list, validate
+from .spec import Problem, _int_list, looks_swapped, validate
 from .trace import warn_once
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "KVCache"]
@@ -135,10 +135,9 @@ def _check_op(op) -> None:
 
 
 def _check_not_swapped(p: Problem, order: str) -> None:
-    """ValueError when every branch has r > w: each segment then holds at most one position per head, which
-    is what passing the two lists in each other's place gives. One such branch among others can be meant."""
+    """ValueError where the lists look swapped (spec.looks_swapped; the functions warn)."""
     w, r = list(p.segment_lengths), list(p.dilation_rates)
-    if all(ri > wi for wi, ri in zip(w, r)):
+    if looks_swapped(p):
         raise ValueError(f"dilation_rates {r} are each larger than the segment_lengths {w}: every segment would "
                          f"hold at most one position per head; the lists look swapped ({order}, as "
                          f"dilated-attention-pytorch does)")

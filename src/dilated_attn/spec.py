@@ -114,6 +114,12 @@ def _flag(name: str, value) -> bool:
     raise TypeError(f"{name} must be a bool, got {shown}")
 
 
+def looks_swapped(p: "Problem") -> bool:
+    """Every branch has r > w: legal (each segment holds at most one position per head), but what passing the
+    two lists in each other's place gives. One such branch among others can be meant."""
+    return all(r > w for w, r in zip(p.segment_lengths, p.dilation_rates))
+
+
 def max_scale(dtype: torch.dtype) -> float:
     """The largest |scale| taken for inputs of `dtype`: the scores q.k * scale are float32 (float64 for float64),
     and a larger scale overflows them to inf for ordinary q.k, where the softmax turns NaN. At this scale every
@@ -282,10 +288,8 @@ def validate(
     records_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     p = _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, q.dtype, q.device, causal, scale, head_groups,
                  return_lse, backend, records_backward)
-    w, r = list(p.segment_lengths), list(p.dilation_rates)
-    if all(ri > wi for wi, ri in zip(w, r)):
-        # legal (each segment then holds at most one position per head), but what swapping the two lists gives;
-        # the modules, which take them in the other order too, raise
+    if looks_swapped(p):  # the modules, which take the lists in the other order too, raise
+        w, r = list(p.segment_lengths), list(p.dilation_rates)
         warn_once(f"dilated_attn: dilation_rates {r} are each larger than the segment_lengths {w}: every segment "
                   f"holds at most one position per head; the lists look swapped (the functions take "
                   f"segment_lengths first, MultiheadDilatedAttention dilation_rates first)", stacklevel=3)

@@ -176,8 +176,9 @@ def joined_blocks(plan: RingPlan, rank: int) -> dict[int, JoinedBlock]:
 
 def _joined_buffers(plan: RingPlan, rank: int, joined: dict, kc, vc):
     """Per joined stack (index): its keys' and values' buffers `[B, rows, Hk, D]`, the own rows copied in, and each
-    step's rows in them; and where each step's received rows go (RingComm.post_all_kv's `into`)."""
-    buffers, into = {}, {}
+    step's rows in them; where each step's received rows go (RingComm.post_all_kv's `into`); and the own rows to
+    send: their copy in a joined buffer where they have one (no second copy), else kc and vc."""
+    buffers, into, send_k, send_v = {}, {}, list(kc), list(vc)
     for s, j in joined.items():
         rows, spans = 0, {}
         for t in j.steps:
@@ -189,10 +190,11 @@ def _joined_buffers(plan: RingPlan, rank: int, joined: dict, kc, vc):
             if t == 0:
                 keys[:, a:b].copy_(kc[s])
                 values[:, a:b].copy_(vc[s])
+                send_k[s], send_v[s] = keys[:, a:b], values[:, a:b]
             else:
                 into[(t, s)] = (keys[:, a:b], values[:, a:b])
         buffers[s] = (keys, values, spans)
-    return buffers, into
+    return buffers, into, send_k, send_v
 
 
 @dataclass(frozen=True)
@@ -250,12 +252,8 @@ def _start_exchange(cfg: RingConfig, q, k, v):
     if not comm.eager(q.shape[2], k.shape[2]):
         return comm, rows, kc, vc, False, {}, {}, comm.post_kv(1, kc, vc)
     joined = joined_blocks(cfg.plan, cfg.rank)
-    buffers, into = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
-    # the own rows leave from their copy in a joined buffer where they have one (no second copy to send)
-    own = [buffers[s][:2] if s in buffers and 0 in buffers[s][2] else None for s in range(len(kc))]
-    sources = [[x if o is None else o[i][:, slice(*buffers[s][2][0])] for s, (x, o) in enumerate(zip(xc, own))]
-               for i, xc in enumerate((kc, vc))]
-    return comm, rows, kc, vc, True, joined, buffers, comm.post_all_kv(*sources, into)
+    buffers, into, send_k, send_v = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
+    return comm, rows, kc, vc, True, joined, buffers, comm.post_all_kv(send_k, send_v, into)
 
 
 def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False):
