@@ -10,13 +10,16 @@ causal; N = 16384 with the same branches; N = 262144 with the long branches (204
 (131072,64) (dilated_attn.cli.harness.LONGNET, LONGNET_LONG).
 
 Providers (each measured in the same process, on the same inputs):
-  triton, cudnn, cuda         dilated_attn's backends (where they can run); triton with the shipped configs
+  triton, cudnn, fa4, cuda    dilated_attn's backends (where they can run); triton with the shipped configs
   triton_sweep                triton with DILATED_ATTN_AUTOTUNE's full sweep instead of the shipped configs
   sdpa_recipe                 gather + flash SDPA + LSE merge (torchscale's recipe, benchmarks/baselines.py)
   sdpa_recipe_cudnn           the same with cuDNN attention
   sdpa_recipe_compiled        the flash recipe under torch.compile
   sdpa_recipe_cudnn_compiled  the cuDNN recipe under torch.compile: the strongest baseline
   dense_cudnn                 dense cuDNN SDPA over the whole sequence, for scale (N <= 65536)
+  segments_cudnn, segments_fa4
+                              dense cuDNN SDPA / FlashAttention-4 over sequences of the first segment length
+                              (the first branch's shape alone, where its dilation is 1): the kernels' ceiling
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
 (dilated_attn.cli.harness.median_ms: CUDA events, L2 flushed before each run); with --rounds R the providers of a
@@ -67,6 +70,7 @@ def providers(N, segs, dils, causal):
         "triton": ours("triton"),
         "triton_sweep": ours("triton"),  # run with configs.AUTOTUNE set (main)
         "cudnn": ours("cudnn"),
+        "fa4": ours("fa4"),
         "cuda": ours("cuda"),
         "sdpa_recipe": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal),
         "sdpa_recipe_cudnn": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal, kernel="cudnn"),
@@ -80,6 +84,20 @@ def providers(N, segs, dils, causal):
                 return torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
         table["dense_cudnn"] = dense
+    first = segs[0] if dils[0] == 1 else None
+    if first and N % first == 0:  # the first branch's shape alone: dense attention over sequences of w_0
+        def segments(kernel):
+            def run(q, k, v):
+                cut = [x.reshape(-1, first, *x.shape[2:]) for x in (q, k, v)]
+                if kernel == "fa4":
+                    from flash_attn.cute import flash_attn_func
+                    return flash_attn_func(*cut, causal=causal)[0].reshape(q.shape)  # (out, lse)
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        *(x.transpose(1, 2) for x in cut), is_causal=causal).transpose(1, 2).reshape(q.shape)
+            return run
+        table["segments_cudnn"] = segments("cudnn")
+        table["segments_fa4"] = segments("fa4")
     return table
 
 
@@ -108,7 +126,7 @@ def check_tuned_kernels(dtype, head_dim, heads):
     for causal in (False, True):
         ref = dilated_attention_reference(q, k, v, *LONGNET, causal=causal, compute_dtype=torch.float32)[0]
         ref_grads = torch.autograd.grad(ref, (q, k, v), go)
-        for backend in ("triton", "cudnn"):
+        for backend in ("triton", "cudnn", "fa4"):
             if backends.get(backend).why_not(problem) is not None:
                 continue
             out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=causal, backend=backend)
@@ -152,6 +170,8 @@ def fp32_fma_peak(warmup, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only N = 65536, non-causal")
+    ap.add_argument("--presets", default=None,
+                    help="comma-separated indices of the configurations above (0: N = 65536, 1: its causal twin, ...)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", default=None,
                     help="comma-separated kv head counts, each a run of the configurations (default: --heads)")
@@ -181,6 +201,8 @@ def main(argv=None):
                          repeats=args.repeats, rounds=args.rounds),
                     json_path=out, fp32_fma_peak_tflops=peak, tuned_kernel_check=check)
     presets = PRESETS[:1] if args.quick else PRESETS
+    if args.presets:
+        presets = [PRESETS[int(i)] for i in args.presets.split(",")]
     kv_counts = [int(n) for n in args.kv_heads.split(",")] if args.kv_heads else [args.heads]
     for kv_heads, (N, (segs, dils), causal) in ((kv, preset) for kv in kv_counts for preset in presets):
         inputs = random_inputs(1, N, args.heads, args.dim, kv_heads=kv_heads, dtype=dtype, device="cuda")
@@ -215,8 +237,9 @@ def main(argv=None):
                         torch.cuda.empty_cache()
             for name, samples in rounds.items():
                 ms = statistics.median(samples)
-                if name == "dense_cudnn":  # all N x N scores, not the branches'
-                    rate = 4.0 * N * N * args.heads * args.dim * (0.5 if causal else 1) * (3.5 if backward else 1)
+                if name == "dense_cudnn" or name.startswith("segments_"):  # all N x n scores, not the branches'
+                    n = N if name == "dense_cudnn" else segs[0]
+                    rate = 4.0 * N * n * args.heads * args.dim * (0.5 if causal else 1) * (3.5 if backward else 1)
                     rate /= ms * 1e9
                 else:
                     rate = tflops(problem, ms, backward)

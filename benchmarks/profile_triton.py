@@ -12,6 +12,10 @@ forward kernels and the first branch's dK/dV and dQ kernels (bf16, B=1, H=16, th
 profile cuDNN's kernels and the merge and gradient-addition kernels instead
 (NCU_KERNELS="sdpa|merge_kernel|accumulate_kernel|dot_do_o|convert_dq" NCU_COUNT=60 for the stage); with
 `--backend cuda --dtype float32` the hand-written CUDA kernels (NCU_KERNELS="forward_kernel|dq_kernel|dkdv_kernel").
+
+With `--kernel-times` it runs without Nsight Compute: torch.profiler over --steps steps, then each kernel's time
+per step, the GPU's busy time and the wall time per step (where a backend's time goes beyond its attention
+kernels: merges, gradient additions, copies, idle).
 """
 
 from __future__ import annotations
@@ -29,22 +33,54 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--backend", default="triton", choices=["triton", "cudnn", "cuda"])
+    ap.add_argument("--backend", default="triton", choices=["triton", "cudnn", "fa4", "cuda"])
+    ap.add_argument("--kv-heads", type=int, default=16)
+    ap.add_argument("--forward-only", action="store_true", help="profile the forward alone")
+    ap.add_argument("--kernel-times", action="store_true", help="torch.profiler's kernel table, no Nsight")
+    ap.add_argument("--steps", type=int, default=5, help="profiled steps with --kernel-times")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
-    q, k, v, go = random_inputs(1, args.seq_len, 16, args.dim, dtype=getattr(torch, args.dtype), device="cuda")
+    q, k, v, go = random_inputs(1, args.seq_len, 16, args.dim, kv_heads=args.kv_heads,
+                                dtype=getattr(torch, args.dtype), device="cuda")
 
     def step() -> None:
         out = dilated_attn.dilated_attention(q, k, v, *LONGNET, causal=args.causal, backend=args.backend)
-        torch.autograd.grad(out, (q, k, v), go)
+        if not args.forward_only:
+            torch.autograd.grad(out, (q, k, v), go)
 
     for _ in range(2):  # compile and autotune outside the profiled range
         step()
     torch.cuda.synchronize()
+    if args.kernel_times:
+        kernel_times(step, args)
+        return
     torch.cuda.cudart().cudaProfilerStart()
     step()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+
+
+def kernel_times(step, args) -> None:
+    """Each kernel's time per step, the kernels' total (GPU busy, if they do not overlap) and the wall per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(args.steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / args.steps
+    rows = [(e.device_time_total / 1e3 / args.steps, e.count // args.steps, e.key) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(reverse=True)
+    busy = sum(ms for ms, _, _ in rows)
+    mode = "forward" if args.forward_only else "forward+backward"
+    print(f"{args.backend} {mode}, N={args.seq_len} Hkv={args.kv_heads} causal={args.causal}: wall {wall:.3f} ms "
+          f"per step, kernels {busy:.3f} ms")
+    for ms, count, name in rows[:14]:
+        print(f"  {ms:8.3f} ms {count:4d}x  {name[:110]}")
 
 
 if __name__ == "__main__":

@@ -262,6 +262,34 @@ void cudnn_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor&
              c10::cuda::getCurrentCUDAStream());
 }
 
+// Their gradient-addition kernel on whole [b, h, s, d] views: targets[t] += parts[t] (or = with `store`), up to three
+// pairs of one shape in one launch (the fa4 backend adds FlashAttention's gradients with it).
+void cudnn_accumulate(at::TensorList targets, at::TensorList parts, bool store) {
+  const int count = static_cast<int>(targets.size());
+  TORCH_CHECK_VALUE(count >= 1 && count <= 3 && parts.size() == targets.size(),
+                    "cudnn_accumulate takes 1 to 3 targets and as many parts, got ", targets.size(), " and ",
+                    parts.size());
+  const at::Tensor& first = targets[0];
+  TORCH_CHECK_VALUE(first.is_cuda() && first.dim() == 4, "cudnn_accumulate's targets are 4-D CUDA tensors");
+  at::Tensor grads[3];
+  RowsView dst[3];
+  for (int t = 0; t < count; ++t) {
+    TORCH_CHECK_VALUE(targets[t].sizes() == first.sizes() && parts[t].sizes() == first.sizes() &&
+                          targets[t].stride(3) == 1 && targets[t].device() == first.device() &&
+                          parts[t].device() == first.device(),
+                      "cudnn_accumulate takes targets and parts of one [b, h, s, d] shape on one device, the targets "
+                      "with unit-stride rows");
+    TORCH_CHECK_TYPE(targets[t].scalar_type() == first.scalar_type() && parts[t].scalar_type() == first.scalar_type(),
+                     "cudnn_accumulate's targets and parts must share one dtype");
+    grads[t] = unit_stride_rows(parts[t]);
+    dst[t] = rows_of(targets[t]);
+  }
+  const c10::cuda::CUDAGuard guard(first.device());
+  const int64_t shape[4] = {first.size(0), first.size(1), first.size(2), first.size(3)};
+  accumulate(grads, dst, count, shape, store, scalar_kind(first), first.element_size(),
+             c10::cuda::getCurrentCUDAStream());
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -269,6 +297,7 @@ TORCH_LIBRARY_IMPL(dilated_attn, CUDA, m) {
   m.impl("cudnn_forward_steps", &cuda::cudnn_forward_steps);
   m.impl("cudnn_backward_steps", &cuda::cudnn_backward_steps);
   m.impl("cudnn_merge", &cuda::cudnn_merge);
+  m.impl("cudnn_accumulate", &cuda::cudnn_accumulate);
 }
 
 }  // namespace dilated_attn

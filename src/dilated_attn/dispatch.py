@@ -22,6 +22,7 @@ import torch
 
 from . import backends
 from .backends import cudnn as cudnn_backend
+from .backends import fa4 as fa4_backend
 from .backends import reference as reference_backend
 from .backends import triton as triton_backend
 from .spec import BACKEND_NAMES, Problem, dtype_name, validate
@@ -101,7 +102,8 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
 
-    The cudnn backend comes first on GPUs of compute capability CUDNN_PREFERRED_FROM and newer, for q of at least
+    The fa4 backend, where flash-attn-4 is installed, comes before cudnn where fa4_preferred says so. The cudnn
+    backend comes first on GPUs of compute capability CUDNN_PREFERRED_FROM and newer, for q of at least
     CUDNN_MIN_ELEMENTS elements (CUDNN_MIN_ELEMENTS_WITH_BACKWARD where the call records its backward), where it
     can run (16-bit, head_dim a multiple of 8 up to 128): there it measured faster than triton
     (benchmarks/README.md, "The auto rule"). It is listed only there, so other inputs go to triton without a
@@ -112,9 +114,20 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     order = AUTO_ORDER.get(p.device.type, ("reference",))
     least = CUDNN_MIN_ELEMENTS_WITH_BACKWARD if p.records_backward else CUDNN_MIN_ELEMENTS
     if (p.device.type == "cuda" and p.batch * p.seq_len * p.num_heads * p.head_dim >= least
-            and _cudnn_preferred_on(p.device) and cudnn_backend.CUDNN.why_not(p) is None):
-        order = ("cudnn", *order)
+            and _cudnn_preferred_on(p.device)):
+        if cudnn_backend.CUDNN.why_not(p) is None:
+            order = ("cudnn", *order)
+        if fa4_preferred(p):
+            order = ("fa4", *order)
     return order
+
+
+def fa4_preferred(p: Problem) -> bool:
+    """Where flash-attn-4 is installed and can run `p` (a problem large enough for cudnn), auto prefers it, except
+    for causal calls with grouped-query heads: there its calls are short (the views are cut per kv head) and its
+    host time per call made it slower than cudnn (an H100, LongNet at N = 65536, Hkv = 4 and 1; benchmarks/
+    README.md, "FlashAttention-4")."""
+    return not (p.causal and p.num_kv_heads < p.num_heads) and fa4_backend.FA4.why_not(p) is None
 
 
 def lse_gradient_backend(p: Problem) -> str:

@@ -17,7 +17,7 @@ import torch
 from .trace import warn_once
 
 HEAD_GROUPS = ("all", "split")
-BACKEND_NAMES = ("cuda", "triton", "cudnn", "cpu", "reference")  # dilated_attn.backends.REGISTRY, in its order
+BACKEND_NAMES = ("cuda", "triton", "cudnn", "fa4", "cpu", "reference")  # dilated_attn.backends.REGISTRY, in its order
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # what the `backend` argument accepts
 
 

@@ -4,6 +4,7 @@
     compiled.py   `cpu` and `cuda`: the ops of the compiled extension dilated_attn._C (csrc/)
     triton/       `triton`: Triton kernels, imported on first use
     cudnn/        `cudnn`: cuDNN's fused attention on strided views of each branch, merged by a CUDA kernel
+    fa4/          `fa4`: FlashAttention-4 (the optional flash-attn-4 package) on the same views, imported on first use
     reference.py  `reference`: pure PyTorch, any device
 
 dispatch.py ranks them for `backend="auto"`; the ring and the benchmarks look them up here by name.
@@ -17,13 +18,14 @@ from ..spec import BACKEND_NAMES, Problem
 from .base import Backend
 from .compiled import CPU, CUDA
 from .cudnn import CUDNN
+from .fa4 import FA4
 from .reference import REFERENCE
 from .triton import TRITON
 
-__all__ = ["Backend", "REGISTRY", "get", "verdicts", "CPU", "CUDA", "CUDNN", "TRITON", "REFERENCE"]
+__all__ = ["Backend", "REGISTRY", "get", "verdicts", "CPU", "CUDA", "CUDNN", "FA4", "TRITON", "REFERENCE"]
 
 # name -> backend, in the order verdicts are listed
-REGISTRY: dict[str, Backend] = {b.name: b for b in (CUDA, TRITON, CUDNN, CPU, REFERENCE)}
+REGISTRY: dict[str, Backend] = {b.name: b for b in (CUDA, TRITON, CUDNN, FA4, CPU, REFERENCE)}
 assert tuple(REGISTRY) == BACKEND_NAMES
 
 

@@ -225,15 +225,15 @@ class Plan:
     first_stores: bool
 
     @functools.lru_cache(maxsize=256)
-    def schedule(self, layouts: tuple, kv: tuple, limit: int) -> Schedule:
+    def schedule(self, layouts: tuple, kv: tuple, limit: int, whole_first: bool = True) -> Schedule:
         """The loop's steps over tensors of `layouts` (whose views are kv-side where `kv` says): every piece of every
-        call, branch after branch, pieces of at most `limit` elements, except a first branch of one call that
-        stores: it is one step, whose result the loops can take as the whole result without a copy. Cached: a
-        layout's steps are planned once and run without Python (the small problems this backend runs are bound by
-        the host's time per call)."""
+        call, branch after branch, pieces of at most `limit` elements, except (with `whole_first`) a first branch of
+        one call that stores: it is one step, whose result the loops can take as the whole result without a copy.
+        Cached: a layout's steps are planned once and run without Python (the small problems this backend runs are
+        bound by the host's time per call)."""
         rows, first_branch_steps = [], 0
         for i, calls in enumerate(self.calls):
-            whole = i == 0 and self.first_stores and len(calls) == 1
+            whole = whole_first and i == 0 and self.first_stores and len(calls) == 1
             for call in calls:
                 for piece in _geometry(call, layouts, kv, None if whole else limit):
                     rows.append([n for view in piece for n in _packed(view)])

@@ -1,0 +1,128 @@
+"""The `fa4` backend: FlashAttention-4 (the optional `flash-attn-4` package, NVIDIA's CuTe DSL kernels for Hopper
+and Blackwell) on strided views of each branch's members, planned like the cudnn backend (the same `Call`s and
+`Schedule`s, backends/cudnn/ops.py), each call's result merged into the running one by the same CUDA kernel.
+
+    ops.py    the `torch.library.custom_op` registrations (`dilated_attn::fa4_forward`, `fa4_backward`) and the
+              dense ops the ring's joined blocks run
+
+Installed with `pip install .[fa4]`; imported only when it is chosen (its import takes seconds). Its kernels are
+compiled on the first call of each variant (1-3 s each) and cached on disk in `cache_dir()`; `dilated-attn warmup
+--fa4` fills that cache before training starts (docs/backends.md, "The FlashAttention-4 backend"). Unlike cuDNN's,
+its backward takes the LSE's gradient, so every call's backward is its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+import torch
+
+from ...spec import Problem
+from ...trace import trace_constant
+from ..base import Backend
+
+__all__ = ["FA4", "cache_dir", "load_error"]
+
+CACHE_ENV = "DILATED_ATTN_FA4_CACHE"  # where the compiled kernels live (default: ~/.cache/dilated_attn/fa4)
+
+_load_error: Optional[str] = None
+_loaded = False
+_load_lock = threading.Lock()
+
+
+def cache_dir() -> str:
+    """The directory of FlashAttention-4's compiled kernels: DILATED_ATTN_FA4_CACHE, else the user cache's
+    dilated_attn/fa4 (XDG_CACHE_HOME or ~/.cache)."""
+    given = os.environ.get(CACHE_ENV)
+    if given:
+        return given
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dilated_attn", "fa4")
+
+
+@trace_constant
+def load_error() -> Optional[str]:
+    """Import flash-attn-4 and register the ops on the first call; None, or why they cannot be loaded.
+    Thread-safe, like the other backends' loaders."""
+    global _load_error, _loaded
+    if not _loaded:
+        with _load_lock:
+            if not _loaded:
+                _load_error = _load()
+                _loaded = True
+    return _load_error
+
+
+def _load() -> Optional[str]:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    # flash-attn-4 reads its cache settings when imported: ours unless the caller set its own
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", cache_dir())
+    try:
+        from flash_attn.cute import interface
+    except ImportError as exc:
+        return (f"flash-attn-4 is not installed ({exc}); `pip install .[fa4]` installs it (Hopper and Blackwell "
+                f"GPUs, CUDA 12.9 or newer)")
+    except Exception as exc:  # noqa: BLE001 - a broken install says why
+        return f"flash-attn-4 did not load ({type(exc).__name__}: {exc})"
+    from . import ops  # registers the ops
+
+    ops.fa = interface
+    return None
+
+
+@trace_constant
+def _installed() -> bool:
+    # cheap (no import): where the package is absent, why_not says so without trying to import it
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+class Fa4Backend(Backend):
+    name = "fa4"
+    device_types = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16)
+    max_head_dim = 128  # Hopper takes up to 256, Blackwell 128 (and 192/256 shapes this package does not make)
+    min_capability = (9, 0)
+    capability_rule = "FlashAttention-4 has Hopper (sm90) and Blackwell (sm100) kernels"
+    backward_takes_lse_gradient = True
+
+    def unavailable(self) -> Optional[str]:
+        """Whether flash-attn-4 is installed, without importing it (seconds) before the backend first runs: a
+        verdict, explain() or another backend's call costs no import. A broken install says why at that run."""
+        if not _installed():
+            return "flash-attn-4 is not installed (`pip install .[fa4]`)"
+        why = load_error() if _loaded else None
+        return None if why is None else f"FlashAttention-4 is not available ({why})"
+
+    def why_not(self, p: Problem) -> Optional[str]:
+        why = super().why_not(p)
+        if why is not None:
+            return why
+        major = torch.cuda.get_device_capability(p.device)[0]
+        if major not in (9, 10, 11):
+            return f"compute capability {major}.x: FlashAttention-4's kernels are for 9.x (Hopper) and 10.x/11.x"
+        if p.head_dim % 8:
+            return f"head_dim {p.head_dim} is not a multiple of 8 (16-byte rows)"
+        return None
+
+    def ops(self):
+        if _installed():
+            load_error()  # imports flash-attn-4 on the backend's first run
+        why = self.unavailable()
+        if why is not None:
+            raise RuntimeError(f"dilated_attn: the fa4 backend cannot run: {why}")
+        return torch.ops.dilated_attn.fa4_forward, torch.ops.dilated_attn.fa4_backward
+
+    def dense_ops(self):
+        self.ops()  # loaded, or why not
+        from .ops import dense_backward, dense_forward
+
+        return dense_forward, dense_backward
+
+
+FA4 = Fa4Backend()
