@@ -522,7 +522,8 @@ def test_deterministic_algorithms_rule_cudnn_out(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_picks_cudnn_on_hopper():
+def test_gpu_auto_picks_cudnn_on_hopper(monkeypatch):
+    monkeypatch.setattr(dilated_attn.backends.fa4, "_installed", lambda: False)  # else auto prefers fa4 (test_fa4)
     q = torch.randn(1, 65536, 16, 64, device="cuda", dtype=torch.bfloat16)
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     expected = "cudnn" if hopper and dilated_attn.backends.CUDNN.unavailable() is None else "triton"
@@ -559,18 +560,23 @@ def test_gpu_lse_gradient(kv_heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cudnn", "auto"])
+@pytest.mark.parametrize("backend", ["cudnn", "fa4", "auto"])
 def test_gpu_torch_compile_fullgraph(backend):
-    """Compiled without graph breaks, by name and through auto's rule (which picks cudnn on Hopper): the same
-    output and gradients as eager."""
-    if dilated_attn.backends.CUDNN.unavailable() is not None:
-        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    """Compiled without graph breaks, by name and through auto's rule (which picks fa4 on Hopper where flash-attn-4
+    is installed, else cudnn): the same output and gradients as eager."""
+    for name in ("cudnn", "fa4") if backend == "fa4" else ("cudnn",):
+        why = dilated_attn.backends.get(name).unavailable()
+        if why is not None:
+            pytest.skip(why)
     n = 65536 if backend == "auto" else 1024  # auto prefers cudnn from 2^21 elements (with the backward)
     q, k, v = (torch.randn(1, n, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    if backend == "auto" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("auto prefers cudnn from compute capability 9.0")
-    assert dilated_attn.explain(q, k, v, [256, 512], [1, 2], backend=backend).backend == "cudnn"
+    if backend != "cudnn" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("fa4 runs, and auto prefers cudnn, from compute capability 9.0")
+    expected = backend
+    if backend == "auto":
+        expected = "fa4" if dilated_attn.backends.FA4.unavailable() is None else "cudnn"
+    assert dilated_attn.explain(q, k, v, [256, 512], [1, 2], backend=backend).backend == expected
 
     def f(q, k, v):
         return dilated_attn.dilated_attention(q, k, v, [256, 512], [1, 2], backend=backend)
