@@ -241,12 +241,13 @@ def test_gpu_dense_ops_take_unequal_lengths(nq, nk, kv_heads):
 
 
 
-@pytest.mark.parametrize("installed, causal, kv_heads, first", [
-    (True, False, 16, "fa4"), (True, True, 16, "fa4"), (True, False, 4, "fa4"), (True, True, 4, "cudnn"),
-    (False, False, 16, "cudnn")])
-def test_auto_prefers_fa4_where_installed_and_measured_faster(monkeypatch, installed, causal, kv_heads, first):
+@pytest.mark.parametrize("installed, causal, kv_heads, backward, first", [
+    (True, False, 16, False, "fa4"), (True, True, 16, False, "fa4"), (True, False, 4, False, "fa4"),
+    (True, True, 4, False, "cudnn"), (True, True, 4, True, "fa4"), (False, False, 16, True, "cudnn")])
+def test_auto_prefers_fa4_where_installed_and_measured_faster(monkeypatch, installed, causal, kv_heads, backward,
+                                                               first):
     """auto's rule, without a GPU: fa4 before cudnn on Hopper where flash-attn-4 is installed, except causal
-    grouped-query calls; the verdict imports nothing."""
+    grouped-query calls without a backward; the verdict imports nothing."""
     import dataclasses
 
     from dilated_attn import dispatch
@@ -258,8 +259,8 @@ def test_auto_prefers_fa4_where_installed_and_measured_faster(monkeypatch, insta
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fa4, "_installed", lambda: installed)
     monkeypatch.setattr(fa4, "_load", lambda: pytest.fail("a verdict imported flash-attn-4"))
-    q = torch.empty(1, 65536, 16, 128, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(1, 65536, 16, 128, dtype=torch.bfloat16, device="meta", requires_grad=backward)
     kv = torch.empty(1, 65536, kv_heads, 128, dtype=torch.bfloat16, device="meta")
     p = dataclasses.replace(validate(q, kv, kv, [2048, 4096], [1, 2], causal=causal), device=torch.device("cuda", 0))
+    assert p.records_backward == backward
     assert dispatch.auto_preference(p)[0] == first
-    assert ("fa4" in dispatch.auto_preference(p)) == (installed and not (causal and kv_heads < 16))

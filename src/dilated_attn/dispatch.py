@@ -123,11 +123,12 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
 
 
 def fa4_preferred(p: Problem) -> bool:
-    """Where flash-attn-4 is installed and can run `p` (a problem large enough for cudnn), auto prefers it, except
-    for causal calls with grouped-query heads: there its calls are short (the views are cut per kv head) and its
-    host time per call made it slower than cudnn (an H100, LongNet at N = 65536, Hkv = 4 and 1; benchmarks/
-    README.md, "FlashAttention-4")."""
-    return not (p.causal and p.num_kv_heads < p.num_heads) and fa4_backend.FA4.why_not(p) is None
+    """Where flash-attn-4 is installed and can run `p` (a problem large enough for cudnn), auto prefers it, except for
+    causal forward-only calls with grouped-query heads: cut into short calls per kv head, one of them ran slower
+    than cudnn (an H200, LongNet at N = 65536, Hkv = 4: 0.88x), while every forward+backward ran faster
+    (benchmarks/README.md, "FlashAttention-4")."""
+    grouped_causal_forward = p.causal and p.num_kv_heads < p.num_heads and not p.records_backward
+    return not grouped_causal_forward and fa4_backend.FA4.why_not(p) is None
 
 
 def lse_gradient_backend(p: Problem) -> str:

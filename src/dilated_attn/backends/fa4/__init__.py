@@ -5,10 +5,11 @@ and Blackwell) on strided views of each branch's members, planned like the cudnn
     ops.py    the `torch.library.custom_op` registrations (`dilated_attn::fa4_forward`, `fa4_backward`) and the
               dense ops the ring's joined blocks run
 
-Installed with `pip install .[fa4]`; imported only when it is chosen (its import takes seconds). Its kernels are
-compiled on the first call of each variant (1-3 s each) and cached on disk in `cache_dir()`; `dilated-attn warmup
---fa4` fills that cache before training starts (docs/backends.md, "The FlashAttention-4 backend"). Unlike cuDNN's,
-its backward takes the LSE's gradient, so every call's backward is its own.
+Installed with `pip install .[fa4]`; imported only when it first runs (the import takes seconds; a verdict or
+explain() only looks for the package). Its kernels are compiled on the first call of each variant (1-3 s each) and
+cached on disk in `cache_dir()`, so a second process starts warm; a training run pays the first compiles in its
+first step, or in one forward+backward at its shapes before training (docs/backends.md, "The fa4 backend"). Unlike
+cuDNN's, its backward takes the LSE's gradient, so every call's backward is its own.
 """
 
 from __future__ import annotations
