@@ -3,9 +3,10 @@ padding the pack to a batch.
 
     python benchmarks/bench_varlen.py                 # bf16, H=16, D=128, LongNet branches
     python benchmarks/bench_varlen.py --causal --out varlen.json
+    python benchmarks/bench_varlen.py --eight --backends triton,cudnn,fa4   # 8 sequences, 64K tokens, per backend
 
 Rows (each measured in this process, on the same GPU, forward and forward+backward):
-  pack      dilated_attention_varlen over 16 sequences of 1K-16K tokens, 128K in all (LENGTHS)
+  pack      dilated_attention_varlen over 16 sequences of 1K-16K tokens, 128K in all (LENGTHS; --eight: EIGHT)
   uniform   dilated_attention over one sequence of those 128K tokens ([1, 131072, H, D])
   padded    dilated_attention over the pack padded to a batch of 16 x 16K ([16, 16384, H, D]): what a user
             without varlen runs (padding keys then enter the short sequences' softmax: a cost only, not a result)
@@ -30,6 +31,7 @@ from dilated_attn.cli.harness import LONGNET, Record, attention_call, median_ms,
 from dilated_attn.spec import flops, validate, validate_varlen
 
 LENGTHS = [1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168, 10240, 6144]
+EIGHT = [4096, 12288, 2048, 16384, 6144, 10240, 8192, 6144]  # --eight: 8 sequences, 65536 tokens
 
 
 def main(argv=None) -> None:
@@ -42,35 +44,41 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/varlen_<device>.json)")
+    ap.add_argument("--eight", action="store_true", help="a pack of 8 sequences, 64K tokens (EIGHT), not 16")
+    ap.add_argument("--backends", default="triton",
+                    help="comma-separated backends, each timed on the pack and the uniform sequence (padded: the first)")
     args = ap.parse_args(argv)
     dtype, H, D = getattr(torch, args.dtype), args.heads, args.dim
     dev = torch.cuda.get_device_name()
     say(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}")
     segs, dils = LONGNET
-    T, longest = sum(LENGTHS), max(LENGTHS)
+    lengths = EIGHT if args.eight else LENGTHS
+    T, longest = sum(lengths), max(lengths)
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(shape, generator=g, device="cuda", dtype=dtype).requires_grad_()
 
-    cu = torch.tensor([0, *itertools.accumulate(LENGTHS)], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
     packed = (randn(T, H, D), randn(T, H, D), randn(T, H, D), torch.randn(T, H, D, device="cuda", dtype=dtype))
     uniform = tuple(x.detach().unsqueeze(0).requires_grad_(x.requires_grad) for x in packed)
-    padded = (randn(len(LENGTHS), longest, H, D), randn(len(LENGTHS), longest, H, D),
-              randn(len(LENGTHS), longest, H, D), torch.randn(len(LENGTHS), longest, H, D, device="cuda", dtype=dtype))
+    padded = (randn(len(lengths), longest, H, D), randn(len(lengths), longest, H, D),
+              randn(len(lengths), longest, H, D), torch.randn(len(lengths), longest, H, D, device="cuda", dtype=dtype))
     work = flops(validate_varlen(*packed[:3], cu, segs, dils, causal=args.causal))
-    providers = {
-        "pack": (lambda q, k, v: dilated_attn.dilated_attention_varlen(
-            q, k, v, cu, segs, dils, max_seqlen=longest, causal=args.causal, backend="triton"), packed, work),
-        "uniform": (lambda q, k, v: dilated_attn.dilated_attention(
-            q, k, v, segs, dils, causal=args.causal, backend="triton"), uniform,
-            flops(validate(*uniform[:3], segs, dils, causal=args.causal))),
-        "padded": (lambda q, k, v: dilated_attn.dilated_attention(
-            q, k, v, segs, dils, causal=args.causal, backend="triton"), padded, work),
-    }
+    names = args.backends.split(",")
+    providers = {}
+    for b in names:
+        suffix = "" if len(names) == 1 else f"_{b}"
+        providers[f"pack{suffix}"] = (lambda q, k, v, b=b: dilated_attn.dilated_attention_varlen(
+            q, k, v, cu, segs, dils, max_seqlen=longest, causal=args.causal, backend=b), packed, work)
+        providers[f"uniform{suffix}"] = (lambda q, k, v, b=b: dilated_attn.dilated_attention(
+            q, k, v, segs, dils, causal=args.causal, backend=b), uniform,
+            flops(validate(*uniform[:3], segs, dils, causal=args.causal)))
+    providers["padded"] = (lambda q, k, v: dilated_attn.dilated_attention(
+        q, k, v, segs, dils, causal=args.causal, backend=names[0]), padded, work)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"varlen_{dev.replace(' ', '_')}.json")
-    record = Record("varlen_pack", "cuda", dict(lengths=LENGTHS, heads=H, head_dim=D, dtype=args.dtype,
+    record = Record("varlen_pack", "cuda", dict(lengths=lengths, backends=names, heads=H, head_dim=D, dtype=args.dtype,
                                                 causal=args.causal, segment_lengths=segs, dilation_rates=dils,
                                                 warmup=args.warmup, repeats=args.repeats, rounds=args.rounds),
                     json_path=out)
@@ -88,8 +96,14 @@ def main(argv=None) -> None:
                             extra_memory_gib=extra / 2**30))
             say(f"{name:>8} {mode:>7}: {ms:8.3f} ms  {rate:6.1f} TFLOP/s  extra {extra / 2**30:.2f} GiB")
         rows = {r["provider"]: r for r in record.rows if r["mode"] == mode}
-        say(f"{mode}: pack / uniform rate {rows['pack']['tflops'] / rows['uniform']['tflops']:.3f}; "
-            f"padded / pack time {rows['padded']['median_ms'] / rows['pack']['median_ms']:.2f}")
+        fastest_uniform = max(r["tflops"] for name, r in rows.items() if name.startswith("uniform"))
+        for b in names:
+            suffix = "" if len(names) == 1 else f"_{b}"
+            pack = rows[f"pack{suffix}"]
+            say(f"{mode} {b}: pack / uniform rate {pack['tflops'] / rows[f'uniform{suffix}']['tflops']:.3f}, "
+                f"/ the fastest uniform {pack['tflops'] / fastest_uniform:.3f}")
+        first_pack = rows["pack" if len(names) == 1 else f"pack_{names[0]}"]
+        say(f"{mode}: padded / pack time {rows['padded']['median_ms'] / first_pack['median_ms']:.2f}")
     record.close()
 
 

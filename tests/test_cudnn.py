@@ -498,25 +498,36 @@ def test_gpu_unaligned_inputs():
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # cuDNN's dQ accumulation order may differ
 
 
-def test_deterministic_algorithms_rule_cudnn_out(monkeypatch):
-    """With torch.use_deterministic_algorithms(True), auto passes cudnn over (its dQ is not bitwise repeatable)
-    and an explicit backend="cudnn" says why."""
+def test_deterministic_algorithms_keep_cudnn_forward_and_run_another_backward(math_loops, monkeypatch):
+    """With torch.use_deterministic_algorithms(True), cudnn's forward still runs (auto keeps it first), and its
+    backward, not bitwise repeatable (dQ by atomics), is replaced by one chosen when the forward runs: on CPU the
+    cpu backend's, exact; explain() says so."""
     from dilated_attn import dispatch
     from dilated_attn.spec import validate
 
-    monkeypatch.setattr(dispatch.cudnn_backend.CUDNN, "unavailable", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    q = torch.empty(1, 65536, 16, 64, dtype=torch.bfloat16, device="meta")
-    p = dataclasses.replace(validate(q, q, q, [2048, 4096], [1, 2]), device=torch.device("cuda", 0))
-    assert dispatch.CUDNN_MIN_ELEMENTS <= q.numel() and dispatch.auto_preference(p)[0] == "cudnn"
+    q, k, v = (x.requires_grad_() for x in make_qkv(LONGNET, dtype=torch.float64, seed=4))
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert "deterministic" in dispatch.cudnn_backend.CUDNN.why_not(p)
-        assert dispatch.auto_preference(p)[0] == "triton"
+        out, _ = ops.cudnn_forward(q, k, v, *_args(LONGNET))
+        forward_steps = len(SEEN_VIEWS)
+        torch.use_deterministic_algorithms(before)  # read when the forward ran, not now
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert len(SEEN_VIEWS) == forward_steps  # no cuDNN backward step ran
+        _, _, want = _reference_grads(q, k, v, LONGNET, torch.ones_like(out))
+        for a, b in zip(grads, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+        torch.use_deterministic_algorithms(True)
+        monkeypatch.setattr(dispatch.cudnn_backend.CUDNN, "unavailable", lambda: None)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        big = torch.empty(1, 65536, 16, 64, dtype=torch.bfloat16, device="meta")
+        p = dataclasses.replace(validate(big, big, big, [2048, 4096], [1, 2]), device=torch.device("cuda", 0))
+        assert dilated_attn.backends.CUDNN.why_not(p) is None and dispatch.auto_preference(p)[0] == "cudnn"
+        rule = dilated_attn.backends.CUDNN.nondeterminism_rule
+        assert dispatch.backward_backend(p, "cudnn", lse_gradient=False)[1] == rule
         # the rule is read when a compiled caller is traced, without a graph break
         compiled = torch.compile(lambda x: x + len(dispatch.auto_preference(p)[0]), fullgraph=True)
-        assert torch.equal(compiled(torch.zeros(2)), torch.full((2,), 6.0))
+        assert torch.equal(compiled(torch.zeros(2)), torch.full((2,), 5.0))
     finally:
         torch.use_deterministic_algorithms(before)
 

@@ -236,6 +236,44 @@ def test_explicit_backend_runs(backend, runs):
     assert runs == [backend]
 
 
+def test_explicit_backend_asks_no_other_backend(monkeypatch, runs):
+    """A call that names a backend that can run does not check (or import) the others; explain() still lists every
+    verdict."""
+    class Asked(Exception):
+        pass
+
+    def asked(p, name):
+        raise Asked(f"the {name} verdict was asked")
+
+    for name, b in backends.REGISTRY.items():
+        if name != "cpu":
+            monkeypatch.setattr(b, "why_not", lambda p, name=name: asked(p, name))
+    q, k, v = _qkv()
+    dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend="cpu")
+    assert runs == ["cpu"]
+    with pytest.raises(Asked):
+        dilated_attn.explain(q, k, v, SEGS, DILS, backend="cpu")
+
+
+def test_backends_import_nothing_above_them():
+    """backends/ is below dispatch: none of its modules imports the dispatch layer or anything that uses it
+    (the LSE-gradient backward is chosen by dispatch and handed down: backends.autograd.set_lse_gradient_chooser)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(dilated_attn.__file__).parent
+    above = {"dispatch", "functional", "nn", "ring", "cli", "integrations", "warmup"}
+    for path in (root / "backends").rglob("*.py"):
+        depth = len(path.relative_to(root).parts) - 1  # packages between dilated_attn and the module
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == depth + 1:  # from dilated_attn(.x) import ...
+                names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+                assert not above & set(names), f"{path.relative_to(root)} imports {names}"
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dilated_attn."):
+                assert node.module.split(".")[1] not in above, f"{path.relative_to(root)} imports {node.module}"
+
+
+
 def test_explicit_backend_that_cannot_run_lists_every_verdict(no_cpu_kernels, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would let triton run CPU tensors
     q, k, v = _qkv()

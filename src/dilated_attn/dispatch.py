@@ -25,11 +25,12 @@ from .backends import cudnn as cudnn_backend
 from .backends import fa4 as fa4_backend
 from .backends import reference as reference_backend
 from .backends import triton as triton_backend
+from .backends.autograd import set_lse_gradient_chooser
 from .spec import BACKEND_NAMES, Problem, dtype_name, validate
 from .trace import trace_constant, warn_once
 
-__all__ = ["auto_preference", "backward_backend", "decide", "explain", "lse_gradient_backend", "select", "Decision",
-           "ENV_VAR"]
+__all__ = ["auto_preference", "backward_backend", "decide", "explain", "lse_gradient_backend",
+           "lse_gradient_backward_op", "select", "Decision", "ENV_VAR"]
 
 ENV_VAR = "DILATED_ATTN_BACKEND"
 
@@ -102,7 +103,8 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
 
-    The fa4 backend, where flash-attn-4 is installed, comes before cudnn where fa4_preferred says so. The cudnn
+    The fa4 backend, where flash-attn-4 is installed, comes before cudnn where fa4_preferred says so (not for
+    packed sequences, which fa4 runs one sequence at a time: triton's kernels take the whole pack). The cudnn
     backend comes first on GPUs of compute capability CUDNN_PREFERRED_FROM and newer, for q of at least
     CUDNN_MIN_ELEMENTS elements (CUDNN_MIN_ELEMENTS_WITH_BACKWARD where the call records its backward), where it
     can run (16-bit, head_dim a multiple of 8 up to 128): there it measured faster than triton
@@ -113,7 +115,7 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
         return ("reference", "cuda", "triton") if reference_preferred(p) else ("cuda", "triton", "reference")
     order = AUTO_ORDER.get(p.device.type, ("reference",))
     least = CUDNN_MIN_ELEMENTS_WITH_BACKWARD if p.records_backward else CUDNN_MIN_ELEMENTS
-    if (p.device.type == "cuda" and p.batch * p.seq_len * p.num_heads * p.head_dim >= least
+    if (p.device.type == "cuda" and p.batch * p.seq_len * p.num_heads * p.head_dim >= least and not p.varlen
             and _cudnn_preferred_on(p.device)):
         if cudnn_backend.CUDNN.why_not(p) is None:
             order = ("cudnn", *order)
@@ -131,12 +133,20 @@ def fa4_preferred(p: Problem) -> bool:
     return not grouped_causal_forward and fa4_backend.FA4.why_not(p) is None
 
 
-def lse_gradient_backend(p: Problem) -> str:
-    """The backend whose backward runs for `p` where the LSE has a gradient that the forward's backend cannot take:
-    the first of auto's preference (then of every backend) that can run `p` and whose backward takes it."""
+@trace_constant
+def _deterministic_algorithms() -> bool:
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def lse_gradient_backend(p: Problem, deterministic: Optional[bool] = None) -> str:
+    """The backend whose backward runs for `p` in place of the forward backend's where that one cannot (an LSE
+    gradient it does not take, or deterministic algorithms its backward does not honour): the first of auto's
+    preference (then of every backend) that can run `p` and whose backward takes an LSE gradient and, under
+    deterministic algorithms (`deterministic`, default torch's setting), gives the same bits."""
+    det = _deterministic_algorithms() if deterministic is None else deterministic
     for name in (*auto_preference(p), *backends.REGISTRY):
         b = backends.REGISTRY[name]
-        if b.why_not_backward(lse_gradient=True) is None and b.why_not(p) is None:
+        if b.why_not_backward(lse_gradient=True, deterministic=det) is None and b.why_not(p) is None:
             return name
     return "reference"  # runs anything
 
@@ -144,9 +154,38 @@ def lse_gradient_backend(p: Problem) -> str:
 def backward_backend(p: Problem, forward: str, lse_gradient: bool) -> tuple[str, Optional[str]]:
     """(the backend whose backward runs after `forward`'s forward of `p`, why that is not `forward` or None): the
     forward's own, unless its backward cannot take an LSE gradient that the call has (autograd asks with
-    `lse_gradient` = whether the LSE's gradient is not None)."""
-    why = backends.get(forward).why_not_backward(lse_gradient)
+    `lse_gradient` = whether the LSE's gradient is not None) or cannot give the same bits under deterministic
+    algorithms."""
+    why = backends.get(forward).why_not_backward(lse_gradient, _deterministic_algorithms())
     return (forward, None) if why is None else (lse_gradient_backend(p), why)
+
+
+_LSE_GRADIENT_BACKWARDS: dict = {}  # a forward op's shapes and configuration -> lse_gradient_backend's choice
+
+
+def lse_gradient_backward_op(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0,
+                             global_heads=0):
+    """For a forward op's inputs, the backward op of the backend lse_gradient_backend names: what its autograd runs
+    where the forward backend's backward cannot run the call (an LSE gradient, deterministic algorithms). Chosen at
+    forward time (installed in backends.autograd, which stores it on the context), cached per shape and
+    configuration."""
+    deterministic = _deterministic_algorithms()
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, tuple(segment_lengths), tuple(dilation_rates),
+           split_heads, causal, scale, head_start, global_heads, deterministic)
+    concrete = all(isinstance(n, int) for n in key[0] + key[1])  # not symbolic sizes of a traced graph
+    name = _LSE_GRADIENT_BACKWARDS.get(key) if concrete else None
+    if name is None:
+        p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
+                     head_groups="split" if split_heads else "all")
+        if global_heads:
+            p = p.with_heads(head_start, global_heads)
+        name = lse_gradient_backend(p, deterministic)
+        if concrete:
+            _LSE_GRADIENT_BACKWARDS[key] = name
+    return backends.get(name).ops()[1]
+
+
+set_lse_gradient_chooser(lse_gradient_backward_op)
 
 
 @trace_constant
@@ -171,20 +210,25 @@ class Decision:
     error: Optional[str] = None  # the ValueError dilated_attention raises when `backend` is None
     problem: Optional[Problem] = None
     # The backward's backend where the LSE has a gradient, and why it is not `backend` (None: `backend`'s own).
-    # Without an LSE gradient the backward is always `backend`'s.
     lse_gradient_backward: Optional[str] = None
     lse_gradient_rule: Optional[str] = None
+    # The backward's backend where only the output has a gradient, where it is not `backend`'s, and why
+    # (deterministic algorithms that `backend`'s backward does not honour).
+    other_backward: Optional[str] = None
+    backward_rule: Optional[str] = None
 
     @property
     def backward(self) -> Optional[str]:
         """The backend whose backward runs where only the output has a gradient (the usual training step)."""
-        return self.backend
+        return self.other_backward or self.backend
 
     def __str__(self) -> str:
         lines = [f"dilated_attn backend: {self.backend or 'none (dilated_attention raises ValueError)'}"]
         lines.append(f"  decided by: {self.decided_by}")
         if self.backend is not None:
             line = f"  backward: {self.backward}"
+            if self.backward_rule:
+                line += f" ({self.backward_rule})"
             if self.lse_gradient_rule:
                 line += f"; where the LSE has a gradient: {self.lse_gradient_backward} ({self.lse_gradient_rule})"
             lines.append(line)
@@ -213,10 +257,11 @@ class Decision:
         return "\n".join(lines)
 
 
-def decide(p: Problem, backend: str) -> Decision:
+def decide(p: Problem, backend: str, every_verdict: bool = True) -> Decision:
     """Resolve `backend` ("auto" or a backend name, already validated) for `p`. Raises only for an invalid
-    DILATED_ATTN_BACKEND; an explicit backend that cannot run gives a Decision with `error` set."""
-    found = backends.verdicts(p)
+    DILATED_ATTN_BACKEND; an explicit backend that cannot run gives a Decision with `error` set. Without
+    `every_verdict` (a call, not explain()), an explicit backend that can run is the only one asked: the others
+    are not imported or checked."""
     label, decided_by = f"backend={backend!r}", "the backend argument"
     if backend == "auto":
         env = _env_backend()
@@ -228,12 +273,17 @@ def decide(p: Problem, backend: str) -> Decision:
             backend, label = env, f"{ENV_VAR}={env!r}"
             decided_by = f"the environment variable {ENV_VAR} (the backend argument is 'auto')"
     if backend != "auto":
+        found = {backend: backends.get(backend).why_not(p)}
+        if every_verdict or found[backend] is not None:
+            found = backends.verdicts(p)
         if found[backend] is None:
-            return Decision(backend, f"{label}: {decided_by}", found, problem=p, **_lse_gradient_fields(p, backend))
+            return Decision(backend, f"{label}: {decided_by}", found, problem=p,
+                            **_backward_fields(p, backend, every_verdict))
         usable = ", ".join(n for n, why in found.items() if why is None)
         listing = "; ".join(f"{n}: {_verdict_text(why)}" for n, why in found.items())
         error = f"{label} cannot run this input: {found[backend]}. Backends that can: {usable} ({listing})"
         return Decision(None, f"{label}: {decided_by}", found, error=error, problem=p)
+    found = backends.verdicts(p)
     order = auto_preference(p)
     rule = f"the auto rule for {p.device.type} tensors: {' > '.join(order)}, the first that can run"
     why_reference = reference_preferred(p) if order[0] == "reference" else None
@@ -248,17 +298,24 @@ def decide(p: Problem, backend: str) -> Decision:
         name = "reference"
     fallback = f"backend='auto' runs {name}: " + "; ".join(passed) if passed else None
     note = REFERENCE_ON_GPU_WARNING if name == "reference" and why_reference is not None else None
-    return Decision(name, rule, found, fallback=fallback, note=note, problem=p, **_lse_gradient_fields(p, name))
+    return Decision(name, rule, found, fallback=fallback, note=note, problem=p,
+                    **_backward_fields(p, name, every_verdict))
 
 
-def _lse_gradient_fields(p: Problem, name: str) -> dict:
+def _backward_fields(p: Problem, name: str, wanted: bool) -> dict:
+    """explain()'s report of the backwards that run after `name`'s forward, with and without an LSE gradient (a
+    call's autograd chooses its own at forward time, cached: lse_gradient_backward_op)."""
+    if not wanted:
+        return {}
+    other, rule = backward_backend(p, name, lse_gradient=False)
     backward, why = backward_backend(p, name, lse_gradient=True)
-    return dict(lse_gradient_backward=backward, lse_gradient_rule=why)
+    return dict(other_backward=other if rule else None, backward_rule=rule, lse_gradient_backward=backward,
+                lse_gradient_rule=why)
 
 
 def select(p: Problem, backend: str) -> backends.Backend:
     """The backend that runs `p`: raises ValueError when the requested one cannot, warns once on a fallback."""
-    d = decide(p, backend)
+    d = decide(p, backend, every_verdict=False)
     if d.backend is None:
         raise ValueError(d.error)
     if d.fallback:

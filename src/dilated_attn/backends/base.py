@@ -40,10 +40,14 @@ class Backend:
     # Packed sequences (dilated_attention_varlen): "kernels" (the whole pack in the kernels' launches),
     # "per_sequence" (forward_varlen's loop over the sequences), or None (why_not says it cannot).
     varlen: Optional[str] = None
-    # Its backward takes the LSE's gradient (grad_lse). Where one does not, autograd runs another backend's backward
-    # for calls whose LSE has a gradient (dispatch.backward_backend).
+    # What its backward op supports, declared apart from the forward's: where it cannot run a call's backward, the
+    # forward still runs and autograd runs the backward op the dispatch layer chose at forward time
+    # (dispatch.backward_backend, backends/autograd.py). It takes the LSE's gradient (grad_lse) ...
     backward_takes_lse_gradient: bool = True
     lse_gradient_rule: str = ""  # why it does not, said by explain()
+    # ... and gives the same bits on every run (no atomics), which torch.use_deterministic_algorithms(True) asks for
+    backward_deterministic: bool = True
+    nondeterminism_rule: str = ""  # why it does not, said by explain()
 
     def supported_device_types(self) -> tuple[str, ...]:
         return self.device_types
@@ -74,10 +78,13 @@ class Backend:
             return "packed sequences (varlen) are not implemented in this backend"
         return None
 
-    def why_not_backward(self, lse_gradient: bool) -> Optional[str]:
-        """None if this backend's backward runs after its forward, else why not (for a problem it can run)."""
+    def why_not_backward(self, lse_gradient: bool, deterministic: bool = False) -> Optional[str]:
+        """None if this backend's backward can follow a forward it ran, for a call whose LSE has a gradient
+        (`lse_gradient`) under deterministic algorithms (`deterministic`), else why not."""
         if lse_gradient and not self.backward_takes_lse_gradient:
             return self.lse_gradient_rule
+        if deterministic and not self.backward_deterministic:
+            return self.nondeterminism_rule
         return None
 
     def ops(self) -> tuple[Callable, Callable]:

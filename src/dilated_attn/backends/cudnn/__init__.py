@@ -12,7 +12,7 @@ step on one GPU"; how it works: docs/design.md).
               and gradient-addition kernels, in the compiled extension
 
 Like the triton backend, it imports its ops on first use; it needs no triton. Its backward takes no LSE gradient:
-where the LSE has one, autograd runs the backward of the backend dispatch.backward_backend names.
+where the LSE has one, autograd runs the backward the dispatch layer chose at forward time (backends/autograd.py).
 """
 
 from __future__ import annotations
@@ -64,11 +64,6 @@ def _load() -> Optional[str]:
     return None
 
 
-@trace_constant
-def _deterministic_algorithms() -> bool:
-    return torch.are_deterministic_algorithms_enabled()
-
-
 class CudnnBackend(Backend):
     name = "cudnn"
     device_types = ("cuda",)
@@ -77,7 +72,11 @@ class CudnnBackend(Backend):
     min_capability = (8, 0)
     capability_rule = "cuDNN's fused attention needs Ampere or newer"
     backward_takes_lse_gradient = False
+    varlen = "per_sequence"  # one call per sequence (auto keeps packs on triton's kernels: dispatch.auto_preference)
     lse_gradient_rule = "cuDNN's backward takes no LSE gradient (it computes delta = rowsum(dO * out) itself)"
+    backward_deterministic = False
+    nondeterminism_rule = ("torch.use_deterministic_algorithms is on, and cuDNN's backward adds up dQ with atomics "
+                           "(not bitwise repeatable)")
 
     def unavailable(self) -> Optional[str]:
         why = load_error()
@@ -89,9 +88,6 @@ class CudnnBackend(Backend):
             return why
         if p.head_dim % 8:
             return f"head_dim {p.head_dim} is not a multiple of 8 (cuDNN's 16-byte rows)"
-        if _deterministic_algorithms():
-            return ("torch.use_deterministic_algorithms is on, and cuDNN's backward adds up dQ with atomics "
-                    "(not bitwise repeatable)")
         return None
 
     def ops(self):

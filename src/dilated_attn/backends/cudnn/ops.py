@@ -332,7 +332,8 @@ def _(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, sp
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-register_attention_autograd("dilated_attn::cudnn_forward", "cudnn_backward", takes_lse_gradient=False)
+register_attention_autograd("dilated_attn::cudnn_forward", "cudnn_backward", takes_lse_gradient=False,
+                            deterministic=False)
 
 
 def _heads_view(x: torch.Tensor) -> list[int]:

@@ -91,6 +91,7 @@ class Fa4Backend(Backend):
     min_capability = (9, 0)
     capability_rule = "FlashAttention-4 has Hopper (sm90) and Blackwell (sm100) kernels"
     backward_takes_lse_gradient = True
+    varlen = "per_sequence"  # one call per sequence (auto keeps packs on triton's kernels: dispatch.auto_preference)
 
     def unavailable(self) -> Optional[str]:
         """Whether flash-attn-4 is installed, without importing it (seconds) before the backend first runs: a
