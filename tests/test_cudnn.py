@@ -463,6 +463,23 @@ def test_gpu_repeatable_but_dq(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_sequences_within_the_first_segment(batch):
+    """N no longer than the first (dilation-1) segment: its one call's result is the starting result, and the later
+    branches merge into its LSE (which must be laid out as the merges read it)."""
+    if dilated_attn.backends.CUDNN.unavailable() is not None:
+        pytest.skip(dilated_attn.backends.CUDNN.unavailable())
+    g = torch.Generator().manual_seed(batch)
+    for n in (2, 3, 5, 8):
+        q, k, v = (torch.randn(batch, n, 4, 16, generator=g).to("cuda", torch.float16) for _ in range(3))
+        out, lse = dilated_attn.dilated_attention(q, k, v, [8, 16], [1, 2], return_lse=True, backend="cudnn")
+        ref_out, ref_lse = dilated_attention_reference(*(x.double() for x in (q, k, v)), [8, 16], [1, 2])
+        low_out, low_lse = dilated_attention_reference(q, k, v, [8, 16], [1, 2], compute_dtype=torch.float16)
+        assert _err(out, ref_out) <= allowed_error(torch.float16, _err(low_out, ref_out)), n
+        assert _err(lse, ref_lse) <= allowed_error(torch.float16, _err(low_lse, ref_lse)), n
+
+
+@pytest.mark.gpu
 def test_gpu_nan_stays_in_the_rows_that_read_it():
     """A NaN key makes NaN exactly the outputs of the rows whose branches read it, as in the reference."""
     if dilated_attn.backends.CUDNN.unavailable() is not None:

@@ -159,7 +159,9 @@ std::tuple<at::Tensor, at::Tensor> cudnn_forward_steps(const at::Tensor& q, cons
       out = whole ? whole_result(part_out, view + 3 * kViewInts, q.sizes()) : at::Tensor();
       if (out.defined()) {  // the LSE's rows [segments, heads, members] -> [B, N, H]: a small copy
         const int64_t* lv = view + 4 * kViewInts;
-        lse = part_lse.reshape({lv[0], lv[1], lv[2]}).transpose(1, 2).reshape(lse_shape).to(at::kFloat);
+        // contiguous: with one segment per batch element the reshape is a transposed view, which the merges'
+        // row views (contiguous [B, N, H] strides) would misread
+        lse = part_lse.reshape({lv[0], lv[1], lv[2]}).transpose(1, 2).reshape(lse_shape).to(at::kFloat).contiguous();
         continue;
       }
       out = at::empty(q.sizes(), q.options());
