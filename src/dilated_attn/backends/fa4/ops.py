@@ -22,6 +22,9 @@ import torch
 from ...spec import lse_dtype
 from .. import compiled
 from ..autograd import register_attention_autograd
+# FlashAttention reads the views cuDNN reads (unit-stride rows, 16-byte aligned address and strides, no broadcast
+# dimensions): the same copy where a tensor is not so
+from ..cudnn.ops import _cudnn_layout as _aligned
 from ..cudnn.ops import _layouts, _plan_of
 from ...merge import merge_into
 
@@ -32,10 +35,11 @@ __all__ = ["fa4_forward", "fa4_backward", "dense_forward", "dense_backward"]
 # the LSE's gradient and strided views, which its autograd functions do not expose.
 fa = None
 
-# The most elements of one call. FlashAttention's Python interface takes enough host time per call that fewer, larger
-# calls ran faster (an H100, LongNet at N = 65536: 2^25 against 2^24); in the backward, its float32 dQ accumulator and the call's gradients, before they are added,
-# take 10 bytes per element (320 MiB here), the first branch's calls too, which keeps the extra memory of a training
-# step below the cudnn backend's (benchmarks/README.md, "FlashAttention-4").
+# The most elements of one call. FlashAttention's Python interface takes enough host time per call that fewer,
+# larger calls ran faster (an H100, LongNet at N = 65536: 2^25 against 2^24). In the backward, its float32 dQ
+# accumulator and the call's gradients, before they are added, take 10 bytes per element (320 MiB here), the first
+# branch's calls too: the extra memory of a training step stays the cudnn backend's, or below it with grouped-query
+# heads (benchmarks/README.md, "FlashAttention-4").
 MAX_CALL_ELEMENTS = 1 << 25
 MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
 
@@ -43,15 +47,6 @@ MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
 # q, k, v, out, lse, grad_q, grad_k, grad_v (then grad_lse where it is given).
 FORWARD_KV = (False, True, True, False, False)
 BACKWARD_KV = (False, False, True, True, False, False, False, True, True)
-
-
-def _aligned(x: torch.Tensor) -> torch.Tensor:
-    """`x`, or a contiguous copy where FlashAttention could not read it in place (unit-stride rows, 16-byte aligned
-    address and strides, no broadcast dimensions)."""
-    size = x.element_size()
-    readable = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
-        stride * size % 16 == 0 and (stride > 0 or n == 1) for stride, n in zip(x.stride()[:-1], x.shape[:-1]))
-    return x if readable else x.contiguous()
 
 
 def _bshd(view: torch.Tensor) -> torch.Tensor:
