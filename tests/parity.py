@@ -8,8 +8,52 @@ import torch
 
 import dilated_attn
 from dilated_attn.reference import allowed_error, dilated_attention_reference, max_error
+from dilated_attn.spec import lse_dtype
 
 from cases import make_qkv, random_case
+
+# The fused-attention calls the cudnn and fa4 backends make, as their contract in float64: q `[b, h, s, d]`, k and v
+# with h or fewer heads (query head i reads kv head i // (h / hkv)). tests/test_cudnn.py and tests/test_fa4.py run the
+# backends' plans through them on CPU.
+
+def _per_query_head(kv, heads):
+    return kv.repeat_interleave(heads // kv.shape[1], 1)
+
+
+def _scores(q, k, causal, scale):
+    s = (q.double() @ _per_query_head(k, q.shape[1]).double().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
+    return s
+
+
+def math_attend(q, k, v, causal, scale):
+    """cuDNN's contract in float64: out [b, h, s, d] in q's dtype, the LSE [b, h, s] (k, v may have fewer heads)."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    out = torch.exp(s - lse[..., None]) @ _per_query_head(v, q.shape[1]).double()
+    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
+
+
+def math_attend_backward(grad_out, q, k, v, out, lse, causal, scale, grad_lse=None):
+    """The backward contract of cuDNN (and, with `grad_lse`, of FlashAttention): P from the given LSE, delta from the
+    given out (less the LSE's gradient); dK, dV summed per kv head."""
+    p = torch.exp(_scores(q, k, causal, scale) - lse.double()[..., None])
+    do = grad_out.double()
+    vq = _per_query_head(v, q.shape[1]).double()
+    delta = (do * out.double()).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.double()[..., None]
+    ds = p * (do @ vq.transpose(-1, -2) - delta)
+
+    def per_kv(g):
+        return g.unflatten(1, (k.shape[1], -1)).sum(2)
+
+    grads = (ds @ _per_query_head(k, q.shape[1]).double() * scale, per_kv(ds.transpose(-1, -2) @ q.double() * scale),
+             per_kv(p.transpose(-1, -2) @ do))
+    return tuple(x.to(q.dtype) for x in grads)
+
+
 
 # Random GPU configurations (GQA, both head groupings, causal, odd lengths, w > N, uncovered rows...).
 GPU_CASES = [random_case(random.Random(7000 + i), max_seq=300) for i in range(24)]

@@ -16,7 +16,7 @@ from dilated_attn.reference import GRADIENT_ERROR_FLOOR, allowed_error, dilated_
 from dilated_attn.spec import branch_table, lse_dtype
 
 from cases import make_qkv, random_case
-from parity import poison_allocator
+from parity import math_attend, math_attend_backward, poison_allocator
 
 # Random configurations: odd lengths, w > N, r > w, both head groupings, heads not divisible by r, grouped-query
 # heads, causal, three memory layouts, batch 2.
@@ -24,40 +24,6 @@ CASES = [random_case(random.Random(8100 + i), max_seq=80) for i in range(40)]
 LONGNET = dataclasses.replace(CASES[0], batch=2, seq_len=64, num_heads=8, num_kv_heads=8, head_dim=8,
                               segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), head_groups="all",
                               layout="contiguous")
-
-
-def _per_query_head(kv, heads):
-    return kv.repeat_interleave(heads // kv.shape[1], 1)
-
-
-def _scores(q, k, causal, scale):
-    s = (q.double() @ _per_query_head(k, q.shape[1]).double().transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
-    return s
-
-
-def math_attend(q, k, v, causal, scale):
-    """cuDNN's contract in float64: out [b, h, s, d] in q's dtype, the LSE [b, h, s] (k, v may have fewer heads)."""
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, -1)
-    out = torch.exp(s - lse[..., None]) @ _per_query_head(v, q.shape[1]).double()
-    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
-
-
-def math_attend_backward(grad_out, q, k, v, out, lse, causal, scale):
-    """cuDNN's backward contract: P from the given LSE, delta from the given out; dK, dV summed per kv head."""
-    p = torch.exp(_scores(q, k, causal, scale) - lse.double()[..., None])
-    do = grad_out.double()
-    vq = _per_query_head(v, q.shape[1]).double()
-    ds = p * (do @ vq.transpose(-1, -2) - (do * out.double()).sum(-1, keepdim=True))
-
-    def per_kv(g):
-        return g.unflatten(1, (k.shape[1], -1)).sum(2)
-
-    grads = (ds @ _per_query_head(k, q.shape[1]).double() * scale, per_kv(ds.transpose(-1, -2) @ q.double() * scale),
-             per_kv(p.transpose(-1, -2) @ do))
-    return tuple(x.to(q.dtype) for x in grads)
 
 
 SEEN_VIEWS = []  # each step's input views, for tests that look at what cuDNN would read

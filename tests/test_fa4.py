@@ -14,26 +14,20 @@ from dilated_attn.backends.fa4 import ops
 from dilated_attn.reference import allowed_error, dilated_attention_reference, max_error
 
 from cases import make_qkv, random_case
-from parity import poison_allocator
+from parity import math_attend, math_attend_backward, poison_allocator
 
 CASES = [random_case(random.Random(4700 + i), max_seq=80) for i in range(24)]
 
 
-def _per_query_head(kv, heads):
-    return kv.repeat_interleave(heads // kv.shape[2], 2)
-
-
-def _scores(q, k, causal, scale):
-    """[b, h, sq, sk] in float64 from FlashAttention's [b, s, h, d] (k may have fewer heads)."""
-    s = q.double().transpose(1, 2) @ _per_query_head(k, q.shape[2]).double().permute(0, 2, 3, 1) * scale
-    if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
-    return s
+def _bhsd(x):
+    """FlashAttention's `[b, s, h, d]` as the math contract's `[b, h, s, d]` (and back)."""
+    return x.transpose(1, 2)
 
 
 class MathInterface:
-    """flash_attn.cute.interface's two calls the ops use, as their contract in float64: results preallocated or
-    returned, the LSE `[b, h, s]`, the backward's `delta = rowsum(dO * out) - dLSE`, dK/dV summed per kv head."""
+    """flash_attn.cute.interface's two calls the ops use, as their contract in float64 (parity.math_attend and
+    math_attend_backward on transposed views): results preallocated or returned, the LSE `[b, h, s]`, the backward's
+    `delta = rowsum(dO * out) - dLSE`, dK/dV summed per kv head."""
 
     forward_calls = 0
     stored_in_place = 0
@@ -41,41 +35,26 @@ class MathInterface:
     @classmethod
     def _flash_attn_fwd(cls, q, k, v, softmax_scale, causal=False, return_lse=False, out=None, lse=None):
         cls.forward_calls += 1
-        s = _scores(q, k, causal, softmax_scale)
-        rows_lse = torch.logsumexp(s, -1)
-        rows = (torch.exp(s - rows_lse[..., None]) @ _per_query_head(v, q.shape[2]).double().transpose(1, 2))
-        result = rows.transpose(1, 2).to(q.dtype)
+        rows, rows_lse = math_attend(_bhsd(q), _bhsd(k), _bhsd(v), causal, softmax_scale)
         if out is None:
-            return result, rows_lse.to(ops.lse_dtype(q.dtype)), None, None, None
+            return _bhsd(rows), rows_lse, None, None, None
         assert out.stride(-1) == 1 and lse.stride(-1) == 1, "FlashAttention writes unit-stride rows only"
         cls.stored_in_place += 1
-        out.copy_(result)
+        out.copy_(_bhsd(rows))
         lse.copy_(rows_lse)
         return out, lse, None, None, None
 
     @staticmethod
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal=False, deterministic=False, dlse=None,
                         dq=None, dk=None, dv=None):
-        p = torch.exp(_scores(q, k, causal, softmax_scale) - lse.double()[..., None])
-        do = dout.double().transpose(1, 2)
-        delta = (do * out.double().transpose(1, 2)).sum(-1, keepdim=True)
-        if dlse is not None:
-            delta = delta - dlse.double()[..., None]
-        vq = _per_query_head(v, q.shape[2]).double().transpose(1, 2)
-        ds = p * (do @ vq.transpose(-1, -2) - delta)
-
-        def per_kv(g):  # [b, h, s, d] -> [b, s, hkv, d]
-            return g.unflatten(1, (k.shape[2], -1)).sum(2).transpose(1, 2)
-
-        grads = ((ds @ _per_query_head(k, q.shape[2]).double().transpose(1, 2) * softmax_scale).transpose(1, 2),
-                 per_kv(ds.transpose(-1, -2) @ q.double().transpose(1, 2) * softmax_scale),
-                 per_kv(p.transpose(-1, -2) @ do))
+        grads = [_bhsd(g) for g in math_attend_backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse,
+                                                         causal, softmax_scale, grad_lse=dlse)]
         given = (dq, dk, dv)
         if all(x is not None for x in given):
             for target, g in zip(given, grads):
                 target.copy_(g)
             return given
-        return tuple(g.to(q.dtype) for g in grads)
+        return tuple(grads)
 
 
 @pytest.fixture
@@ -258,7 +237,7 @@ def test_auto_prefers_fa4_where_installed_and_measured_faster(monkeypatch, insta
     monkeypatch.setattr(dispatch.cudnn_backend.CUDNN, "why_not", lambda p: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fa4, "_installed", lambda: installed)
-    monkeypatch.setattr(fa4, "_load", lambda: pytest.fail("a verdict imported flash-attn-4"))
+    monkeypatch.setattr(fa4._loader, "_load", lambda: pytest.fail("a verdict imported flash-attn-4"))
     q = torch.empty(1, 65536, 16, 128, dtype=torch.bfloat16, device="meta", requires_grad=backward)
     kv = torch.empty(1, 65536, kv_heads, 128, dtype=torch.bfloat16, device="meta")
     p = dataclasses.replace(validate(q, kv, kv, [2048, 4096], [1, 2], causal=causal), device=torch.device("cuda", 0))
@@ -273,8 +252,8 @@ def test_packed_sequences_run_one_at_a_time(math_interface, monkeypatch):
     from dilated_attn.spec import validate_varlen
 
     monkeypatch.setattr(fa4, "_installed", lambda: True)
-    monkeypatch.setattr(fa4, "_loaded", True)
-    monkeypatch.setattr(fa4, "_load_error", None)
+    monkeypatch.setattr(fa4._loader, "done", True)
+    monkeypatch.setattr(fa4._loader, "error", None)
     segs, dils = [8, 16], [1, 2]  # sequences of 5, 0, 17 and 40 tokens
     cu = torch.tensor([0, 5, 5, 22, 62], dtype=torch.int32)
     q, k, v = (torch.randn(62, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))

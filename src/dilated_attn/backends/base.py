@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable, Optional
 
 import torch
 
 from ..spec import CacheProblem, Problem, check_offsets, dtype_name, lse_dtype, sequence_problem
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "OnceLoader"]
+
+
+class OnceLoader:
+    """A backend's import of its kernels (`load`: None, or why they cannot be loaded), run on the first call and
+    remembered. Thread-safe: a second thread's first call waits until the first has finished (and the ops it
+    registers exist)."""
+
+    def __init__(self, load: Callable[[], Optional[str]]):
+        self._load = load
+        self._lock = threading.Lock()
+        self.done = False
+        self.error: Optional[str] = None
+
+    def __call__(self) -> Optional[str]:
+        if not self.done:
+            with self._lock:
+                if not self.done:
+                    self.error = self._load()
+                    self.done = True
+        return self.error
 
 
 class Backend:

@@ -17,7 +17,6 @@ where the LSE has one, autograd runs the backward the dispatch layer chose at fo
 
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
@@ -25,28 +24,17 @@ import torch
 from ...spec import Problem
 from ...trace import trace_constant
 from .. import compiled
-from ..base import Backend
+from ..base import Backend, OnceLoader
 
 __all__ = ["CUDNN", "MIN_CUDNN_VERSION"]
 
 MIN_CUDNN_VERSION = 90000  # cuDNN 9: fused attention forward and backward with the LSE, arbitrary strides
 
-_load_error: Optional[str] = None
-_loaded = False
-_load_lock = threading.Lock()
-
-
 @trace_constant
 def load_error() -> Optional[str]:
-    """Import the ops (registering them) on the first call; None, or why they cannot be loaded. Thread-safe: a
-    second thread's first call waits until the ops are registered."""
-    global _load_error, _loaded
-    if not _loaded:
-        with _load_lock:
-            if not _loaded:
-                _load_error = _load()
-                _loaded = True
-    return _load_error
+    """Import the ops (registering them) on the first call; None, or why they cannot be loaded (thread-safe:
+    base.OnceLoader)."""
+    return _loader()
 
 
 def _load() -> Optional[str]:
@@ -62,6 +50,9 @@ def _load() -> Optional[str]:
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+_loader = OnceLoader(_load)
 
 
 class CudnnBackend(Backend):

@@ -15,23 +15,17 @@ cuDNN's, its backward takes the LSE's gradient, so every call's backward is its 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Optional
 
 import torch
 
 from ...spec import Problem
 from ...trace import trace_constant
-from ..base import Backend
+from ..base import Backend, OnceLoader
 
 __all__ = ["FA4", "cache_dir", "load_error"]
 
 CACHE_ENV = "DILATED_ATTN_FA4_CACHE"  # where the compiled kernels live (default: ~/.cache/dilated_attn/fa4)
-
-_load_error: Optional[str] = None
-_loaded = False
-_load_lock = threading.Lock()
-
 
 def cache_dir() -> str:
     """The directory of FlashAttention-4's compiled kernels: DILATED_ATTN_FA4_CACHE, else the user cache's
@@ -45,15 +39,9 @@ def cache_dir() -> str:
 
 @trace_constant
 def load_error() -> Optional[str]:
-    """Import flash-attn-4 and register the ops on the first call; None, or why they cannot be loaded.
-    Thread-safe, like the other backends' loaders."""
-    global _load_error, _loaded
-    if not _loaded:
-        with _load_lock:
-            if not _loaded:
-                _load_error = _load()
-                _loaded = True
-    return _load_error
+    """Import flash-attn-4 and register the ops on the first call; None, or why they cannot be loaded
+    (thread-safe: base.OnceLoader)."""
+    return _loader()
 
 
 def _load() -> Optional[str]:
@@ -73,6 +61,9 @@ def _load() -> Optional[str]:
 
     ops.fa = interface
     return None
+
+
+_loader = OnceLoader(_load)
 
 
 @trace_constant
@@ -98,7 +89,7 @@ class Fa4Backend(Backend):
         verdict, explain() or another backend's call costs no import. A broken install says why at that run."""
         if not _installed():
             return "flash-attn-4 is not installed (`pip install .[fa4]`)"
-        why = load_error() if _loaded else None
+        why = _loader.error
         return None if why is None else f"FlashAttention-4 is not available ({why})"
 
     def why_not(self, p: Problem) -> Optional[str]:

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from typing import Optional
 
 import torch
 
 from ...trace import trace_constant
-from ..base import Backend
+from ..base import Backend, OnceLoader
 
 __all__ = ["TRITON", "float32_precision", "interpreting", "load_error", "TF32X3_MAX_HEAD_DIM"]
 
@@ -37,28 +36,27 @@ def interpreting() -> bool:
 
 
 _ops = None  # the module ops.py once loaded
-_load_error: Optional[str] = None
-_loaded = False
-_load_lock = threading.Lock()
+
+
+def _load() -> Optional[str]:
+    global _ops
+    try:
+        from . import ops as module
+    except Exception as exc:  # noqa: BLE001 - triton missing, or failing to load on this machine
+        return f"{type(exc).__name__}: {exc}"
+    _ops = module
+    return None
+
+
+_loader = OnceLoader(_load)
 
 
 @trace_constant
 def load_error() -> Optional[str]:
     """Import triton and the kernels (registering the triton ops) on the first call; None, or why they cannot
     be loaded. Marked constant for torch.compile, so a first call inside a traced function loads them then.
-    Thread-safe: a second thread's first call waits until the ops are registered."""
-    global _ops, _load_error, _loaded
-    if not _loaded:
-        with _load_lock:
-            if not _loaded:
-                try:
-                    from . import ops as module
-                except Exception as exc:  # noqa: BLE001 - triton missing, or failing to load on this machine
-                    _load_error = f"{type(exc).__name__}: {exc}"
-                else:
-                    _ops = module
-                _loaded = True
-    return _load_error
+    Thread-safe: a second thread's first call waits until the ops are registered (base.OnceLoader)."""
+    return _loader()
 
 
 def block_d(head_dim: int) -> int:
