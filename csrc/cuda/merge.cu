@@ -91,13 +91,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
     __syncthreads();
     for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
       const int r = i / chunks, col = (i - r * chunks) * kWidth;
+      // a part of weight 0 (its LSE -inf) is not read: a packed call leaves the rows between its runs unwritten
+      if (w_new[r] == 0.f && w_acc[r] == 1.f) continue;
       T* out = row_of<T>(p.out, b, h, row0 + r) + col;
       Chunk<T, kWidth> acc, part;
       acc.load(out);
-      part.load(row_of<T>(p.part_out, b, h, row0 + r) + col);
+      const bool read_part = w_new[r] != 0.f;
+      if (read_part) part.load(row_of<T>(p.part_out, b, h, row0 + r) + col);
 #pragma unroll
       for (int j = 0; j < kWidth; ++j) {
-        acc.x[j] = from_float<T>(to_float(acc.x[j]) * w_acc[r] + to_float(part.x[j]) * w_new[r]);
+        const float from_part = read_part ? to_float(part.x[j]) * w_new[r] : 0.f;
+        acc.x[j] = from_float<T>(to_float(acc.x[j]) * w_acc[r] + from_part);
       }
       acc.store(out);
     }
