@@ -3,6 +3,7 @@ FlashAttention-4's contract in float64 on CPU (CI has no flash-attn-4), and the 
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -24,43 +25,105 @@ def _bhsd(x):
     return x.transpose(1, 2)
 
 
+def _runs(cu_seqlens, seqused):
+    """FlashAttention's varlen sequences: (first row, rows) each, `seqused` giving the lengths where it is given."""
+    starts = cu_seqlens.tolist()
+    used = seqused.tolist() if seqused is not None else [b - a for a, b in zip(starts, starts[1:])]
+    return list(zip(starts, used))
+
+
+def _check_lengths(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k):
+    """What FlashAttention takes of them: int32, 16-byte aligned (else it copies), the same for q and k here (each
+    run attends to itself), and max_seqlen at least the longest."""
+    assert cu_seqlens_q is cu_seqlens_k and seqused_q is seqused_k
+    for x in (cu_seqlens_q, seqused_q):
+        if x is not None:
+            assert x.dtype == torch.int32 and x.is_contiguous() and x.storage_offset() % 4 == 0
+    assert max(n for _, n in _runs(cu_seqlens_q, seqused_q)) <= max_seqlen_q == max_seqlen_k
+
+
+def _check_tiles_finite(runs, *tensors, tile=128):
+    """FlashAttention loads whole tiles of rows, past a run's end too (masked: but a NaN or inf there would reach the
+    result through a zero weight): the rows it may load must hold finite values."""
+    for a, n in runs:
+        for x in tensors:
+            assert torch.isfinite(x[a:a + -(-n // tile) * tile]).all(), "a tile past a run reads non-finite rows"
+
+
+def _rows_of(x, a, n):
+    """Rows [a, a + n) of a varlen `[total, h, d]` as the contract's `[1, h, n, d]`."""
+    return x[a:a + n].transpose(0, 1)[None]
+
+
 class MathInterface:
     """flash_attn.cute.interface's two calls the ops use, as their contract in float64 (parity.math_attend and
     math_attend_backward on transposed views): results preallocated or returned, the LSE `[b, h, s]`, the backward's
-    `delta = rowsum(dO * out) - dLSE`, dK/dV summed per kv head."""
+    `delta = rowsum(dO * out) - dLSE`, dK/dV summed per kv head. Varlen calls (`cu_seqlens_q`, `seqused_q`) take
+    `[total, h, d]` views and an LSE `[h, total]`; rows outside their sequences are neither read nor written, and
+    results it allocates are NaN there."""
 
     forward_calls = 0
+    varlen_calls = 0
     stored_in_place = 0
 
     @classmethod
-    def _flash_attn_fwd(cls, q, k, v, softmax_scale, causal=False, return_lse=False, out=None, lse=None):
+    def _flash_attn_fwd(cls, q, k, v, softmax_scale, causal=False, return_lse=False, out=None, lse=None,
+                        cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None):
         cls.forward_calls += 1
-        rows, rows_lse = math_attend(_bhsd(q), _bhsd(k), _bhsd(v), causal, softmax_scale)
+        if out is not None:
+            assert out.stride(-1) == 1 and lse.stride(-1) == 1, "FlashAttention writes unit-stride rows only"
+            cls.stored_in_place += 1
+        if cu_seqlens_q is None:
+            rows, rows_lse = math_attend(_bhsd(q), _bhsd(k), _bhsd(v), causal, softmax_scale)
+            if out is None:
+                return _bhsd(rows), rows_lse, None, None, None
+            out.copy_(_bhsd(rows))
+            lse.copy_(rows_lse)
+            return out, lse, None, None, None
+        cls.varlen_calls += 1
+        _check_lengths(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+        assert all(x.stride(-1) == 1 for x in (q, k, v))
+        _check_tiles_finite(_runs(cu_seqlens_q, seqused_q), q, k, v)
         if out is None:
-            return _bhsd(rows), rows_lse, None, None, None
-        assert out.stride(-1) == 1 and lse.stride(-1) == 1, "FlashAttention writes unit-stride rows only"
-        cls.stored_in_place += 1
-        out.copy_(_bhsd(rows))
-        lse.copy_(rows_lse)
+            out = torch.full(q.shape, math.nan, dtype=q.dtype)
+        if lse is None:
+            lse = torch.full(q.shape[1::-1], math.nan, dtype=torch.float64)
+        for a, n in _runs(cu_seqlens_q, seqused_q):
+            o, l_ = math_attend(*(_rows_of(x, a, n) for x in (q, k, v)), causal, softmax_scale)
+            out[a:a + n] = o[0].transpose(0, 1)
+            lse[:, a:a + n] = l_[0]
         return out, lse, None, None, None
 
     @staticmethod
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal=False, deterministic=False, dlse=None,
-                        dq=None, dk=None, dv=None):
-        grads = [_bhsd(g) for g in math_attend_backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse,
-                                                         causal, softmax_scale, grad_lse=dlse)]
+                        dq=None, dk=None, dv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                        seqused_k=None, max_seqlen_q=None, max_seqlen_k=None):
         given = (dq, dk, dv)
-        if all(x is not None for x in given):
-            for target, g in zip(given, grads):
-                target.copy_(g)
-            return given
-        return tuple(grads)
+        if cu_seqlens_q is None:
+            grads = [_bhsd(g) for g in math_attend_backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out),
+                                                             lse, causal, softmax_scale, grad_lse=dlse)]
+            if all(x is not None for x in given):
+                for target, g in zip(given, grads):
+                    target.copy_(g)
+                return given
+            return tuple(grads)
+        _check_lengths(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+        _check_tiles_finite(_runs(cu_seqlens_q, seqused_q), q, k, v, out, dout)
+        results = [g if g is not None else torch.full(x.shape, math.nan, dtype=x.dtype) for g, x in zip(given, (q, k, v))]
+        for a, n in _runs(cu_seqlens_q, seqused_q):
+            grads = math_attend_backward(*(_rows_of(x, a, n) for x in (dout, q, k, v, out)), lse[None, :, a:a + n],
+                                         causal, softmax_scale,
+                                         grad_lse=None if dlse is None else dlse[None, :, a:a + n])
+            for target, g in zip(results, grads):
+                target[a:a + n] = g[0].transpose(0, 1)
+        return tuple(results)
 
 
 @pytest.fixture
 def math_interface(monkeypatch):
     monkeypatch.setattr(ops, "fa", MathInterface)
-    MathInterface.forward_calls = MathInterface.stored_in_place = 0
+    MathInterface.forward_calls = MathInterface.varlen_calls = MathInterface.stored_in_place = 0
     yield MathInterface
 
 
@@ -243,32 +306,145 @@ def test_auto_prefers_fa4_where_installed_and_measured_faster(monkeypatch, insta
     p = dataclasses.replace(validate(q, kv, kv, [2048, 4096], [1, 2], causal=causal), device=torch.device("cuda", 0))
     assert p.records_backward == backward
     assert dispatch.auto_preference(p)[0] == first
+    # a pack of the same tokens: fa4's varlen calls where it is preferred, never cudnn's per-sequence calls
+    packed = dataclasses.replace(p, cu_seqlens=torch.tensor([0, 1000, 65536]), max_seqlen=64536)
+    assert packed.varlen
+    assert dispatch.auto_preference(packed)[0] == ("fa4" if first == "fa4" else "triton")
 
 
-def test_packed_sequences_run_one_at_a_time(math_interface, monkeypatch):
-    """dilated_attention_varlen's per-sequence path on the fa4 ops (float64 through the contract): each sequence
-    equals the reference on it alone, empty ones included, the gradients too."""
+def _use_math_interface(monkeypatch):
+    """The fa4 backend, loaded, on the float64 contract."""
     from dilated_attn.backends import fa4
-    from dilated_attn.spec import validate_varlen
 
     monkeypatch.setattr(fa4, "_installed", lambda: True)
     monkeypatch.setattr(fa4._loader, "done", True)
     monkeypatch.setattr(fa4._loader, "error", None)
-    segs, dils = [8, 16], [1, 2]  # sequences of 5, 0, 17 and 40 tokens
-    cu = torch.tensor([0, 5, 5, 22, 62], dtype=torch.int32)
-    q, k, v = (torch.randn(62, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    p = validate_varlen(q, k, v, cu, segs, dils, causal=True)
-    out, lse = fa4.FA4.forward_varlen(q, k, v, p)
-    grads = torch.autograd.grad((out * out).sum() + lse.sum(), (q, k, v))
+    return fa4.FA4
+
+
+# (lengths, Hq, Hkv, segment_lengths, dilation_rates, causal, head_groups): empty sequences, sequences shorter than
+# a segment and than a dilation, starts of every residue, segments not divisible by their dilation, GQA runs cut per
+# kv head, split heads (uncovered rows), r > w
+PACKS = [
+    ([5, 0, 17, 40], 4, 2, (8, 16), (1, 2), True, "all"),
+    ([5, 0, 17, 3, 40], 4, 2, (8, 16), (1, 2), False, "split"),
+    ([33, 1, 0, 29], 6, 3, (64, 8, 4), (4, 2, 1), True, "all"),
+    ([0, 0, 12, 0], 2, 1, (4, 32), (2, 4), False, "split"),
+    ([7, 9, 30, 11, 2], 8, 2, (6, 12, 24), (1, 3, 8), False, "all"),
+    ([13, 64, 3, 21], 5, 1, (10, 3), (3, 5), True, "all"),
+    ([16, 32, 48], 4, 4, (8, 16, 32), (1, 2, 4), True, "all"),
+]
+
+
+@pytest.mark.parametrize("move", ["never", "always"])
+@pytest.mark.parametrize("index", range(len(PACKS)))
+def test_packs_equal_each_sequence_alone(index, move, math_interface, monkeypatch):
+    """dilated_attention_varlen on the fa4 ops (float64 through the contract, results it allocates NaN between the
+    runs), in place and on the sequences moved to multiples of the dilations: each sequence equals the reference
+    on it alone, out, LSE and gradients with an LSE gradient."""
+    from dilated_attn.backends.fa4 import packs
+    from dilated_attn.spec import validate_varlen
+
+    backend = _use_math_interface(monkeypatch)
+    monkeypatch.setattr(packs, "MOVE_SAVES_CALLS", 10**9 if move == "never" else -10**9)
+    packs.plan_pack.cache_clear()
+    ops._planned.cache_clear()
+    lengths, H, Hkv, segs, dils, causal, groups = PACKS[index]
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(index)
+    q = torch.randn(T, H, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(T, Hkv, 32, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    _poisoned_empty(monkeypatch)
+    p = validate_varlen(q, k, v, cu, segs, dils, causal=causal, head_groups=groups)
+    out, lse = backend.forward_varlen(q, k, v, p)
+    assert math_interface.varlen_calls == math_interface.forward_calls > 0
+    go, gl = (torch.randn(x.shape, generator=g, dtype=torch.float64) for x in (out, lse))
     want_out, want_lse = [], []
     for a, b in zip(cu.tolist(), cu.tolist()[1:]):
         if b > a:
-            o, lse_ = dilated_attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], segs, dils, causal=True)
+            o, lse_ = dilated_attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], segs, dils,
+                                                  causal=causal, head_groups=groups)
             want_out.append(o[0])
             want_lse.append(lse_[0])
     want_out, want_lse = torch.cat(want_out), torch.cat(want_lse, dim=1)
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
-    want = torch.autograd.grad((want_out * want_out).sum() + want_lse.sum(), (q, k, v))
-    for got, exp in zip(grads, want):
-        torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-10)
+    finite = torch.isfinite(want_lse)
+
+    def loss(o, l_):
+        return (o * go).sum() + (torch.where(finite, l_, 0) * gl).sum()
+
+    got = torch.autograd.grad(loss(out, lse), (q, k, v))
+    want = torch.autograd.grad(loss(want_out, want_lse), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_packs_of_other_head_dims_run_one_sequence_at_a_time(math_interface, monkeypatch):
+    """Head dims FlashAttention's varlen backward did not compute exactly (fa4.VARLEN_HEAD_DIM_STEP) take the
+    per-sequence calls; one cu_seqlens is read once, and again after it changes in place."""
+    from dilated_attn.spec import validate_varlen
+
+    backend = _use_math_interface(monkeypatch)
+    q, k, v = (torch.randn(24, 2, 16, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 5, 24], dtype=torch.int32)
+    backend.forward_varlen(q, k, v, validate_varlen(q, k, v, cu, [8], [2]))
+    assert math_interface.varlen_calls == 0 and math_interface.forward_calls > 0
+    q, k, v = (torch.randn(24, 2, 32, dtype=torch.float64) for _ in range(3))
+    out = backend.forward_varlen(q, k, v, validate_varlen(q, k, v, cu, [8], [2]))[0]
+    assert math_interface.varlen_calls > 0 and ops._OFFSETS[id(cu)][2] == [0, 5, 24]
+    cu[1] = 9  # in place: read again
+    out = backend.forward_varlen(q, k, v, validate_varlen(q, k, v, cu, [8], [2]))[0]
+    want = torch.cat([dilated_attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], [8], [2])[0][0]
+                      for a, b in ((0, 9), (9, 24))])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_aligned_pack_takes_a_call_per_offset_group():
+    """Sequences whose lengths every dilation divides take, per branch, one call per offset group for the whole
+    pack (a uniform batch's count), the first branch written in place; other starts take a call per residue, or
+    run moved to multiples of the dilations where that saves calls."""
+    from dilated_attn.backends.fa4 import packs
+
+    packs.plan_pack.cache_clear()  # plans made under another MOVE_SAVES_CALLS
+    aligned = packs.plan_pack((0, 32, 48, 112), (16, 32), (1, 4), 8, 8, False)
+    assert aligned.starts is None and [len(calls) for calls in aligned.plan.calls] == [1, 4]
+    assert aligned.plan.first_stores and all(call.used == 0 for calls in aligned.plan.calls for call in calls)
+    here = packs.pack_plan(((0, 31), (31, 17), (48, 65)), 113, (16, 32), (1, 4), 8, 8, False)
+    # starts 0, 31 and 48, residues 0, 3 and 0 modulo 4: two calls per offset group, the second sequence's apart
+    assert [len(calls) for calls in here.calls] == [1, 8]
+    # every segment's run once: 5 segments (the last one row), whose one row only offset 0 has
+    assert sum(call.count for call in here.calls[1]) == 5 + 3 * 4
+    moved = packs.plan_pack((0, 31, 48, 113), (16, 32), (1, 4), 8, 8, False)
+    assert moved.starts is None  # 4 calls saved: not worth the copies
+    many = packs.plan_pack((0, 31, 49, 114, 200), (16, 32), (1, 8), 16, 16, False)
+    assert many.starts == (0, 32, 56, 128) and many.total == 216
+    assert [len(calls) for calls in many.plan.calls] == [1, 8]
+
+
+# packs whose starts take several residues modulo the dilations, GQA, split heads, a sequence shorter than a dilation
+GPU_PACKS = [
+    ([300, 77, 0, 1000, 5], 8, 2, (64, 256, 1024), (1, 4, 8), "all"),
+    ([513, 1030, 2], 4, 4, (128, 512), (2, 4), "split"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("move", ["never", "always"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("index", range(len(GPU_PACKS)))
+def test_gpu_varlen_ops(index, causal, dtype, head_dim, move, monkeypatch):
+    """FlashAttention-4's varlen calls on the packs' strided views, in place and on the moved copy, against the
+    float64 reference of each sequence alone (out, LSE, gradients through both), results poisoned."""
+    from dilated_attn.backends.fa4 import packs
+    from test_varlen import check_varlen
+
+    _skip_without_fa4()
+    monkeypatch.setattr(packs, "MOVE_SAVES_CALLS", 10**9 if move == "never" else -10**9)
+    packs.plan_pack.cache_clear()
+    ops._planned.cache_clear()
+    lengths, H, Hkv, segs, dils, groups = GPU_PACKS[index]
+    check_varlen("fa4", dtype, "cuda", (lengths, H, Hkv, head_dim, segs, dils, causal, groups), transposed=causal)

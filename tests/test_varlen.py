@@ -127,7 +127,8 @@ def test_interpreter_triton_varlen(case):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", ["triton", "cudnn", "fa4"])
 def test_gpu_varlen(backend, case, dtype):
-    """triton's packed launches; cudnn and fa4 one sequence at a time (where they take the case)."""
+    """triton's and fa4's packed launches (the whole pack in each), cudnn one sequence at a time (where they take
+    the case)."""
     lengths, H, Hkv, D = case[:4]
     q = torch.empty(sum(lengths), H, D, dtype=dtype, device="cuda")
     kv = torch.empty(sum(lengths), Hkv, D, dtype=dtype, device="cuda")

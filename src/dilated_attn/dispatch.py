@@ -103,8 +103,9 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
 
-    The fa4 backend, where flash-attn-4 is installed, comes before cudnn where fa4_preferred says so (not for
-    packed sequences, which fa4 runs one sequence at a time: triton's kernels take the whole pack). The cudnn
+    The fa4 backend, where flash-attn-4 is installed, comes before cudnn where fa4_preferred says so, packed
+    sequences included (a few varlen calls per branch for the whole pack; cudnn runs a pack one sequence at a
+    time, so packs without fa4 go to triton's kernels, which take the whole pack). The cudnn
     backend comes first on GPUs of compute capability CUDNN_PREFERRED_FROM and newer, for q of at least
     CUDNN_MIN_ELEMENTS elements (CUDNN_MIN_ELEMENTS_WITH_BACKWARD where the call records its backward), where it
     can run (16-bit, head_dim a multiple of 8 up to 128): there it measured faster than triton
@@ -115,9 +116,9 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
         return ("reference", "cuda", "triton") if reference_preferred(p) else ("cuda", "triton", "reference")
     order = AUTO_ORDER.get(p.device.type, ("reference",))
     least = CUDNN_MIN_ELEMENTS_WITH_BACKWARD if p.records_backward else CUDNN_MIN_ELEMENTS
-    if (p.device.type == "cuda" and p.batch * p.seq_len * p.num_heads * p.head_dim >= least and not p.varlen
+    if (p.device.type == "cuda" and p.batch * p.seq_len * p.num_heads * p.head_dim >= least
             and _cudnn_preferred_on(p.device)):
-        if cudnn_backend.CUDNN.why_not(p) is None:
+        if not p.varlen and cudnn_backend.CUDNN.why_not(p) is None:
             order = ("cudnn", *order)
         if fa4_preferred(p):
             order = ("fa4", *order)

@@ -63,7 +63,7 @@ class CudnnBackend(Backend):
     min_capability = (8, 0)
     capability_rule = "cuDNN's fused attention needs Ampere or newer"
     backward_takes_lse_gradient = False
-    varlen = "per_sequence"  # one call per sequence (auto keeps packs on triton's kernels: dispatch.auto_preference)
+    varlen = "per_sequence"  # one call per sequence (auto takes packs elsewhere: dispatch.auto_preference)
     lse_gradient_rule = "cuDNN's backward takes no LSE gradient (it computes delta = rowsum(dO * out) itself)"
     backward_deterministic = False
     nondeterminism_rule = ("torch.use_deterministic_algorithms is on, and cuDNN's backward adds up dQ with atomics "

@@ -2,8 +2,9 @@
 and Blackwell) on strided views of each branch's members, planned like the cudnn backend (the same `Call`s and
 `Schedule`s, backends/cudnn/ops.py), each call's result merged into the running one by the same CUDA kernel.
 
-    ops.py    the `torch.library.custom_op` registrations (`dilated_attn::fa4_forward`, `fa4_backward`) and the
-              dense ops the ring's joined blocks run
+    ops.py    the `torch.library.custom_op` registrations (`dilated_attn::fa4_forward`, `fa4_backward`, their
+              `fa4_varlen_` forms for packed sequences) and the dense ops the ring's joined blocks run
+    packs.py  the varlen calls of a pack: each branch's runs of members as the sequences of strided views
 
 Installed with `pip install .[fa4]`; imported only when it first runs (the import takes seconds; a verdict or
 explain() only looks for the package). Its kernels are compiled on the first call of each variant (1-3 s each) and
@@ -24,6 +25,10 @@ from ...trace import trace_constant
 from ..base import Backend, OnceLoader
 
 __all__ = ["FA4", "cache_dir", "load_error"]
+
+# FlashAttention-4's varlen backward (4.0.0b36) gave wrong gradients at head_dim 16 on an H200, exact ones at multiples
+# of 32 (tests/test_fa4.py, test_gpu_varlen_ops): packs of other head dims run one sequence at a time
+VARLEN_HEAD_DIM_STEP = 32
 
 CACHE_ENV = "DILATED_ATTN_FA4_CACHE"  # where the compiled kernels live (default: ~/.cache/dilated_attn/fa4)
 
@@ -82,7 +87,7 @@ class Fa4Backend(Backend):
     min_capability = (9, 0)
     capability_rule = "FlashAttention-4 has Hopper (sm90) and Blackwell (sm100) kernels"
     backward_takes_lse_gradient = True
-    varlen = "per_sequence"  # one call per sequence (auto keeps packs on triton's kernels: dispatch.auto_preference)
+    varlen = "kernels"  # a few varlen calls per branch for the whole pack (packs.py; head dims: VARLEN_HEAD_DIM_STEP)
 
     def unavailable(self) -> Optional[str]:
         """Whether flash-attn-4 is installed, without importing it (seconds) before the backend first runs: a
@@ -110,6 +115,13 @@ class Fa4Backend(Backend):
         if why is not None:
             raise RuntimeError(f"dilated_attn: the fa4 backend cannot run: {why}")
         return torch.ops.dilated_attn.fa4_forward, torch.ops.dilated_attn.fa4_backward
+
+    def forward_varlen(self, q, k, v, p):
+        self.ops()
+        if p.head_dim % VARLEN_HEAD_DIM_STEP:
+            return super().forward_varlen(q, k, v, p)  # one sequence at a time
+        return torch.ops.dilated_attn.fa4_varlen_forward(q, k, v, p.cu_seqlens, p.max_seqlen, *p.op_branches(),
+                                                         p.split_heads, p.causal, p.scale)
 
     def dense_ops(self):
         self.ops()  # loaded, or why not

@@ -15,11 +15,14 @@ SPEC.md, "Gradients"), added into the gradients through the steps' views.
 
 from __future__ import annotations
 
+import functools
+import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ...spec import lse_dtype
+from ...spec import check_offsets, lse_dtype
 from .. import compiled
 from ..autograd import register_attention_autograd
 # FlashAttention reads the views cuDNN reads (unit-stride rows, 16-byte aligned address and strides, no broadcast
@@ -27,8 +30,10 @@ from ..autograd import register_attention_autograd
 from ..cudnn.ops import _cudnn_layout as _aligned
 from ..cudnn.ops import _layouts, _plan_of
 from ...merge import merge_into
+from .packs import PackCall, PackPlan, plan_pack
 
-__all__ = ["fa4_forward", "fa4_backward", "dense_forward", "dense_backward"]
+__all__ = ["fa4_forward", "fa4_backward", "fa4_varlen_forward", "fa4_varlen_backward", "dense_forward",
+           "dense_backward"]
 
 # flash_attn.cute.interface, set by the backend's loader (fa4/__init__.py): flash-attn-4 is imported only when the
 # backend is chosen. Its private `_flash_attn_fwd` / `_flash_attn_bwd` are the calls that take preallocated results,
@@ -69,10 +74,12 @@ def _accumulate(targets, grads, store: bool) -> None:
 
 
 def _merge(out_view, lse_view, part_out, part_lse) -> None:
+    """(out_view, lse_view) <- their merge with (part_out, part_lse); rows whose part_lse is -inf keep their values
+    and part_out is not read there (the kernel skips it: a packed call's rows between its runs hold no result)."""
     if out_view.is_cuda and compiled.has_kernel("cuda"):
         torch.ops.dilated_attn.cudnn_merge(out_view, lse_view, part_out, part_lse)
     else:  # an extension built without CUDA: the same merge in PyTorch
-        merge_into(out_view, lse_view, part_out, part_lse)
+        merge_into(out_view, lse_view, part_out.masked_fill((part_lse == float("-inf"))[..., None], 0), part_lse)
 
 
 @torch.library.custom_op("dilated_attn::fa4_forward", mutates_args=())
@@ -171,6 +178,213 @@ def _(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, sp
 
 
 register_attention_autograd("dilated_attn::fa4_forward", "fa4_backward")
+
+
+# Packed sequences (dilated_attention_varlen): q `[T, H, D]`, out the same, lse `[H, T]` (FlashAttention's varlen
+# layouts). A few varlen calls per branch for the whole pack (packs.py), each on strided views of the tensors.
+
+
+@dataclass(frozen=True)
+class _DevicePack:
+    """A planned pack on its device: the plan and its metadata; where the sequences are moved, the moved row of each
+    of the pack's rows (`rows`) and the pack's row each moved row copies (`sources`, int64)."""
+
+    plan: PackPlan
+    metadata: torch.Tensor
+    rows: Optional[torch.Tensor]
+    sources: Optional[torch.Tensor]
+
+    def spread(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """`x` (its rows along `dim`) in the moved layout. The rows between the sequences copy a row of the pack:
+        FlashAttention's tiles read rows past a sequence's end (masked, but a NaN or inf there would still reach
+        the result through a zero weight)."""
+        return x if self.sources is None else x.index_select(dim, self.sources)
+
+    def gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """The pack's rows of a moved `x`."""
+        return x if self.rows is None else x.index_select(dim, self.rows)
+
+
+@functools.lru_cache(maxsize=16)
+def _planned(offsets: tuple, segment_lengths: tuple, dilation_rates: tuple, heads: int, kv_heads: int,
+             split_heads: bool, device: torch.device) -> _DevicePack:
+    """The pack's plan and its metadata on the device (one copy, shared by the forward and the backward)."""
+    pack = plan_pack(offsets, segment_lengths, dilation_rates, heads, kv_heads, split_heads)
+    metadata = torch.tensor(pack.plan.metadata, dtype=torch.int32).to(device, non_blocking=True)
+    if pack.starts is None:
+        return _DevicePack(pack.plan, metadata, None, None)
+    # row i of sequence j moves from offsets[j] + i to starts[j] + i; a row between sequences copies the row before
+    lengths = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])])
+    rows = torch.arange(offsets[-1]) + (torch.tensor(pack.starts) - torch.tensor(offsets[:-1])).repeat_interleave(
+        lengths)
+    sources = torch.zeros(pack.total, dtype=torch.int64).index_copy_(0, rows, torch.arange(offsets[-1]))
+    sources = sources.cummax(0).values
+    return _DevicePack(pack.plan, metadata, rows.to(device, non_blocking=True),
+                       sources.to(device, non_blocking=True))
+
+
+# id(cu_seqlens) -> (a weak reference to it, its version, its values): offsets read once per tensor
+_OFFSETS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+
+
+def _offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    """cu_seqlens' values on the host. Reading them waits for the GPU, so they are read once per tensor and kept
+    while it lives unchanged (its version counter, which every in-place write moves): a model's layers and their
+    backwards, handed one cu_seqlens, read it once."""
+    if cu_seqlens.is_inference():  # no version counter to tell a change by
+        return cu_seqlens.tolist()
+    known = _OFFSETS.get(id(cu_seqlens))
+    if known is not None and known[0]() is cu_seqlens and known[1] == cu_seqlens._version:
+        return known[2]
+    offsets = cu_seqlens.tolist()
+    key = id(cu_seqlens)
+    _OFFSETS[key] = (weakref.ref(cu_seqlens, lambda _: _OFFSETS.pop(key, None)), cu_seqlens._version, offsets)
+    return offsets
+
+
+def _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads) -> _DevicePack:
+    # the offsets are checked where they are read: validate_varlen cannot read them
+    offsets = _offsets(cu_seqlens)
+    check_offsets(offsets, q.shape[0], max_seqlen)
+    return _planned(tuple(offsets), tuple(segment_lengths), tuple(dilation_rates), q.shape[1], k.shape[1],
+                    split_heads, q.device)
+
+
+def _pack_view(x: torch.Tensor, call: PackCall, kv: bool = False) -> torch.Tensor:
+    """The call's view `[rows, heads, D]` of `[T, H, D]`: rows `start + dilation*i`, its query or kv heads."""
+    head0, n = (call.kv_head0, call.kv_heads) if kv else (call.head0, call.n_heads)
+    st, sh, sd = x.stride()
+    return x.as_strided((call.rows, n, x.shape[2]), (call.dilation * st, sh, sd),
+                        x.storage_offset() + call.start * st + head0 * sh)
+
+
+def _pack_lse_view(lse: torch.Tensor, call: PackCall) -> torch.Tensor:
+    """The call's view `[heads, rows]` of an LSE `[H, T]`."""
+    sh, st = lse.stride()
+    return lse.as_strided((call.n_heads, call.rows), (sh, call.dilation * st),
+                          lse.storage_offset() + call.start * st + call.head0 * sh)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """`[rows, heads, D]` as the merge and addition kernels' `[1, heads, rows, D]`."""
+    return x.permute(1, 0, 2)[None]
+
+
+def _lengths(call: PackCall, metadata: torch.Tensor) -> dict:
+    """FlashAttention's varlen arguments of the call: its runs' starts in the view, and their lengths where the view
+    has rows between them."""
+    starts = metadata[call.at:call.at + call.count + 1]
+    given = dict(cu_seqlens_q=starts, cu_seqlens_k=starts, max_seqlen_q=call.longest, max_seqlen_k=call.longest)
+    if call.used:
+        used = metadata[call.at + call.used:call.at + call.used + call.count]
+        given.update(seqused_q=used, seqused_k=used)
+    return given
+
+
+@torch.library.custom_op("dilated_attn::fa4_varlen_forward", mutates_args=())
+def fa4_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    split_heads: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads)
+    q, k, v = pack.spread(q), pack.spread(k), pack.spread(v)
+    plan, metadata = pack.plan, pack.metadata
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype), device=q.device)
+    if not plan.first_stores:
+        out.zero_()
+        lse.fill_(float("-inf"))
+    for i, calls in enumerate(plan.calls):
+        for call in calls:
+            views = dict(q=_pack_view(q, call), k=_pack_view(k, call, True), v=_pack_view(v, call, True))
+            outs, lses = _pack_view(out, call), _pack_lse_view(lse, call)
+            if i == 0 and plan.first_stores:  # every row of the pack once: written in place
+                fa._flash_attn_fwd(**views, **_lengths(call, metadata), softmax_scale=scale, causal=causal,
+                                   return_lse=True, out=outs, lse=lses)
+                continue
+            # the rows between runs keep an LSE of -inf, which the merge passes over
+            part_lse = None
+            if call.used:
+                part_lse = torch.full((call.n_heads, call.rows), float("-inf"), dtype=lse.dtype, device=q.device)
+            part_out, part_lse = fa._flash_attn_fwd(**views, **_lengths(call, metadata), softmax_scale=scale,
+                                                    causal=causal, return_lse=True, lse=part_lse)[:2]
+            _merge(_heads_first(outs), lses[None], _heads_first(part_out), part_lse[None])
+    return pack.gather(out), pack.gather(lse, 1)
+
+
+@fa4_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, causal, scale):
+    T, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((H, T), dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("dilated_attn::fa4_varlen_backward", mutates_args=())
+def fa4_varlen_backward(
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    split_heads: bool,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
+    lse = lse.to(lse_dtype(q.dtype))
+    grad_lse = None if grad_lse is None else grad_lse.to(lse.dtype)
+    pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads)
+    q, k, v, grad_out, out = (pack.spread(x) for x in (q, k, v, grad_out, out))
+    lse = pack.spread(lse, 1)
+    grad_lse = None if grad_lse is None else pack.spread(grad_lse, 1)
+    plan, metadata = pack.plan, pack.metadata
+    make = torch.empty if plan.first_stores else torch.zeros
+    grad_q = make(q.shape, dtype=q.dtype, device=q.device)
+    grad_k = make(k.shape, dtype=q.dtype, device=q.device)
+    grad_v = make(k.shape, dtype=q.dtype, device=q.device)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    for i, calls in enumerate(plan.calls):
+        stored = i == 0 and plan.first_stores
+        for call in calls:
+            targets = (_pack_view(grad_q, call), _pack_view(grad_k, call, True), _pack_view(grad_v, call, True))
+            direct = stored and all(t.is_contiguous() for t in targets)
+            if direct:
+                given = dict(zip(("dq", "dk", "dv"), targets))
+            elif call.used:  # FlashAttention does not write the rows between runs: zeros, which add nothing
+                given = {name: torch.zeros_like(t) for name, t in zip(("dq", "dk", "dv"), targets)}
+            else:
+                given = {}
+            dlse = None if grad_lse is None else _pack_lse_view(grad_lse, call)
+            grads = fa._flash_attn_bwd(_pack_view(q, call), _pack_view(k, call, True), _pack_view(v, call, True),
+                                       _pack_view(out, call), _pack_view(grad_out, call), _pack_lse_view(lse, call),
+                                       softmax_scale=scale, causal=causal, deterministic=deterministic, dlse=dlse,
+                                       **_lengths(call, metadata), **given)[:3]
+            if not direct:
+                _accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads], stored)
+    return pack.gather(grad_q), pack.gather(grad_k), pack.gather(grad_v)
+
+
+@fa4_varlen_backward.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads,
+      causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+register_attention_autograd("dilated_attn::fa4_varlen_forward", "fa4_varlen_backward")
 
 
 def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

@@ -1,0 +1,171 @@
+"""The calls of packed sequences (dilated_attention_varlen) on FlashAttention's variable-length interface: a few calls
+per branch for the whole pack, not calls per sequence.
+
+Of one branch `(w, r)`, the query heads that share an offset `o` take, in segment `[a, a + s)` of a sequence, the
+rows `a + o + r*i`. Every such run of rows is one "sequence" of a varlen call over the strided view `[rows, heads,
+D]` of `[T, H, D]` that starts at row `t` and steps `r` rows: the run starts at view row `(a + o - t) / r`, so the
+runs of all segments of all sequences whose start `a + o` has the residue `t` modulo `r` go in one call. Segment
+lengths divisible by `r` (LongNet's) keep one residue per sequence; a pack whose sequences start at multiples of
+every `r` (lengths divisible by them) then takes, per branch, one call per offset group, as a uniform batch does. In
+a pack of other lengths the starts take several residues, one call each (up to `r` per offset group): where that
+costs more calls than copying the tensors does, the ops run on a copy with each sequence moved to a multiple of the
+dilations (plan_pack).
+
+A view's rows between the runs (other sequences' rows, or a shorter last segment's) belong to no sequence of the
+call: FlashAttention then takes `seqused` (each run's length, `cu_seqlens` its start) and neither reads nor writes
+them, so the results there are not defined, and the ops merge and add only the runs' rows (ops.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ...spec import Branch, branch_table, covers_everything
+
+__all__ = ["Pack", "PackCall", "PackPlan", "pack_plan", "plan_pack"]
+
+# FlashAttention reads cu_seqlens and seqused at 16-byte aligned addresses: each call's slice of the plan's int32
+# metadata starts at a multiple of 4 values.
+_ALIGN = 4
+
+
+@dataclass(frozen=True)
+class PackCall:
+    """One varlen call: the view of rows `start + dilation*i` (`rows` of them) and query heads `[head0, head0 +
+    n_heads)` (kv heads `[kv_head0, kv_head0 + kv_heads)`), and its `count` runs, whose starts (then the end of the
+    last) are the plan's `metadata[at : at + count + 1]` and lengths `metadata[at + used : at + used + count]`
+    (`used` 0: no gaps, the starts alone define them)."""
+
+    start: int
+    dilation: int
+    rows: int
+    head0: int
+    n_heads: int
+    kv_head0: int
+    kv_heads: int
+    count: int
+    at: int
+    used: int
+    longest: int
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """The calls of each branch, whether the first branch's calls write every (row, head) of the results once (so
+    they store, and the results need no initial value), and the calls' int32 metadata (one copy to the device)."""
+
+    calls: tuple[tuple[PackCall, ...], ...]
+    first_stores: bool
+    metadata: tuple[int, ...]
+
+
+def _head_runs(br: Branch, group: int) -> list[tuple[int, int, int, int, int]]:
+    """(offset, first head, heads, first kv head, kv heads) of each run of query heads sharing an offset that one
+    call can take: FlashAttention has query head `i` of a call read kv head `i // (heads / kv_heads)`, so a run
+    whose heads do not map so onto kv heads `h // group` is cut into runs of one kv head."""
+    runs = []
+    for h in range(br.head_lo, br.head_hi, br.offset_div):
+        n = min(br.offset_div, br.head_hi - h)
+        kv0, kv_end = h // group, (h + n - 1) // group + 1
+        per_kv = n // (kv_end - kv0)
+        if n % (kv_end - kv0) == 0 and all((h + i) // group == kv0 + i // per_kv for i in range(n)):
+            runs.append((br.offset(h), h, n, kv0, kv_end - kv0))
+            continue
+        for kv in range(kv0, kv_end):
+            lo, hi = max(h, kv * group), min(h + n, (kv + 1) * group)
+            runs.append((br.offset(h), lo, hi - lo, kv, 1))
+    return runs
+
+
+def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
+    """The runs of rows of one offset group over every segment of every sequence (`(start, length)` in the pack),
+    keyed by their first row's residue modulo r: `(first row, members)` each."""
+    r = br.dilation
+    by_residue: dict[int, list[tuple[int, int]]] = {}
+    for a, n in lengths:
+        s = min(br.segment_length, n)  # segments are clipped to each sequence
+        for first in range(a, a + n, s):
+            length = min(s, a + n - first)
+            if offset < length:
+                row = first + offset
+                by_residue.setdefault(row % r, []).append((row, -(-(length - offset) // r)))
+    return by_residue
+
+
+def pack_plan(sequences: tuple[tuple[int, int], ...], total: int, segment_lengths: tuple[int, ...],
+              dilation_rates: tuple[int, ...], heads: int, kv_heads: int, split_heads: bool) -> PackPlan:
+    """The calls of sequences `(start, length)` (in order, apart or not) in tensors of `total` rows."""
+    lengths = [(a, n) for a, n in sequences if n > 0]
+    longest = max((n for _, n in lengths), default=0)
+    if not lengths:
+        return PackPlan((), False, ())
+    table = branch_table(list(segment_lengths), list(dilation_rates), longest, heads,
+                         "split" if split_heads else "all")
+    metadata: list[int] = []
+    branches = []
+    for br in table:
+        r = br.dilation
+        calls = []
+        for offset, head0, n_heads, kv_head0, n_kv in _head_runs(br, heads // kv_heads):
+            for t, runs in sorted(_runs(br, offset, lengths).items()):
+                rows = (total - 1 - t) // r + 1
+                starts = [(row - t) // r for row, _ in runs]
+                counts = [m for _, m in runs]
+                gapless = starts[0] == 0 and starts[-1] + counts[-1] == rows and all(
+                    a + m == b for a, m, b in zip(starts, counts, starts[1:]))
+                at = len(metadata)
+                metadata += starts + [starts[-1] + counts[-1]]
+                used = 0
+                if not gapless:
+                    metadata += [0] * (-len(metadata) % _ALIGN)
+                    used = len(metadata) - at
+                    metadata += counts
+                metadata += [0] * (-len(metadata) % _ALIGN)
+                calls.append(PackCall(t, r, rows, head0, n_heads, kv_head0, n_kv, len(runs), at, used, max(counts)))
+        branches.append(tuple(calls))
+    return PackPlan(tuple(branches), covers_everything(table[0], heads), tuple(metadata))
+
+
+@dataclass(frozen=True)
+class Pack:
+    """How the ops run a pack: its plan, and where it runs on a copy of the tensors with every sequence moved to a
+    multiple of every dilation (`starts`, in `total` rows), the new first rows."""
+
+    plan: PackPlan
+    starts: Optional[tuple[int, ...]]
+    total: int
+
+
+# Moving the sequences costs a copy of each tensor in and of each result out, about what this many calls cost in host
+# time (an H200: a varlen call takes 122 us of host time; the copies of a pack of 64K tokens, H = 16, D = 128, 0.54 ms
+# in the forward): a pack is moved where that saves more calls than this.
+MOVE_SAVES_CALLS = 4
+
+
+def _calls(plan: PackPlan) -> int:
+    return sum(len(calls) for calls in plan.calls)
+
+
+@functools.lru_cache(maxsize=64)
+def plan_pack(offsets: tuple[int, ...], segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...],
+              heads: int, kv_heads: int, split_heads: bool) -> Pack:
+    """The calls of a pack with these `offsets` (cu_seqlens' values, checked): in place, or, where the sequences'
+    starts have several residues modulo the dilations (one call each) and moving them saves calls, on the moved
+    copy."""
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    args = (segment_lengths, dilation_rates, heads, kv_heads, split_heads)
+    here = pack_plan(tuple(zip(offsets, lengths)), offsets[-1], *args)
+    step = math.lcm(*dilation_rates)
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += -(-n // step) * step
+    if starts == list(offsets[:-1]) or total > 2 * offsets[-1]:
+        return Pack(here, None, offsets[-1])
+    moved = pack_plan(tuple(zip(starts, lengths)), total, *args)
+    if _calls(here) <= _calls(moved) + MOVE_SAVES_CALLS:
+        return Pack(here, None, offsets[-1])
+    return Pack(moved, tuple(starts), total)
