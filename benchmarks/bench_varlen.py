@@ -4,9 +4,12 @@ padding the pack to a batch.
     python benchmarks/bench_varlen.py                 # bf16, H=16, D=128, LongNet branches
     python benchmarks/bench_varlen.py --causal --out varlen.json
     python benchmarks/bench_varlen.py --eight --backends triton,cudnn,fa4   # 8 sequences, 64K tokens, per backend
+    python benchmarks/bench_varlen.py --eight --ragged --backends triton,fa4  # their lengths off multiples of 2
 
 Rows (each measured in this process, on the same GPU, forward and forward+backward):
-  pack      dilated_attention_varlen over 16 sequences of 1K-16K tokens, 128K in all (LENGTHS; --eight: EIGHT)
+  pack      dilated_attention_varlen over 16 sequences of 1K-16K tokens, 128K in all (LENGTHS; --eight: EIGHT;
+            --ragged: the same tokens in sequences of odd lengths, RAGGED or RAGGED_EIGHT, so that their starts take
+            every residue modulo the dilations)
   uniform   dilated_attention over one sequence of those 128K tokens ([1, 131072, H, D])
   padded    dilated_attention over the pack padded to a batch of 16 x 16K ([16, 16384, H, D]): what a user
             without varlen runs (padding keys then enter the short sequences' softmax: a cost only, not a result)
@@ -32,6 +35,9 @@ from dilated_attn.spec import flops, validate, validate_varlen
 
 LENGTHS = [1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168, 10240, 6144]
 EIGHT = [4096, 12288, 2048, 16384, 6144, 10240, 8192, 6144]  # --eight: 8 sequences, 65536 tokens
+# --ragged: the same totals in lengths of no common factor (each a few tokens off the above)
+RAGGED = [1021, 16411, 2039, 12263, 4099, 9221, 15349, 3067, 6151, 11251, 8209, 13309, 5113, 7177, 10243, 6149]
+RAGGED_EIGHT = [4001, 12289, 2085, 16373, 6150, 10233, 8275, 6130]
 
 
 def main(argv=None) -> None:
@@ -45,6 +51,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/varlen_<device>.json)")
     ap.add_argument("--eight", action="store_true", help="a pack of 8 sequences, 64K tokens (EIGHT), not 16")
+    ap.add_argument("--ragged", action="store_true", help="the same tokens in sequences of odd lengths")
     ap.add_argument("--backends", default="triton",
                     help="comma-separated backends, each timed on the pack and the uniform sequence (padded: the first)")
     args = ap.parse_args(argv)
@@ -52,7 +59,8 @@ def main(argv=None) -> None:
     dev = torch.cuda.get_device_name()
     say(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}")
     segs, dils = LONGNET
-    lengths = EIGHT if args.eight else LENGTHS
+    lengths = {(False, False): LENGTHS, (True, False): EIGHT, (False, True): RAGGED,
+               (True, True): RAGGED_EIGHT}[args.eight, args.ragged]
     T, longest = sum(lengths), max(lengths)
     g = torch.Generator(device="cuda").manual_seed(0)
 
