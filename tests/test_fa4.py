@@ -383,7 +383,7 @@ def test_packs_equal_each_sequence_alone(index, move, math_interface, monkeypatc
 
 def test_packs_of_other_head_dims_run_one_sequence_at_a_time(math_interface, monkeypatch):
     """Head dims FlashAttention's varlen backward did not compute exactly (fa4.VARLEN_HEAD_DIM_STEP) take the
-    per-sequence calls; one cu_seqlens is read once, and again after it changes in place."""
+    per-sequence calls; a cu_seqlens changed in place is read again."""
     from dilated_attn.spec import validate_varlen
 
     backend = _use_math_interface(monkeypatch)
@@ -393,7 +393,7 @@ def test_packs_of_other_head_dims_run_one_sequence_at_a_time(math_interface, mon
     assert math_interface.varlen_calls == 0 and math_interface.forward_calls > 0
     q, k, v = (torch.randn(24, 2, 32, dtype=torch.float64) for _ in range(3))
     out = backend.forward_varlen(q, k, v, validate_varlen(q, k, v, cu, [8], [2]))[0]
-    assert math_interface.varlen_calls > 0 and ops._OFFSETS[id(cu)][2] == [0, 5, 24]
+    assert math_interface.varlen_calls > 0
     cu[1] = 9  # in place: read again
     out = backend.forward_varlen(q, k, v, validate_varlen(q, k, v, cu, [8], [2]))[0]
     want = torch.cat([dilated_attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], [8], [2])[0][0]

@@ -225,3 +225,22 @@ def test_bad_offsets_under_torch_compile_are_refused(backend):
     assert compiled(torch.tensor([0, 13, 30, 40])).shape == (40, 2, 8)
     with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
         compiled(torch.tensor([0, 30, 13, 40]))
+
+
+def test_offsets_are_read_once_per_tensor_and_again_after_a_change():
+    """host_offsets keeps a cu_seqlens tensor's values while it lives unchanged (a model's layers share one read)
+    and reads them again after an in-place write; a new tensor is read anew; inference tensors every time."""
+    from dilated_attn import spec
+
+    cu = torch.tensor([0, 3, 7])
+    assert spec.host_offsets(cu) == [0, 3, 7] and spec._OFFSETS[id(cu)][2] == [0, 3, 7]
+    spec._OFFSETS[id(cu)][2][1] = 4  # what a second read would return if it were not read again
+    assert spec.host_offsets(cu) == [0, 4, 7]
+    cu[1] = 5  # in place: the version moves, so it is read again
+    assert spec.host_offsets(cu) == [0, 5, 7]
+    key = id(cu)
+    del cu
+    assert key not in spec._OFFSETS
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 2])
+    assert spec.host_offsets(frozen) == [0, 2]

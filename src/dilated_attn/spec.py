@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -354,6 +355,25 @@ def _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, c
     )
 
 
+# id(cu_seqlens) -> (a weak reference to it, its version, its values): host_offsets' reads
+_OFFSETS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    """cu_seqlens' values on the host. Reading a GPU tensor waits for the GPU, so they are read once per tensor and
+    kept while it lives unchanged (its version counter, which every in-place write moves): a model's layers and
+    their backwards, handed one cu_seqlens, read it once."""
+    if cu_seqlens.is_inference():  # no version counter to tell a change by
+        return cu_seqlens.tolist()
+    known = _OFFSETS.get(id(cu_seqlens))
+    if known is not None and known[0]() is cu_seqlens and known[1] == cu_seqlens._version:
+        return known[2]
+    offsets = cu_seqlens.tolist()
+    key = id(cu_seqlens)
+    _OFFSETS[key] = (weakref.ref(cu_seqlens, lambda _: _OFFSETS.pop(key, None)), cu_seqlens._version, offsets)
+    return offsets
+
+
 def check_offsets(offsets: list[int], total: int, max_seqlen: Optional[int]) -> int:
     """The rules of cu_seqlens' values (0 first, `total` last, non-decreasing, no sequence longer than max_seqlen
     where given); returns the longest sequence. Wherever the offsets are read on the host, they are checked."""
@@ -371,6 +391,48 @@ def check_offsets(offsets: list[int], total: int, max_seqlen: Optional[int]) -> 
     if max_seqlen is not None and max_seqlen < longest:
         raise ValueError(f"max_seqlen ({max_seqlen}) must be at least the longest sequence ({longest})")
     return longest
+
+
+def check_packed_tensors(q, k, v) -> None:
+    """Packed sequences' q `[T, Hq, D]`, k and v `[T, Hkv, D]`: tensors, 3-D, k and v alike and of q's rows."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [total_tokens, heads, head_dim] for packed sequences, got shape "
+                             f"{tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must have q's total number of tokens ({q.shape[0]}), got {k.shape[0]}")
+
+
+def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, max_seqlen) -> int:
+    """The rules of packed sequences' offsets `cu_seqlens` over `total` rows on `device` (their type, dtype, shape
+    and device; their values, read back to the host, except under torch.compile, where `max_seqlen` is required
+    and trusted); returns max_seqlen (the longest sequence where not given)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64 offsets, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with S + 1 >= 1 offsets, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens must be on q's device ({device}), got {cu_seqlens.device}")
+    if max_seqlen is not None:
+        if not _is_int(max_seqlen):
+            raise TypeError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+    if torch.compiler.is_compiling():
+        if max_seqlen is None:
+            raise ValueError("max_seqlen is required under torch.compile: finding the longest sequence would read "
+                             "cu_seqlens back to the host and break the graph")
+    else:
+        longest = check_offsets(host_offsets(cu_seqlens), total, max_seqlen)
+        if max_seqlen is None:
+            max_seqlen = longest
+    return int(max_seqlen)
 
 
 def validate_varlen(
@@ -395,40 +457,10 @@ def validate_varlen(
     `max_seqlen` is required and trusted, the kernels keep every access inside the pack whatever the offsets, and
     the backends that read the offsets on the host (one call per sequence) check them there (check_offsets).
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [total_tokens, heads, head_dim] for packed sequences, got shape "
-                             f"{tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k and v must have q's total number of tokens ({q.shape[0]}), got {k.shape[0]}")
+    check_packed_tensors(q, k, v)
     p = validate(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), segment_lengths, dilation_rates, causal=causal,
                  scale=scale, head_groups=head_groups, return_lse=return_lse, backend=backend)
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32 or int64 offsets, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be 1-D with S + 1 >= 1 offsets, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens must be on q's device ({q.device}), got {cu_seqlens.device}")
-    T = q.shape[0]
-    if max_seqlen is not None:
-        if not _is_int(max_seqlen):
-            raise TypeError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
-        if max_seqlen < 0:
-            raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
-    if torch.compiler.is_compiling():
-        if max_seqlen is None:
-            raise ValueError("max_seqlen is required under torch.compile: finding the longest sequence would read "
-                             "cu_seqlens back to the host and break the graph")
-    else:
-        longest = check_offsets(cu_seqlens.tolist(), T, max_seqlen)
-        if max_seqlen is None:
-            max_seqlen = longest
+    max_seqlen = check_cu_seqlens(cu_seqlens, q.shape[0], q.device, max_seqlen)
     return dataclasses.replace(p, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
 
 
@@ -591,7 +623,7 @@ def flops(problem: Problem, backward: bool = False) -> float:
     head_groups="all"), halved for causal, x3.5 with backward (forward 2 matmuls, backward 5). Packed sequences
     count each sequence with its own length (its segments clipped to it)."""
     if problem.varlen:
-        offsets = problem.cu_seqlens.tolist()
+        offsets = host_offsets(problem.cu_seqlens)
         return sum(flops(sequence_problem(problem, end - start), backward) for start, end in zip(offsets, offsets[1:]))
     b = problem
     work = sum((br.head_hi - br.head_lo) * br.seg_len / br.dilation**2 for br in b.branches)

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..spec import CacheProblem, Problem, check_offsets, dtype_name, lse_dtype, sequence_problem
+from ..spec import CacheProblem, Problem, check_offsets, dtype_name, host_offsets, lse_dtype, sequence_problem
 
 __all__ = ["Backend", "OnceLoader"]
 
@@ -128,7 +128,7 @@ class Backend:
         """The forward of packed sequences (q `[T, Hq, D]`): `(out [T, Hq, D], lse [Hq, T])`, differentiable.
         Here one forward per sequence, concatenated (what "per_sequence" backends run). The offsets, read here,
         are checked here too: validate_varlen cannot read them under torch.compile."""
-        offsets = p.cu_seqlens.tolist()
+        offsets = host_offsets(p.cu_seqlens)
         check_offsets(offsets, q.shape[0], p.max_seqlen)
         outs, lses = [], []
         for start, end in zip(offsets, offsets[1:]):

@@ -16,13 +16,12 @@ SPEC.md, "Gradients"), added into the gradients through the steps' views.
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ...spec import check_offsets, lse_dtype
+from ...spec import check_offsets, host_offsets, lse_dtype
 from .. import compiled
 from ..autograd import register_attention_autograd
 # FlashAttention reads the views cuDNN reads (unit-stride rows, 16-byte aligned address and strides, no broadcast
@@ -207,9 +206,9 @@ class _DevicePack:
 
 @functools.lru_cache(maxsize=16)
 def _planned(offsets: tuple, segment_lengths: tuple, dilation_rates: tuple, heads: int, kv_heads: int,
-             split_heads: bool, device: torch.device) -> _DevicePack:
+             split_heads: bool, head_start: int, global_heads: int, device: torch.device) -> _DevicePack:
     """The pack's plan and its metadata on the device (one copy, shared by the forward and the backward)."""
-    pack = plan_pack(offsets, segment_lengths, dilation_rates, heads, kv_heads, split_heads)
+    pack = plan_pack(offsets, segment_lengths, dilation_rates, heads, kv_heads, split_heads, head_start, global_heads)
     metadata = torch.tensor(pack.plan.metadata, dtype=torch.int32).to(device, non_blocking=True)
     if pack.starts is None:
         return _DevicePack(pack.plan, metadata, None, None)
@@ -223,31 +222,13 @@ def _planned(offsets: tuple, segment_lengths: tuple, dilation_rates: tuple, head
                        sources.to(device, non_blocking=True))
 
 
-# id(cu_seqlens) -> (a weak reference to it, its version, its values): offsets read once per tensor
-_OFFSETS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
-
-
-def _offsets(cu_seqlens: torch.Tensor) -> list[int]:
-    """cu_seqlens' values on the host. Reading them waits for the GPU, so they are read once per tensor and kept
-    while it lives unchanged (its version counter, which every in-place write moves): a model's layers and their
-    backwards, handed one cu_seqlens, read it once."""
-    if cu_seqlens.is_inference():  # no version counter to tell a change by
-        return cu_seqlens.tolist()
-    known = _OFFSETS.get(id(cu_seqlens))
-    if known is not None and known[0]() is cu_seqlens and known[1] == cu_seqlens._version:
-        return known[2]
-    offsets = cu_seqlens.tolist()
-    key = id(cu_seqlens)
-    _OFFSETS[key] = (weakref.ref(cu_seqlens, lambda _: _OFFSETS.pop(key, None)), cu_seqlens._version, offsets)
-    return offsets
-
-
-def _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads) -> _DevicePack:
+def _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, head_start,
+             global_heads) -> _DevicePack:
     # the offsets are checked where they are read: validate_varlen cannot read them
-    offsets = _offsets(cu_seqlens)
+    offsets = host_offsets(cu_seqlens)
     check_offsets(offsets, q.shape[0], max_seqlen)
     return _planned(tuple(offsets), tuple(segment_lengths), tuple(dilation_rates), q.shape[1], k.shape[1],
-                    split_heads, q.device)
+                    split_heads, head_start, global_heads, q.device)
 
 
 def _pack_view(x: torch.Tensor, call: PackCall, kv: bool = False) -> torch.Tensor:
@@ -293,9 +274,12 @@ def fa4_varlen_forward(
     split_heads: bool,
     causal: bool,
     scale: float,
+    head_start: int = 0,
+    global_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads)
+    pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, head_start,
+                    global_heads)
     q, k, v = pack.spread(q), pack.spread(k), pack.spread(v)
     plan, metadata = pack.plan, pack.metadata
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -322,7 +306,8 @@ def fa4_varlen_forward(
 
 
 @fa4_varlen_forward.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, causal, scale):
+def _(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0,
+      global_heads=0):
     T, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((H, T), dtype=lse_dtype(q.dtype))
 
@@ -343,11 +328,14 @@ def fa4_varlen_backward(
     split_heads: bool,
     causal: bool,
     scale: float,
+    head_start: int = 0,
+    global_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse = lse.to(lse_dtype(q.dtype))
     grad_lse = None if grad_lse is None else grad_lse.to(lse.dtype)
-    pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads)
+    pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, head_start,
+                    global_heads)
     q, k, v, grad_out, out = (pack.spread(x) for x in (q, k, v, grad_out, out))
     lse = pack.spread(lse, 1)
     grad_lse = None if grad_lse is None else pack.spread(grad_lse, 1)
@@ -380,7 +368,7 @@ def fa4_varlen_backward(
 
 @fa4_varlen_backward.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads,
-      causal, scale):
+      causal, scale, head_start=0, global_heads=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -96,14 +96,16 @@ def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, 
 
 
 def pack_plan(sequences: tuple[tuple[int, int], ...], total: int, segment_lengths: tuple[int, ...],
-              dilation_rates: tuple[int, ...], heads: int, kv_heads: int, split_heads: bool) -> PackPlan:
-    """The calls of sequences `(start, length)` (in order, apart or not) in tensors of `total` rows."""
+              dilation_rates: tuple[int, ...], heads: int, kv_heads: int, split_heads: bool, head_start: int = 0,
+              global_heads: int = 0) -> PackPlan:
+    """The calls of sequences `(start, length)` (in order, apart or not) in tensors of `total` rows; the heads are
+    those `[head_start, head_start + heads)` of a problem of `global_heads` (spec.branch_table)."""
     lengths = [(a, n) for a, n in sequences if n > 0]
     longest = max((n for _, n in lengths), default=0)
     if not lengths:
         return PackPlan((), False, ())
     table = branch_table(list(segment_lengths), list(dilation_rates), longest, heads,
-                         "split" if split_heads else "all")
+                         "split" if split_heads else "all", head_start, global_heads)
     metadata: list[int] = []
     branches = []
     for br in table:
@@ -126,7 +128,7 @@ def pack_plan(sequences: tuple[tuple[int, int], ...], total: int, segment_length
                 metadata += [0] * (-len(metadata) % _ALIGN)
                 calls.append(PackCall(t, r, rows, head0, n_heads, kv_head0, n_kv, len(runs), at, used, max(counts)))
         branches.append(tuple(calls))
-    return PackPlan(tuple(branches), covers_everything(table[0], heads), tuple(metadata))
+    return PackPlan(tuple(branches), bool(table) and covers_everything(table[0], heads), tuple(metadata))
 
 
 @dataclass(frozen=True)
@@ -151,12 +153,12 @@ def _calls(plan: PackPlan) -> int:
 
 @functools.lru_cache(maxsize=64)
 def plan_pack(offsets: tuple[int, ...], segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...],
-              heads: int, kv_heads: int, split_heads: bool) -> Pack:
+              heads: int, kv_heads: int, split_heads: bool, head_start: int = 0, global_heads: int = 0) -> Pack:
     """The calls of a pack with these `offsets` (cu_seqlens' values, checked): in place, or, where the sequences'
     starts have several residues modulo the dilations (one call each) and moving them saves calls, on the moved
     copy."""
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    args = (segment_lengths, dilation_rates, heads, kv_heads, split_heads)
+    args = (segment_lengths, dilation_rates, heads, kv_heads, split_heads, head_start, global_heads)
     here = pack_plan(tuple(zip(offsets, lengths)), offsets[-1], *args)
     step = math.lcm(*dilation_rates)
     starts, total = [], 0
