@@ -439,7 +439,66 @@ def _check_bad_rank(results, cases):
     assert not failures, "\n".join(failures)
 
 
-JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank}
+def _compare_packed(case, rank):
+    """A pack's shards through ring_attention(cu_seqlens=...) against dilated_attention_varlen on the whole pack in
+    this process (float64, the cpu backend): out, LSE and the gradients of this rank's rows."""
+    lengths, Hq, Hkv, D = case["pack"]
+    T = sum(lengths)
+    q, k, v, go, gl = _global_inputs(dict(shape=(1, T, Hq, Hkv, D), seed=case["seed"]), torch.float64, "cpu")
+    q, k, v, go, gl = q[0], k[0], v[0], go[0], gl[0]
+    cu = torch.tensor([0, *__import__("itertools").accumulate(lengths)], dtype=torch.int32)
+    kw = dict(causal=case.get("causal", False), return_lse=True)
+    layout = case.get("layout", "contiguous")
+
+    def run(q, k, v, go, gl, ring):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        if ring:
+            out, lse = dilated_attn.ring_attention(*leaves, case["w"], case["r"], cu_seqlens=cu, layout=layout,
+                                                   mode=case.get("mode", "auto"), **kw)
+        else:
+            out, lse = dilated_attn.dilated_attention_varlen(*leaves, cu, case["w"], case["r"], backend="cpu", **kw)
+        torch.autograd.backward((out, lse), (go, torch.where(torch.isfinite(lse), gl, 0)))
+        return [out.detach(), lse.detach()] + [x.grad for x in leaves]
+
+    def mine(x, dim=0):
+        return dilated_attn.shard(x, layout=layout, dim=dim)
+
+    got = run(*(mine(x) for x in (q, k, v, go)), mine(gl, 1), ring=True)
+    want = run(q, k, v, go, gl, ring=False)
+    errors = {}
+    for name, a, b, dim in zip(("out", "lse", "dq", "dk", "dv"), got, want, (0, 1, 0, 0, 0)):
+        b = mine(b, dim)
+        if a.shape != b.shape:
+            errors[name] = f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+            continue
+        if name == "lse" and not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+            errors[name] = "positions without keys differ"
+            continue
+        both = torch.isfinite(b)
+        err = (a[both] - b[both]).abs().max().item() if both.any() else 0.0
+        if not err <= TOL_F64:
+            errors[name] = err
+    return errors
+
+
+def _packed_cases(P: int) -> list:
+    """Packs of P*L rows whose sequences cross rank boundaries: empty and one-row sequences, segments longer than
+    a sequence, dilations that do not divide the lengths, GQA, causal, both layouts."""
+    L = 20
+    cases = [
+        dict(name="pack", pack=([5, 0, 17, P * L - 22], 4, 2, 3), w=[4, 8], r=[1, 2]),
+        dict(name="pack causal zigzag", pack=([1, 30, P * L - 31], 4, 4, 3), w=[6, 16], r=[1, 3], causal=True,
+             layout="zigzag"),
+        dict(name="pack MQA, one sequence", pack=([P * L], 2 * P, 1, 2), w=[3, 2 * L], r=[2, 5], causal=True),
+        dict(name="pack of short sequences", pack=([3] * (P * L // 3) + [P * L % 3], 2 * P, 2 * P, 2), w=[2, 64],
+             r=[1, 4]),
+    ]
+    for c in cases:
+        c["seed"] = zlib.crc32(c["name"].encode())
+    return cases
+
+
+JOBS = {"compare_packed": _compare_packed, "compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -463,6 +522,27 @@ def test_head_parallel_modes_match_dilated_attention_gloo(world, tmp_path):
     ranks, ring across the pairs), in the same world."""
     cases = _mode_cases(world, "heads") + (_mode_cases(4, "2d", inner=2) if world == 4 else [])
     _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_sequences_match_dilated_attention_varlen_gloo(world, tmp_path):
+    """ring_attention on the shards of a pack (cu_seqlens; the heads mode) equals dilated_attention_varlen on the
+    whole pack: out, LSE and gradients, sequences crossing ranks."""
+    cases = _packed_cases(world)
+    _check(_spawn(world, "gloo", "compare_packed", cases, tmp_path), cases)
+
+
+def test_packed_sequences_refuse_other_modes(tmp_path):
+    """Packed sequences run in mode 'heads': mode 'ring' is refused on every rank, naming the rule; and the shards
+    must be 3-D (one process)."""
+    cases = [dict(_packed_cases(2)[0], mode="ring")]
+    results = _spawn(2, "gloo", "compare_packed", cases, tmp_path)
+    for per_rank in results:
+        assert per_rank[0]["exception"] == "ValueError"
+        assert "packed sequences (cu_seqlens) run in mode='heads', not mode='ring'" in per_rank[0]["message"]
+    q = torch.randn(8, 2, 4)
+    with pytest.raises(ValueError, match="must be 3-D \\[total_tokens, heads, head_dim\\]"):
+        dilated_attn.ring_attention(q[None], q[None], q[None], [4], [1], cu_seqlens=torch.tensor([0, 3, 8]))
 
 
 def test_ring_on_subgroups_gloo(tmp_path):

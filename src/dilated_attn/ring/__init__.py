@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..functional import Attention, dilated_attention
-from ..spec import BACKEND_CHOICES
+from ..functional import Attention, dilated_attention, dilated_attention_varlen
+from ..spec import BACKEND_CHOICES, host_offsets
 from .autograd import RingAttention
 from .heads import HeadParallelFunction
 from .layout import LAYOUTS, shard, unshard
@@ -114,7 +114,8 @@ def _check_same_config(groups, q, fields, error: Exception | None) -> None:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
                    dilation_rates: Optional[Sequence[int]] = None, *, causal: bool = False,
                    scale: Optional[float] = None, head_groups: str = "all", group=None, layout: str = "contiguous",
-                   return_lse: bool = False, backend: str = "auto", mode: str = "auto") -> Attention:
+                   return_lse: bool = False, backend: str = "auto", mode: str = "auto",
+                   cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> Attention:
     """Dilated attention over a sequence sharded across the ranks of `group`.
 
     Every rank calls it with its shard; the result is `dilated_attention` of
@@ -147,9 +148,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
             dim, ring along its first), or "auto": "2d" for a mesh or a pair,
             else whichever of "ring" and "heads" moves fewer bytes per rank.
             `explain_ring(...)` says which and why.
+        cu_seqlens, max_seqlen: packed sequences, as in
+            `dilated_attention_varlen`: q is then this rank's shard
+            `[L, Hq, D]` (k, v `[L, Hkv, D]`) of a pack of `N = P * L`
+            rows, `cu_seqlens` the pack's offsets `[S + 1]` (the same on
+            every rank, on q's device); a sequence may cross ranks, and no
+            key is shared between sequences. They run in mode "heads".
 
     Returns:
-        out `[B, L, Hq, D]`, and with `return_lse=True` the LSE `[B, Hq, L]`.
+        out `[B, L, Hq, D]`, and with `return_lse=True` the LSE `[B, Hq, L]`
+        (packed: `[L, Hq, D]` and `[Hq, L]`).
 
     Every rank must pass the same configuration: the call all-gathers a small
     descriptor first and raises the same ValueError on every rank if they
@@ -181,16 +189,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     try:
         call = plan_call(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
                          head_groups=head_groups, layout=layout, return_lse=return_lse, backend=backend, mode=mode,
-                         groups=groups)
+                         groups=groups, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     except (ValueError, TypeError) as exc:
         if P == 1:
             raise
         _check_same_config(groups, q, None, exc)  # raises on every rank
         raise AssertionError("unreachable") from exc
+    packed = cu_seqlens is not None
     if P == 1:
+        if packed:
+            return dilated_attention_varlen(q, k, v, cu_seqlens, *call.branches, max_seqlen=max_seqlen, causal=causal,
+                                            scale=scale, head_groups=head_groups, return_lse=return_lse,
+                                            backend=backend)
         return dilated_attention(q, k, v, *call.branches, causal=causal, scale=scale, head_groups=head_groups,
                                  return_lse=return_lse, backend=backend)
-    digest = zlib.crc32(repr(("dense",) if segment_lengths is None else call.branches).encode())
+    # every rank's branches, and offsets where the sequences are packed, must agree
+    agreed = (("dense",) if segment_lengths is None else call.branches, host_offsets(cu_seqlens) if packed else None)
+    digest = zlib.crc32(repr(agreed).encode())
     scale_bits = struct.unpack("<q", struct.pack("<d", call.problem.scale))[0]
     p = call.problem
     _check_same_config(groups, q, (
@@ -200,6 +215,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
         digest, _CODES["mode"][call.mode]), None)
     if call.mode == "ring":
         out, lse = RingAttention.apply(q, k, v, call.ring)
+    elif packed:  # the shards [L, H, D] as the heads mode's [1, L, H, D]
+        out, lse = HeadParallelFunction.apply(q[None], k[None], v[None], call.head_parallel)
+        out, lse = out[0], lse[0]
     else:
         out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel)
     return (out, lse) if return_lse else out

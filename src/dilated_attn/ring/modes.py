@@ -7,17 +7,22 @@
     2d      heads inside the inner group, ring across the outer group (a 2-D DeviceMesh or a pair of groups).
     auto    2d for a mesh or a pair; else whichever of ring and heads sends fewer bytes per rank (heads only where
             it can run).
+
+Packed sequences (`cu_seqlens`) run in the heads mode: each rank's share of the heads holds the whole pack, on
+which the single-device backends run dilated_attention_varlen's packed kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import backends, dispatch
-from ..spec import Problem, validate
+from ..spec import Problem, check_cu_seqlens, check_packed_tensors, validate
 from .autograd import RingConfig, ring_backward, ring_forward
 from .heads import HeadParallelAttention, HeadShare, head_share
 from .layout import MODES, Groups, check_layout, resolve_groups
@@ -71,8 +76,12 @@ def _heads_bytes(p: Problem, share: HeadShare) -> int:
 
 
 def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_groups, layout, return_lse, backend,
-              mode, groups: Groups) -> RingCall:
-    """Validate a call on this rank and choose its mode (ValueError/TypeError as the spec says)."""
+              mode, groups: Groups, cu_seqlens=None, max_seqlen=None) -> RingCall:
+    """Validate a call on this rank and choose its mode (ValueError/TypeError as the spec says). Packed sequences
+    (`cu_seqlens`, q `[L, Hq, D]`) are validated as the shard `[1, L, Hq, D]` of a pack of P*L rows."""
+    if cu_seqlens is not None:
+        check_packed_tensors(q, k, v)
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     layout = check_layout(layout)
     if (segment_lengths is None) != (dilation_rates is None):
         raise ValueError("segment_lengths and dilation_rates must both be None (dense ring attention) or both be "
@@ -87,10 +96,25 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     if layout == "zigzag" and L % 2:
         raise ValueError(f"layout='zigzag' needs the global length N = P*L divisible by 2P, i.e. an even local "
                          f"length L, got L={L} on {P} ranks")
+    packed = None
+    if cu_seqlens is not None:
+        packed = (cu_seqlens, check_cu_seqlens(cu_seqlens, N, q.device, max_seqlen))
     if P == 1:
-        return RingCall("ring", "one rank: dilated_attention", p, (w, r))
+        return RingCall("ring", "one rank: dilated_attention" + ("_varlen" if packed else ""), p, (w, r))
     gw, gr = (tuple(x) for x in p.op_branches(N))  # bounded by the global sequence (the plan's ints stay small)
     Hq, Hkv = p.num_heads, p.num_kv_heads
+    if packed is not None:
+        if groups.two_d or mode not in ("auto", "heads"):
+            raise ValueError(f"packed sequences (cu_seqlens) run in mode='heads', not mode={mode!r}"
+                             + (" or a 2-D group" if groups.two_d and mode != "2d" else ""))
+        try:
+            share = heads_share(p, N, P, groups.rank, layout)
+        except ValueError as exc:
+            raise ValueError(f"packed sequences (cu_seqlens) run in mode='heads', which cannot run here: {exc}") \
+                from None
+        attention, chosen = _heads(p, share, groups.all[0], N, gw, gr, backend, packed)
+        return RingCall("heads", "packed sequences run in the heads mode", p, (gw, gr), chosen,
+                        head_parallel=attention)
     if groups.two_d:
         (inner, outer), (ri, ro), (Pi, Po) = groups.all, groups.ranks, groups.sizes
         share = heads_share(p, N, Pi, ri, layout)
@@ -144,9 +168,13 @@ def _group_problem(p: Problem, share: HeadShare, g: int, seq_len: int, gw, gr, h
                               records_backward=p.records_backward).with_heads(head_start + qs.start, p.num_heads)
 
 
-def _heads(p: Problem, share: HeadShare, group, N: int, gw, gr, backend: str):
-    """The heads mode: the single-device ops on each head group's gathered [B, N, h, D] tensors."""
+def _heads(p: Problem, share: HeadShare, group, N: int, gw, gr, backend: str, packed=None):
+    """The heads mode: the single-device ops on each head group's gathered [B, N, h, D] tensors; with `packed`
+    (cu_seqlens, max_seqlen), the backends' packed path on them (_packed_heads)."""
     problems = [_group_problem(p, share, g, N, gw, gr, share.head_start) for g in range(len(share.groups))]
+    if packed is not None:
+        problems = [dataclasses.replace(x, cu_seqlens=packed[0], max_seqlen=packed[1]) for x in problems]
+        return _packed_heads(p, share, group, problems, backend)
     chosen = [dispatch.select(x, backend).name for x in problems]
 
     def attend(g, q_h, k_h, v_h):  # k_h, v_h: the group's key/value heads
@@ -161,6 +189,30 @@ def _heads(p: Problem, share: HeadShare, group, N: int, gw, gr, backend: str):
         return backward_op(d_out, d_lse, q_h, k_g, v_g, out, lse, **problems[g].op_arguments())
 
     return HeadParallelAttention(share, group, attend, attend_backward), chosen[0]
+
+
+def _packed_heads(p: Problem, share: HeadShare, group, problems: list[Problem], backend: str):
+    """The heads mode on packed sequences: each head group's whole pack `[N, h, D]` through its backend's
+    forward_varlen (the packed kernels, or one call per sequence), whose autograd graph the backward runs."""
+    chosen = [dispatch.select(x, backend) for x in problems]
+    records = p.records_backward
+
+    def attend(g, q_h, k_h, v_h):
+        leaves = [x[0].detach().requires_grad_(records) for x in (q_h, k_h, v_h)]
+        with torch.enable_grad() if records else contextlib.nullcontext():
+            out, lse = chosen[g].forward_varlen(*leaves, problems[g])
+        return out[None], lse[None], (leaves, out, lse)
+
+    def attend_backward(g, kept, d_out, d_lse):
+        leaves, out, lse = kept
+        outputs, grads = [out], [d_out[0]]
+        if d_lse is not None:
+            outputs.append(lse)
+            grads.append(d_lse[0].to(lse.dtype))
+        got = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+        return tuple((torch.zeros_like(x) if gx is None else gx)[None] for gx, x in zip(got, leaves))
+
+    return HeadParallelAttention(share, group, attend, attend_backward), chosen[0].name
 
 
 def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int, L_outer: int, gw, gr, layout: str,
@@ -187,9 +239,11 @@ def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int,
 
 
 def explain_ring(q, k, v, segment_lengths=None, dilation_rates=None, *, causal=False, scale=None, head_groups="all",
-                 group=None, layout="contiguous", return_lse=False, backend="auto", mode="auto") -> RingCall:
+                 group=None, layout="contiguous", return_lse=False, backend="auto", mode="auto", cu_seqlens=None,
+                 max_seqlen=None) -> RingCall:
     """Which mode (and single-device backend) `ring_attention` with these arguments runs on this rank, and why:
     `print()` it. Validates like ring_attention without any collective or attention."""
     groups = resolve_groups(group, mode)
     return plan_call(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups,
-                     layout=layout, return_lse=return_lse, backend=backend, mode=mode, groups=groups)
+                     layout=layout, return_lse=return_lse, backend=backend, mode=mode, groups=groups,
+                     cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)

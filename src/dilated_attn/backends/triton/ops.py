@@ -135,13 +135,15 @@ def triton_varlen_forward(
     split_heads: bool,
     causal: bool,
     scale: float,
+    head_start: int = 0,
+    global_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences: q `[T, Hq, D]` -> out `[T, Hq, D]`, lse `[Hq, T]`; one launch per branch for the pack."""
     if q.shape[0] == 0 or max_seqlen == 0:  # no token, or only empty sequences: nothing to launch
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device))
     out, lse = _forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), segment_lengths, dilation_rates, split_heads,
-                        causal, scale, cu_seqlens.to(torch.int32), max_seqlen)
+                        causal, scale, cu_seqlens.to(torch.int32), max_seqlen, head_start, global_heads)
     return out[0], lse[0]
 
 
@@ -226,12 +228,15 @@ def triton_varlen_backward(
     split_heads: bool,
     causal: bool,
     scale: float,
+    head_start: int = 0,
+    global_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.shape[0] == 0 or max_seqlen == 0:
         return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     dq, dk, dv = _backward(grad_out.unsqueeze(0), None if grad_lse is None else grad_lse.unsqueeze(0), q.unsqueeze(0),
                            k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), segment_lengths,
-                           dilation_rates, split_heads, causal, scale, cu_seqlens.to(torch.int32), max_seqlen)
+                           dilation_rates, split_heads, causal, scale, cu_seqlens.to(torch.int32), max_seqlen,
+                           head_start, global_heads)
     return dq[0], dk[0], dv[0]
 
 
