@@ -7,6 +7,9 @@
 Presets (bf16, B=1, H=16, D=128):
   longnet  N = 524288, branches (4096,1),(32768,4),(262144,16),(524288,32), non-causal, contiguous layout
   dense    N = 65536, dense causal ring (segment_lengths=None), zigzag layout
+  packed   N = 131072 as 16 packed sequences of 1K-16K tokens (benchmarks/bench_varlen.py's LENGTHS), branches
+           (2048,1),(4096,2),(8192,4),(16384,8), non-causal, contiguous: ring_attention(cu_seqlens=...) against
+           dilated_attention_varlen on one GPU (strong scaling only; the heads mode)
 
 Strong scaling (the default): the preset's N on P GPUs. efficiency = T1 / (P * TP): T1 is dilated_attention on one
 GPU (rank 0 alone, the others wait) for the global tensors (auto's backend: the fastest single-GPU path), TP
@@ -32,6 +35,7 @@ benchmarks/ring_model.py projects the efficiency at more GPUs from these figures
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
 import sys
@@ -41,13 +45,18 @@ import torch
 import torch.distributed as dist
 
 import dilated_attn
-from dilated_attn.cli.harness import Record, attention_call, median_ms, random_inputs, say, tflops
-from dilated_attn.spec import validate
+from dilated_attn.cli.harness import Record, attention_call, median_ms, random_inputs, say
+from dilated_attn import dispatch
+from dilated_attn.spec import flops, validate, validate_varlen
 
 PRESETS = {
     "longnet": dict(N=524288, w=[4096, 32768, 262144, 524288], r=[1, 4, 16, 32], causal=False, layout="contiguous",
                     tokens_per_gpu=131072),
     "dense": dict(N=65536, w=None, r=None, causal=True, layout="zigzag", tokens_per_gpu=32768),
+    "packed": dict(N=131072, w=[2048, 4096, 8192, 16384], r=[1, 2, 4, 8], causal=False, layout="contiguous",
+                   tokens_per_gpu=None,
+                   lengths=[1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168,
+                            10240, 6144]),
 }
 MODES = ("ring", "heads", "2d")
 B, H, D, DTYPE = 1, 16, 128, torch.bfloat16
@@ -71,6 +80,24 @@ def timed(fn, warmup: int, repeats: int, group_sync: bool) -> float:
     if group_sync:
         return median_ms(fn, "cuda", warmup, repeats, before_run=synchronized, combine=slowest_rank)
     return median_ms(fn, "cuda", warmup, repeats)
+
+
+def packed_inputs(inputs):
+    """[1, n, H, D] inputs as the packed layout's [n, H, D] leaves."""
+    return type(inputs)(*(x[0].detach().requires_grad_(x.requires_grad) for x in inputs))
+
+
+def offsets(cfg: dict) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(cfg["lengths"])], dtype=torch.int32, device="cuda")
+
+
+def work(cfg: dict, N: int, backward: bool) -> float:
+    """The FLOPs of the preset on N tokens (a pack: each sequence with its own length, as spec.flops counts)."""
+    def problem(n):
+        x = torch.empty(B, n, H, D, device="meta")
+        return validate(x, x.clone(), x.clone(), cfg["w"] or [n], cfg["r"] or [1], causal=cfg["causal"])
+
+    return sum(flops(problem(n), backward) for n in cfg.get("lengths", [N]))
 
 
 def calls(attn, inputs):
@@ -176,13 +203,23 @@ def single_gpu(name: str, cfg: dict, N: int, warmup: int, repeats: int) -> dict:
     if dist.get_rank() == 0:
         w, r = cfg["w"] or [N], cfg["r"] or [1]
         inputs = random_inputs(B, N, H, D, dtype=DTYPE, device="cuda", seed=0)
-        f, fb = calls(lambda q, k, v: dilated_attn.dilated_attention(q, k, v, w, r, causal=cfg["causal"]), inputs)
-        p = validate(*inputs[:3], w, r, causal=cfg["causal"])
+        if "lengths" in cfg:
+            inputs, cu = packed_inputs(inputs), offsets(cfg)
+
+            def attention(q, k, v):
+                return dilated_attn.dilated_attention_varlen(q, k, v, cu, w, r, causal=cfg["causal"])
+
+            backend = dispatch.select(validate_varlen(*inputs[:3], cu, w, r, causal=cfg["causal"]), "auto").name
+        else:
+            def attention(q, k, v):
+                return dilated_attn.dilated_attention(q, k, v, w, r, causal=cfg["causal"])
+
+            backend = dilated_attn.explain(*inputs[:3], w, r, causal=cfg["causal"]).backend
+        f, fb = calls(attention, inputs)
         row = dict(t1_fwd_ms=timed(f, warmup, repeats, False), t1_fwd_bwd_ms=timed(fb, warmup, repeats, False),
-                   t1_backend=dilated_attn.explain(*inputs[:3], w, r, causal=cfg["causal"]).backend,
-                   t1_tflops_fwd_bwd=None, t1_tflops_fwd=None)
-        row["t1_tflops_fwd_bwd"] = tflops(p, row["t1_fwd_bwd_ms"], backward=True)
-        row["t1_tflops_fwd"] = tflops(p, row["t1_fwd_ms"], backward=False)
+                   t1_backend=backend)
+        row["t1_tflops_fwd_bwd"] = work(cfg, N, True) / row["t1_fwd_bwd_ms"] / 1e9
+        row["t1_tflops_fwd"] = work(cfg, N, False) / row["t1_fwd_ms"] / 1e9
         del inputs, f, fb
         torch.cuda.empty_cache()
         say(f"[{name}] 1 GPU, N={N} ({row['t1_backend']}): fwd {row['t1_fwd_ms']:.2f} ms, fwd+bwd "
@@ -201,6 +238,10 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
                branches=None if w is None else list(zip(w, r)), causal=cfg["causal"], layout=cfg["layout"])
     inputs = random_inputs(B, L, H, D, dtype=DTYPE, device="cuda", seed=rank)
     kw = dict(causal=cfg["causal"], layout=cfg["layout"], group=group, mode=mode)
+    if "lengths" in cfg:
+        inputs = packed_inputs(inputs)
+        kw["cu_seqlens"] = offsets(cfg)
+        row["lengths"] = cfg["lengths"]
     call = dilated_attn.explain_ring(*inputs[:3], w, r, **kw)
     f, fb = calls(lambda q, k, v: dilated_attn.ring_attention(q, k, v, w, r, **kw), inputs)
     tp = dict(fwd_ms=timed(f, warmup, repeats, True), fwd_bwd_ms=timed(fb, warmup, repeats, True))
@@ -231,12 +272,10 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
     torch.cuda.synchronize()
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    p = validate(torch.empty(B, N, H, D, device="meta"), torch.empty(B, N, H, D, device="meta"),
-                 torch.empty(B, N, H, D, device="meta"), w or [N], r or [1], causal=cfg["causal"])
     row.update(
         t1, tp_fwd_ms=tp["fwd_ms"], tp_fwd_bwd_ms=tp["fwd_bwd_ms"], backend=call.backend,
-        tflops_per_gpu_fwd_bwd=tflops(p, tp["fwd_bwd_ms"], backward=True) / P,
-        tflops_per_gpu_fwd=tflops(p, tp["fwd_ms"], backward=False) / P,
+        tflops_per_gpu_fwd_bwd=work(cfg, N, True) / tp["fwd_bwd_ms"] / 1e9 / P,
+        tflops_per_gpu_fwd=work(cfg, N, False) / tp["fwd_ms"] / 1e9 / P,
         forward_bytes_sent_per_rank=sent, peak_memory_gib_max_rank=peak.item(),
     )
     if "t1_fwd_ms" in t1 and t1.get("t1_N", N) == N:  # strong scaling: the same N on one GPU
@@ -294,6 +333,8 @@ def main():
                         gpus=P, nccl=".".join(map(str, torch.cuda.nccl.version())), p2p_GBps=bandwidth)
     for name in names:
         cfg = PRESETS[name]
+        if weak and not cfg["tokens_per_gpu"]:
+            continue  # a pack has its own length
         tokens = (args.tokens_per_gpu or cfg["tokens_per_gpu"]) if weak else cfg["N"] // P
         N = tokens * P
         t1 = single_gpu(name, cfg, tokens if weak else N, args.warmup, args.repeats)
