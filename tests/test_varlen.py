@@ -244,3 +244,25 @@ def test_offsets_are_read_once_per_tensor_and_again_after_a_change():
     with torch.inference_mode():
         frozen = torch.tensor([0, 2])
     assert spec.host_offsets(frozen) == [0, 2]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_varlen_heads_of_a_larger_problem(backend):
+    """forward_varlen on heads [h0, h0 + n) of an H-head pack (Problem.with_heads: the ring's heads mode) equals
+    those heads of the whole pack's result, out and LSE, with each head's global offsets."""
+    from dilated_attn.spec import validate_varlen
+
+    if backend == "triton" and not TRITON_HERE:
+        pytest.skip("triton: a GPU or Triton's interpreter")
+    device = "cuda" if HAS_CUDA and backend == "triton" else "cpu"
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    lengths, segs, dils = [5, 0, 23, 12], [4, 8, 16], [1, 2, 4]
+    q, k, v, cu = pack(lengths, 8, 8, 8, dtype, device)
+    whole = validate_varlen(q, k, v, cu, segs, dils, causal=True)
+    chosen = backends.get(backend)
+    out, lse = chosen.forward_varlen(q, k, v, whole)
+    for h0, n in ((0, 4), (4, 4), (6, 2)):
+        part = [x[:, h0:h0 + n].detach() for x in (q, k, v)]
+        p = validate_varlen(*part, cu, segs, dils, causal=True).with_heads(h0, 8)
+        o, l_ = chosen.forward_varlen(*part, p)
+        assert err(o, out[:, h0:h0 + n]) <= 1e-5 and err(l_, lse[h0:h0 + n]) <= 1e-5, (h0, n)
