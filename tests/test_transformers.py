@@ -161,6 +161,25 @@ def test_masks_given_directly():
         dilated_hf.dilated_attention_forward(module, q[:, :, 5:], k, v, None, is_causal=False)
 
 
+def test_a_mask_is_read_once_per_step(monkeypatch):
+    """Training with a 4-D mask: the layers share one reading of it (each reading waits for the GPU), the
+    backward none; a new mask is read again."""
+    calls = []
+    real = dilated_hf._mask_pattern
+
+    def counted(*args):
+        calls.append(args[1:])
+        return real(*args)
+
+    monkeypatch.setattr(dilated_hf, "_mask_pattern", counted)
+    model = llama("dilated_attention", ([8, 16], [1, 2]))
+    ids = torch.randint(0, VOCAB, (2, 16))
+    for step in range(2):
+        mask = torch.ones(16, 16, dtype=torch.bool).tril().expand(2, 1, 16, 16)
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+        assert len(calls) == step + 1, "the mask was read by more than one layer"
+
+
 def test_example_learns_and_generates(capsys):
     """examples/hf_llama.py: the loss of a tiny Llama on its random sequences falls, and generation continues the
     first of them."""

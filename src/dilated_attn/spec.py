@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from .memo import read_once
 from .trace import warn_once
 
 HEAD_GROUPS = ("all", "split")
@@ -355,23 +355,10 @@ def _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, c
     )
 
 
-# id(cu_seqlens) -> (a weak reference to it, its version, its values): host_offsets' reads
-_OFFSETS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
-
-
 def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
-    """cu_seqlens' values on the host. Reading a GPU tensor waits for the GPU, so they are read once per tensor and
-    kept while it lives unchanged (its version counter, which every in-place write moves): a model's layers and
-    their backwards, handed one cu_seqlens, read it once."""
-    if cu_seqlens.is_inference():  # no version counter to tell a change by
-        return cu_seqlens.tolist()
-    known = _OFFSETS.get(id(cu_seqlens))
-    if known is not None and known[0]() is cu_seqlens and known[1] == cu_seqlens._version:
-        return known[2]
-    offsets = cu_seqlens.tolist()
-    key = id(cu_seqlens)
-    _OFFSETS[key] = (weakref.ref(cu_seqlens, lambda _: _OFFSETS.pop(key, None)), cu_seqlens._version, offsets)
-    return offsets
+    """cu_seqlens' values on the host, read once per tensor while it lives unchanged (memo.read_once): a model's
+    layers and their backwards, handed one cu_seqlens, wait for the GPU once."""
+    return read_once(cu_seqlens, "offsets", torch.Tensor.tolist)
 
 
 def check_offsets(offsets: list[int], total: int, max_seqlen: Optional[int]) -> int:

@@ -51,6 +51,7 @@ from typing import Optional
 import torch
 
 from ..functional import dilated_attention, dilated_attention_with_kvcache
+from ..memo import read_once
 
 __all__ = ["register", "dilated_attention_forward", "DEFAULT_NAME"]
 
@@ -101,7 +102,13 @@ def _masks_something(what: str) -> ValueError:
 def _read_mask(mask: torch.Tensor, batch: int, sq: int, nk: int):
     """What `mask` asks for: ("causal", P) where query i sees exactly keys [0, P + i] (P an int, or a tensor [B]
     where the batch elements differ), ("full", None) where every query sees every key, or None where a 2-D
-    (padding) mask hides nothing. Anything else raises. As in sdpa, a 4-D mask decides causality by itself."""
+    (padding) mask hides nothing. Anything else raises. As in sdpa, a 4-D mask decides causality by itself.
+    Reading it waits for the GPU: a model's layers, handed one mask, read it once (memo.read_once)."""
+    return read_once(mask, f"attention mask {batch} {sq} {nk}", lambda m: _mask_pattern(m, batch, sq, nk))
+
+
+def _mask_pattern(mask: torch.Tensor, batch: int, sq: int, nk: int):
+    """_read_mask's reading of the mask's values."""
     if mask.dtype == torch.bool:
         shown = mask
     elif mask.is_floating_point():  # additive: 0 shows a key, -inf (or the dtype's minimum) hides it
