@@ -28,8 +28,17 @@ import triton
 import dilated_attn
 from dilated_attn.backends import triton as triton_backend
 from dilated_attn.backends.triton import configs, ops
-from dilated_attn.cli.harness import (LOCAL2, LONGNET, Record, attention_call, median_ms, peak_memory_bytes,
-                                        random_inputs, say, tflops)
+from dilated_attn.cli.harness import (
+    LOCAL2,
+    LONGNET,
+    Record,
+    attention_call,
+    median_ms,
+    peak_memory_bytes,
+    random_inputs,
+    say,
+    tflops,
+)
 from dilated_attn.spec import validate
 
 BRANCHES = {"longnet4": LONGNET, "local2": LOCAL2}

@@ -45,8 +45,17 @@ import triton.language as tl
 
 import dilated_attn
 from dilated_attn import backends
-from dilated_attn.cli.harness import (LONGNET, LONGNET_LONG, Record, attention_call, median_ms, peak_memory_bytes,
-                                        random_inputs, say, tflops)
+from dilated_attn.cli.harness import (
+    LONGNET,
+    LONGNET_LONG,
+    Record,
+    attention_call,
+    median_ms,
+    peak_memory_bytes,
+    random_inputs,
+    say,
+    tflops,
+)
 from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
 

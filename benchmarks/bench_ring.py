@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 import dilated_attn
-from dilated_attn.cli.harness import Record, attention_call, median_ms, random_inputs, say
 from dilated_attn import dispatch
+from dilated_attn.cli.harness import Record, attention_call, median_ms, random_inputs, say
 from dilated_attn.spec import flops, validate, validate_varlen
 
 PRESETS = {

@@ -23,8 +23,16 @@ import triton
 
 import dilated_attn
 from dilated_attn.backends.triton import ops as triton_ops
-from dilated_attn.cli.harness import (LONGNET, LONGNET_LONG, Record, attention_call, median_ms, random_inputs, say,
-                                        tflops)
+from dilated_attn.cli.harness import (
+    LONGNET,
+    LONGNET_LONG,
+    Record,
+    attention_call,
+    median_ms,
+    random_inputs,
+    say,
+    tflops,
+)
 from dilated_attn.spec import validate
 
 CONFIGS = [  # (N, branches, Hkv)

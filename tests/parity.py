@@ -5,12 +5,11 @@ import math
 import random
 
 import torch
+from cases import make_qkv, random_case
 
 import dilated_attn
 from dilated_attn.reference import allowed_error, dilated_attention_reference, max_error
 from dilated_attn.spec import lse_dtype
-
-from cases import make_qkv, random_case
 
 # The fused-attention calls the cudnn and fa4 backends make, as their contract in float64: q `[b, h, s, d]`, k and v
 # with h or fewer heads (query head i reads kv head i // (h / hkv)). tests/test_cudnn.py and tests/test_fa4.py run the

@@ -10,8 +10,7 @@ import dilated_attn
 
 triton = pytest.importorskip("triton")
 
-from dilated_attn.backends.triton import configs  # noqa: E402
-from dilated_attn.backends.triton import ops  # noqa: E402
+from dilated_attn.backends.triton import configs, ops  # noqa: E402 - after the importorskip
 
 HAS_CUDA = torch.cuda.is_available()
 interpreter = pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run where there is no GPU")

@@ -6,13 +6,12 @@ import random
 
 import pytest
 import torch
+from cases import make_qkv, random_case, uncovered_positions
 
 import dilated_attn
 from dilated_attn import backends, dispatch
 from dilated_attn.reference import allowed_error, dilated_attention_reference, max_error
 from dilated_attn.spec import validate
-
-from cases import make_qkv, random_case, uncovered_positions
 
 NUM_CASES = 240
 CASES = [random_case(random.Random(index), max_seq=96) for index in range(NUM_CASES)]

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from cases import Case, make_qkv
+from parity import GPU_CASES, check_against_reference, poison_allocator
 
 import dilated_attn
 from dilated_attn.backends import compiled
-
-from cases import Case, make_qkv
-from parity import GPU_CASES, check_against_reference, poison_allocator
 
 pytestmark = pytest.mark.gpu
 

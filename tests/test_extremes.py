@@ -15,14 +15,19 @@ import os
 
 import pytest
 import torch
+from cases import make_tensor
+from parity import _grads
 
 import dilated_attn
 from dilated_attn.backends import CPU, TRITON
-from dilated_attn.reference import dilated_attention_bruteforce, dilated_attention_reference
-
-from cases import make_tensor
-from parity import _grads
-from dilated_attn.reference import ERROR_FACTOR, ERROR_FLOOR, GRADIENT_ERROR_FLOOR, max_error as _err
+from dilated_attn.reference import (
+    ERROR_FACTOR,
+    ERROR_FLOOR,
+    GRADIENT_ERROR_FLOOR,
+    dilated_attention_bruteforce,
+    dilated_attention_reference,
+)
+from dilated_attn.reference import max_error as _err
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 

@@ -9,13 +9,12 @@ import random
 
 import pytest
 import torch
+from cases import make_qkv, random_case
+from parity import math_attend, math_attend_backward, poison_allocator
 
 import dilated_attn
 from dilated_attn.backends.fa4 import ops
 from dilated_attn.reference import allowed_error, dilated_attention_reference, max_error
-
-from cases import make_qkv, random_case
-from parity import math_attend, math_attend_backward, poison_allocator
 
 CASES = [random_case(random.Random(4700 + i), max_seq=80) for i in range(24)]
 
@@ -439,8 +438,9 @@ GPU_PACKS = [
 def test_gpu_varlen_ops(index, causal, dtype, head_dim, move, monkeypatch):
     """FlashAttention-4's varlen calls on the packs' strided views, in place and on the moved copy, against the
     float64 reference of each sequence alone (out, LSE, gradients through both), results poisoned."""
-    from dilated_attn.backends.fa4 import packs
     from test_varlen import check_varlen
+
+    from dilated_attn.backends.fa4 import packs
 
     _skip_without_fa4()
     monkeypatch.setattr(packs, "MOVE_SAVES_CALLS", 10**9 if move == "never" else -10**9)

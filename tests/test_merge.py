@@ -161,7 +161,7 @@ def test_merge_is_exact_against_logsumexp_and_its_gradient():
     out, lse = merge(outs, lses)
     stacked = torch.stack(lses)
     want_lse = torch.logsumexp(stacked, 0)
-    want_out = sum(torch.exp(l - want_lse).unsqueeze(-1) * o for o, l in zip(outs, lses))
+    want_out = sum(torch.exp(part - want_lse).unsqueeze(-1) * o for o, part in zip(outs, lses))
     torch.testing.assert_close(lse, want_lse, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(out, want_out, rtol=1e-14, atol=1e-14)
     assert torch.autograd.gradcheck(lambda *x: merge(list(x[:3]), list(x[3:])), (*outs, *lses))

@@ -25,14 +25,13 @@ import hypothesis
 import numpy as np
 import pytest
 import torch
+from cases import Case, make_qkv, uncovered_positions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from parity import _grads, check_against_reference, poison_allocator
 
 import dilated_attn
 from dilated_attn.reference import dilated_attention_reference
-
-from cases import Case, make_qkv, uncovered_positions
-from parity import _grads, check_against_reference, poison_allocator
 from dilated_attn.reference import max_error as _err
 
 VALID64_EXAMPLES, VALID32_EXAMPLES, INVALID_EXAMPLES_PER_RULE = 800, 250, 50

@@ -5,11 +5,10 @@ import random
 
 import pytest
 import torch
+from cases import make_qkv, random_case
 
 import dilated_attn
 from dilated_attn.reference import dilated_attention_bruteforce, dilated_attention_reference
-
-from cases import make_qkv, random_case
 
 
 def _loss_grads(out, lse, inputs, seed=1):

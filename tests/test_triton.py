@@ -5,11 +5,10 @@ import random
 
 import pytest
 import torch
-
-import dilated_attn
-
 from cases import make_qkv, random_case
 from parity import GPU_CASES, check_against_reference, poison_allocator
+
+import dilated_attn
 
 triton = pytest.importorskip("triton")
 
@@ -86,6 +85,7 @@ def test_interpreter_every_config_block_shape(index, monkeypatch):
     index-th: the masks of partial, diagonal and mask-free blocks hold for each shape. Under the interpreter
     (which ignores num_warps, num_stages and the products' precision) this runs where there is no GPU."""
     from cases import Case
+
     from dilated_attn.backends.triton import ops
 
     assert max(len(t.candidates + t.tf32x3_candidates) for t in ops.TUNABLES) == 11
@@ -149,6 +149,7 @@ def test_gpu_tf32x3_configs(index, head_dim, causal, layout, monkeypatch):
     """The candidates only for tf32x3 products (float32 on Ampere and newer, head dim <= 128), each forced in
     turn: whether or not the shipped table picks them on this GPU, each must be exact."""
     from cases import Case
+
     from dilated_attn.backends.triton import float32_precision, ops
 
     if float32_precision(torch.device("cuda"), head_dim) != "tf32x3":

@@ -261,7 +261,8 @@ def test_varlen_heads_of_a_larger_problem(backend):
     whole = validate_varlen(q, k, v, cu, segs, dils, causal=True)
     chosen = backends.get(backend)
     out, lse = chosen.forward_varlen(q, k, v, whole)
-    for h0, n in ((0, 4), (4, 4), (6, 2)):
+    # (6, 2) starts inside a run of heads sharing an offset; under Triton's interpreter it alone (seconds a launch)
+    for h0, n in ((6, 2),) if device == "cpu" and backend == "triton" else ((0, 4), (4, 4), (6, 2)):
         part = [x[:, h0:h0 + n].detach() for x in (q, k, v)]
         p = validate_varlen(*part, cu, segs, dils, causal=True).with_heads(h0, 8)
         o, l_ = chosen.forward_varlen(*part, p)

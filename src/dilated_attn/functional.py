@@ -9,7 +9,6 @@ import torch
 from . import dispatch
 from .spec import lse_dtype, validate, validate_kvcache, validate_varlen
 
-
 # What the functions return: `out`, or `(out, lse)` with return_lse=True.
 Attention = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 

@@ -28,8 +28,7 @@ from .. import __version__, build_info
 from ..backends import triton as triton_backend
 from ..backends import verdicts as backend_verdicts
 from ..spec import BACKEND_NAMES, Problem, dtype_name
-from .bench import (BENCH_DEFAULTS, BenchConfig, matplotlib_missing, plan, plot_rows, print_table, refusals,
-                    run_bench)
+from .bench import BENCH_DEFAULTS, BenchConfig, matplotlib_missing, plan, plot_rows, print_table, refusals, run_bench
 from .check import CHECK_DTYPES, check_problems, self_check
 from .harness import DTYPES, MODES, Record, device_info, say, triton_version
 

@@ -17,8 +17,19 @@ import torch
 from .. import backends
 from ..functional import dilated_attention
 from ..spec import Problem, dtype_name, validate
-from .harness import (LONGNET, MODES, Record, applicable_backends, attention_call, format_ms, peak_memory_bytes,
-                      random_inputs, run_times_ms, say, tflops)
+from .harness import (
+    LONGNET,
+    MODES,
+    Record,
+    applicable_backends,
+    attention_call,
+    format_ms,
+    peak_memory_bytes,
+    random_inputs,
+    run_times_ms,
+    say,
+    tflops,
+)
 
 # A measurement whose first call takes longer than this says so before it times the rest (a CPU run of the
 # reference at the GPU sizes takes minutes).

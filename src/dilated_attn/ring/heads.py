@@ -235,9 +235,9 @@ class HeadParallelAttention:
             returning.append((qs, to_positions([o_h], share, group), to_positions([_lse_rows(l_h)], share, group)))
         out_heads = out.view(B, L, share.P, share.hq, D)
         lse_heads = lse.view(B, share.P, share.hq, L)
-        for qs, o, l in returning:
-            out_heads[:, :, :, qs] = o.wait()[0].permute(1, 2, 0, 3, 4)
-            lse_heads[:, :, qs] = l.wait()[0][..., 0].permute(1, 0, 3, 2)
+        for qs, outs, lses in returning:
+            out_heads[:, :, :, qs] = outs.wait()[0].permute(1, 2, 0, 3, 4)
+            lse_heads[:, :, qs] = lses.wait()[0][..., 0].permute(1, 0, 3, 2)
         return out, lse, kept
 
     def backward(self, kept, d_out, d_lse, q, k, v):

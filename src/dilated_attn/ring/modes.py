@@ -104,9 +104,11 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     gw, gr = (tuple(x) for x in p.op_branches(N))  # bounded by the global sequence (the plan's ints stay small)
     Hq, Hkv = p.num_heads, p.num_kv_heads
     if packed is not None:
-        if groups.two_d or mode not in ("auto", "heads"):
-            raise ValueError(f"packed sequences (cu_seqlens) run in mode='heads', not mode={mode!r}"
-                             + (" or a 2-D group" if groups.two_d and mode != "2d" else ""))
+        if groups.two_d:
+            raise ValueError("packed sequences (cu_seqlens) run in mode='heads' on one process group, not on a 2-D "
+                             "group")
+        if mode not in ("auto", "heads"):
+            raise ValueError(f"packed sequences (cu_seqlens) run in mode='heads', not mode={mode!r}")
         try:
             share = heads_share(p, N, P, groups.rank, layout)
         except ValueError as exc:

@@ -21,14 +21,15 @@ from typing import Optional
 
 import torch
 
+from ...merge import merge_into
 from ...spec import check_offsets, host_offsets, lse_dtype
 from .. import compiled
 from ..autograd import register_attention_autograd
+
 # FlashAttention reads the views cuDNN reads (unit-stride rows, 16-byte aligned address and strides, no broadcast
 # dimensions): the same copy where a tensor is not so
 from ..cudnn.ops import _cudnn_layout as _aligned
 from ..cudnn.ops import _layouts, _plan_of
-from ...merge import merge_into
 from .packs import PackCall, PackPlan, plan_pack
 
 __all__ = ["fa4_forward", "fa4_backward", "fa4_varlen_forward", "fa4_varlen_backward", "dense_forward",

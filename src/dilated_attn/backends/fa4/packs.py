@@ -12,8 +12,10 @@ costs more calls than copying the tensors does, the ops run on a copy with each 
 dilations (plan_pack).
 
 A view's rows between the runs (other sequences' rows, or a shorter last segment's) belong to no sequence of the
-call: FlashAttention then takes `seqused` (each run's length, `cu_seqlens` its start) and neither reads nor writes
-them, so the results there are not defined, and the ops merge and add only the runs' rows (ops.py).
+call: FlashAttention then takes `seqused` (each run's length, `cu_seqlens` its start) and does not write them, so
+the results there are not defined, and the ops merge and add only the runs' rows (ops.py). Its tiles do load rows
+past a run's end, masked: those rows must hold finite values, which the pack's own rows do (and the moved copy's
+rows between sequences copy them).
 """
 
 from __future__ import annotations

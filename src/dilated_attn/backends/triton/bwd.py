@@ -30,7 +30,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit(do_not_specialize=["N", "H", "HEAD_DIM"])
 def _delta_kernel(
-    O, dO, dLse, Delta,
+    O, dO, dLse, Delta,  # noqa: E741 - the attention output, as the kernels name their tensors
     stride_ob, stride_on, stride_oh,
     stride_db, stride_dn, stride_dh,
     N, H,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 # Integer arguments that change with every shape. Triton would otherwise specialise on their values
 # (== 1, divisible by 16) and compile a new kernel for each; strides stay specialised (aligned loads).
 # MAX_MEMBERS_BUCKET is only the sweep's key (configs.py): a bucket picks its config, not a new compilation.

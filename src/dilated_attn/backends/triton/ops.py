@@ -20,8 +20,8 @@ from ...spec import branch_table, covers_everything
 from ..autograd import register_attention_autograd
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel
-from .decode import _append_kernel, _decode_combine_kernel, _decode_kernel
 from .configs import launch, launch_plain, make_key
+from .decode import _append_kernel, _decode_combine_kernel, _decode_kernel
 from .fwd import FORWARD
 
 LOG2E = 1.4426950408889634
