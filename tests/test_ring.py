@@ -325,6 +325,9 @@ def _mismatch(case, rank):
         q = torch.randn(B, L_mine, 2 * Hq, D, dtype=dtype)
     if case.get("inner"):
         kw.update(group=_mesh_pair(case["inner"]), mode="2d")
+    if field == "offsets":  # a pack whose offsets differ on rank 1
+        q, k = q[0], k[0]
+        kw["cu_seqlens"] = torch.tensor([0, 5 + (rank == 1), N])
     try:
         dilated_attn.ring_attention(q, k, k, w, r, **kw)
     except ValueError as exc:
@@ -518,19 +521,16 @@ def test_head_parallel_modes_match_dilated_attention_gloo(world, tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_sequences_match_dilated_attention_varlen_gloo(world, tmp_path):
     """ring_attention on the shards of a pack (cu_seqlens; the heads mode) equals dilated_attention_varlen on the
-    whole pack: out, LSE and gradients, sequences crossing ranks."""
+    whole pack: out, LSE and gradients, sequences crossing ranks. On 2 ranks also: mode 'ring' is refused on every
+    rank, naming the rule; and (one process) the shards must be 3-D."""
     cases = _packed_cases(world)
-    _check(_spawn(world, "gloo", "compare_packed", cases, tmp_path), cases)
-
-
-def test_packed_sequences_refuse_other_modes(tmp_path):
-    """Packed sequences run in mode 'heads': mode 'ring' is refused on every rank, naming the rule; and the shards
-    must be 3-D (one process)."""
-    cases = [dict(_packed_cases(2)[0], mode="ring")]
-    results = _spawn(2, "gloo", "compare_packed", cases, tmp_path)
+    refused = [dict(cases[0], mode="ring")] if world == 2 else []
+    results = _spawn(world, "gloo", "compare_packed", cases + refused, tmp_path)
+    _check([per_rank[:len(cases)] for per_rank in results], cases)
     for per_rank in results:
-        assert per_rank[0]["exception"] == "ValueError"
-        assert "packed sequences (cu_seqlens) run in mode='heads', not mode='ring'" in per_rank[0]["message"]
+        for res in per_rank[len(cases):]:
+            assert res["exception"] == "ValueError"
+            assert "packed sequences (cu_seqlens) run in mode='heads', not mode='ring'" in res["message"]
     q = torch.randn(8, 2, 4)
     with pytest.raises(ValueError, match="must be 3-D \\[total_tokens, heads, head_dim\\]"):
         dilated_attn.ring_attention(q[None], q[None], q[None], [4], [1], cu_seqlens=torch.tensor([0, 3, 8]))
@@ -550,7 +550,7 @@ def test_ring_three_ranks_gloo(tmp_path):
 
 
 def test_mismatched_configuration_raises_on_every_rank(tmp_path):
-    fields = ["length", "dtype", "causal", "branches", "layout", "scale", "heads"]
+    fields = ["length", "dtype", "causal", "branches", "layout", "scale", "heads", "offsets"]
     cases = [dict(shape=(1, 16, 2, 2, 4), field=f) for f in fields]
     results = _spawn(2, "gloo", "mismatch", cases, tmp_path)
     for rank, per_rank in enumerate(results):

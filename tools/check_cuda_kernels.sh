@@ -54,13 +54,13 @@ printf '#pragma once\n#define INFINITY __int_as_float(0x7f800000)\n' >"$WORK/shi
 # Every compile at once (the machine's cores share them); each job's log names its kernels, and a failed job prints
 # its log and fails the script after all have ended.
 jobs=()
+# One nvcc a file for both targets: its front end and host code are compiled once.
 for src in csrc/cuda/*.cu; do
   name=$(basename "$src" .cu)
-  for arch in 75 90; do
-    ("$NVCC" "${FLAGS[@]}" -arch=sm_$arch -Xptxas -v -c "$src" -o "$WORK/$name.$arch.o" 2>"$WORK/$name.sm_$arch.log" \
-      || { cat "$WORK/$name.sm_$arch.log"; echo "FAILED: $src for sm_$arch"; exit 1; }) &
-    jobs+=($!)
-  done
+  ("$NVCC" "${FLAGS[@]}" -gencode arch=compute_75,code=sm_75 -gencode arch=compute_90,code=sm_90 -Xptxas -v -c "$src" \
+     -o "$WORK/$name.o" 2>"$WORK/$name.sm_75_90.log" \
+    || { cat "$WORK/$name.sm_75_90.log"; echo "FAILED: $src for sm_75 and sm_90"; exit 1; }) &
+  jobs+=($!)
 done
 for arch in 61 60; do
   (python tools/nvrtc_ptx.py "$(ls "$CUDA12"/cuda_nvrtc/lib/libnvrtc.so.12)" "$WORK/pascal_kernels.cu" \
@@ -112,11 +112,12 @@ for line in open(sys.argv[1]):
     launch[(name, int(dim))] = (int(threads), int(smem), int(blocks))
 rows = []  # (kernel, arch, registers, static shared memory, spill bytes)
 for path in sys.argv[2:]:
-    arch = path.rsplit(".", 2)[-2]
+    arch = path.rsplit(".", 2)[-2]  # Pascal's logs, one target each; the others name it per kernel
     kernel, spill = None, 0
     for line in open(path):
-        m = re.search(r"Compiling entry function '(\w+)'", line)
+        m = re.search(r"Compiling entry function '(\w+)'(?: for '(sm_\d+)')?", line)
         if m:
+            arch = m.group(2) or arch
             kernel = subprocess.run(["c++filt", m.group(1)], capture_output=True, text=True).stdout.strip()
             kernel = kernel.replace("dilated_attn::cuda::(anonymous namespace)::", "")
             kernel = kernel.replace("(dilated_attn::cuda::TileTable)0", "pascal")

@@ -42,7 +42,7 @@ _CODES = {
     "mode": {n: i for i, n in enumerate(MODES)},
 }
 _FIELDS = ("batch", "local length", "query heads", "kv heads", "head_dim", "dtype", "device type", "causal",
-           "layout", "head_groups", "backend", "scale", "segment_lengths/dilation_rates", "mode")
+           "layout", "head_groups", "backend", "scale", "segment_lengths/dilation_rates/cu_seqlens", "mode")
 # A rank's row of the gather, as bytes: whether it carries invalid arguments, the rank (its shard's index) whose
 # arguments they are, the fields, then the length and the UTF-8 text of that error (cut to _MESSAGE_BYTES), so that
 # its peers can say what was wrong.
@@ -80,7 +80,7 @@ def _gather_config(group, q, fields: tuple[int, ...] | None, invalid: tuple[int,
         values = [h[col] for h in headers]
         if any(x != values[0] for x in values):
             bad = next(j for j, x in enumerate(values) if x != values[0])
-            shown = values if name not in ("scale", "segment_lengths/dilation_rates") else "differs"
+            shown = values if name not in ("scale", "segment_lengths/dilation_rates/cu_seqlens") else "differs"
             return ValueError(f"ring_attention: every rank of the group must pass the same {name}, but ranks "
                               f"differ ({shown}; rank {bad} of the group differs from its rank 0)")
     return None
