@@ -346,7 +346,6 @@ def test_packs_equal_each_sequence_alone(index, move, math_interface, monkeypatc
 
     backend = _use_math_interface(monkeypatch)
     monkeypatch.setattr(packs, "MOVE_SAVES_CALLS", 10**9 if move == "never" else -10**9)
-    packs.plan_pack.cache_clear()
     ops._planned.cache_clear()
     lengths, H, Hkv, segs, dils, causal, groups = PACKS[index]
     T = sum(lengths)
@@ -406,11 +405,10 @@ def test_aligned_pack_takes_a_call_per_offset_group():
     run moved to multiples of the dilations where that saves calls."""
     from dilated_attn.backends.fa4 import packs
 
-    packs.plan_pack.cache_clear()  # plans made under another MOVE_SAVES_CALLS
     aligned = packs.plan_pack((0, 32, 48, 112), (16, 32), (1, 4), 8, 8, False)
     assert aligned.starts is None and [len(calls) for calls in aligned.plan.calls] == [1, 4]
     assert aligned.plan.first_stores and all(call.used == 0 for calls in aligned.plan.calls for call in calls)
-    here = packs.pack_plan(((0, 31), (31, 17), (48, 65)), 113, (16, 32), (1, 4), 8, 8, False)
+    here = packs.plan_sequences(((0, 31), (31, 17), (48, 65)), 113, (16, 32), (1, 4), 8, 8, False)
     # starts 0, 31 and 48, residues 0, 3 and 0 modulo 4: two calls per offset group, the second sequence's apart
     assert [len(calls) for calls in here.calls] == [1, 8]
     # every segment's run once: 5 segments (the last one row), whose one row only offset 0 has
@@ -444,7 +442,6 @@ def test_gpu_varlen_ops(index, causal, dtype, head_dim, move, monkeypatch):
 
     _skip_without_fa4()
     monkeypatch.setattr(packs, "MOVE_SAVES_CALLS", 10**9 if move == "never" else -10**9)
-    packs.plan_pack.cache_clear()
     ops._planned.cache_clear()
     lengths, H, Hkv, segs, dils, groups = GPU_PACKS[index]
     check_varlen("fa4", dtype, "cuda", (lengths, H, Hkv, head_dim, segs, dils, causal, groups), transposed=causal)

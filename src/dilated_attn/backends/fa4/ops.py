@@ -82,6 +82,24 @@ def _merge(out_view, lse_view, part_out, part_lse) -> None:
         merge_into(out_view, lse_view, part_out.masked_fill((part_lse == float("-inf"))[..., None], 0), part_lse)
 
 
+def _results(q: torch.Tensor, lse_shape: tuple, stores: bool):
+    """A forward's (out, lse): uninitialised where its first calls store every element, else the merge's start (0 and
+    -inf)."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(lse_shape, dtype=lse_dtype(q.dtype), device=q.device)
+    if not stores:
+        out.zero_()
+        lse.fill_(float("-inf"))
+    return out, lse
+
+
+def _gradients(q: torch.Tensor, k: torch.Tensor, stores: bool):
+    """A backward's (grad_q, grad_k, grad_v): uninitialised where its first calls store every element, else 0."""
+    make = torch.empty if stores else torch.zeros
+    return (make(q.shape, dtype=q.dtype, device=q.device), make(k.shape, dtype=q.dtype, device=q.device),
+            make(k.shape, dtype=q.dtype, device=q.device))
+
+
 @torch.library.custom_op("dilated_attn::fa4_forward", mutates_args=())
 def fa4_forward(
     q: torch.Tensor,
@@ -98,11 +116,7 @@ def fa4_forward(
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     B, N, H, D = q.shape
     p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((B, H, N), dtype=lse_dtype(q.dtype), device=q.device)
-    if not p.first_stores:
-        out.zero_()
-        lse.fill_(float("-inf"))
+    out, lse = _results(q, (B, H, N), p.first_stores)
     tensors = (q, k, v, out, lse.transpose(1, 2))  # the plan reads LSEs as [B, N, H]
     s = p.schedule(_layouts(*tensors), FORWARD_KV, MAX_CALL_ELEMENTS)
     for i, (qs, ks, vs, outs, lses) in enumerate(s.views(*tensors)):
@@ -146,10 +160,7 @@ def fa4_backward(
     q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse = lse.to(lse_dtype(q.dtype))
     p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
-    make = torch.empty if p.first_stores else torch.zeros
-    grad_q = make(q.shape, dtype=q.dtype, device=q.device)
-    grad_k = make(k.shape, dtype=q.dtype, device=q.device)
-    grad_v = make(k.shape, dtype=q.dtype, device=q.device)
+    grad_q, grad_k, grad_v = _gradients(q, k, p.first_stores)
     tensors = [grad_out, q, k, v, out, lse.transpose(1, 2), grad_q, grad_k, grad_v]
     kv = BACKWARD_KV
     if grad_lse is not None:
@@ -283,11 +294,7 @@ def fa4_varlen_forward(
                     global_heads)
     q, k, v = pack.spread(q), pack.spread(k), pack.spread(v)
     plan, metadata = pack.plan, pack.metadata
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype), device=q.device)
-    if not plan.first_stores:
-        out.zero_()
-        lse.fill_(float("-inf"))
+    out, lse = _results(q, (q.shape[1], q.shape[0]), plan.first_stores)
     for i, calls in enumerate(plan.calls):
         for call in calls:
             views = dict(q=_pack_view(q, call), k=_pack_view(k, call, True), v=_pack_view(v, call, True))
@@ -341,10 +348,7 @@ def fa4_varlen_backward(
     lse = pack.spread(lse, 1)
     grad_lse = None if grad_lse is None else pack.spread(grad_lse, 1)
     plan, metadata = pack.plan, pack.metadata
-    make = torch.empty if plan.first_stores else torch.zeros
-    grad_q = make(q.shape, dtype=q.dtype, device=q.device)
-    grad_k = make(k.shape, dtype=q.dtype, device=q.device)
-    grad_v = make(k.shape, dtype=q.dtype, device=q.device)
+    grad_q, grad_k, grad_v = _gradients(q, k, plan.first_stores)
     deterministic = torch.are_deterministic_algorithms_enabled()
     for i, calls in enumerate(plan.calls):
         stored = i == 0 and plan.first_stores

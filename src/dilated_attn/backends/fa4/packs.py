@@ -20,14 +20,13 @@ rows between sequences copy them).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from ...spec import Branch, branch_table, covers_everything
 
-__all__ = ["Pack", "PackCall", "PackPlan", "pack_plan", "plan_pack"]
+__all__ = ["Pack", "PackCall", "PackPlan", "plan_pack", "plan_sequences"]
 
 # FlashAttention reads cu_seqlens and seqused at 16-byte aligned addresses: each call's slice of the plan's int32
 # metadata starts at a multiple of 4 values.
@@ -97,7 +96,7 @@ def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, 
     return by_residue
 
 
-def pack_plan(sequences: tuple[tuple[int, int], ...], total: int, segment_lengths: tuple[int, ...],
+def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_lengths: tuple[int, ...],
               dilation_rates: tuple[int, ...], heads: int, kv_heads: int, split_heads: bool, head_start: int = 0,
               global_heads: int = 0) -> PackPlan:
     """The calls of sequences `(start, length)` (in order, apart or not) in tensors of `total` rows; the heads are
@@ -153,15 +152,14 @@ def _calls(plan: PackPlan) -> int:
     return sum(len(calls) for calls in plan.calls)
 
 
-@functools.lru_cache(maxsize=64)
 def plan_pack(offsets: tuple[int, ...], segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...],
               heads: int, kv_heads: int, split_heads: bool, head_start: int = 0, global_heads: int = 0) -> Pack:
     """The calls of a pack with these `offsets` (cu_seqlens' values, checked): in place, or, where the sequences'
     starts have several residues modulo the dilations (one call each) and moving them saves calls, on the moved
-    copy."""
+    copy. (ops._planned keeps the plans it makes.)"""
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
     args = (segment_lengths, dilation_rates, heads, kv_heads, split_heads, head_start, global_heads)
-    here = pack_plan(tuple(zip(offsets, lengths)), offsets[-1], *args)
+    here = plan_sequences(tuple(zip(offsets, lengths)), offsets[-1], *args)
     step = math.lcm(*dilation_rates)
     starts, total = [], 0
     for n in lengths:
@@ -169,7 +167,7 @@ def plan_pack(offsets: tuple[int, ...], segment_lengths: tuple[int, ...], dilati
         total += -(-n // step) * step
     if starts == list(offsets[:-1]) or total > 2 * offsets[-1]:
         return Pack(here, None, offsets[-1])
-    moved = pack_plan(tuple(zip(starts, lengths)), total, *args)
+    moved = plan_sequences(tuple(zip(starts, lengths)), total, *args)
     if _calls(here) <= _calls(moved) + MOVE_SAVES_CALLS:
         return Pack(here, None, offsets[-1])
     return Pack(moved, tuple(starts), total)
