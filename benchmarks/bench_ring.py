@@ -18,6 +18,8 @@ and forward apart. Weak scaling (--tokens-per-gpu, default 131072 tokens a GPU f
 times that, the preset's branches; per-GPU TFLOP/s = spec.flops(N) / (P * TP), against one GPU's on the
 same tokens per GPU (N = tokens, measured in the same run): weak efficiency = their ratio. Times are medians over
 --repeats after --warmup calls (dilated_attn.cli.harness.median_ms: CUDA events, L2 flushed before each run).
+Each row also holds each rank's own median (tp_rank_median_ms: above TP where the ranks start apart) and the time
+per call of --repeats calls in a row with no barrier between them, as a training loop runs (tp_back_to_back_ms).
 
 Modes (--mode, default all that run): ring, heads, and on 4 or more GPUs 2d as (P/2) x 2 (inner pairs of
 consecutive ranks standing for a node). Bytes sent per rank: the ring plan's forward K/V traffic
@@ -38,6 +40,7 @@ import argparse
 import itertools
 import os
 import shlex
+import statistics
 import sys
 from typing import Optional
 
@@ -80,6 +83,34 @@ def timed(fn, warmup: int, repeats: int, group_sync: bool) -> float:
     if group_sync:
         return median_ms(fn, "cuda", warmup, repeats, before_run=synchronized, combine=slowest_rank)
     return median_ms(fn, "cuda", warmup, repeats)
+
+
+def timed_ranks(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
+    """timed(fn, group_sync=True) and each rank's own median: where the slowest rank's time of a run exceeds
+    every rank's own, the ranks did not start together (a rank's time counts from its own start)."""
+    own = []
+
+    def combine(times):
+        own[:] = times
+        return slowest_rank(times)
+
+    tp = median_ms(fn, "cuda", warmup, repeats, before_run=synchronized, combine=combine)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, statistics.median(own))
+    return tp, ranks
+
+
+def back_to_back_ms(fn, calls: int) -> float:
+    """Milliseconds per call of `calls` calls run in a row with no barrier between them (as a training loop runs its
+    steps), after one barrier; the slowest rank's."""
+    synchronized()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return slowest_rank([start.elapsed_time(end) / calls])[0]
 
 
 def packed_inputs(inputs):
@@ -244,7 +275,10 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
         row["lengths"] = cfg["lengths"]
     call = dilated_attn.explain_ring(*inputs[:3], w, r, **kw)
     f, fb = calls(lambda q, k, v: dilated_attn.ring_attention(q, k, v, w, r, **kw), inputs)
-    tp = dict(fwd_ms=timed(f, warmup, repeats, True), fwd_bwd_ms=timed(fb, warmup, repeats, True))
+    tp, own = {}, {}
+    for part, fn in (("fwd", f), ("fwd_bwd", fb)):
+        tp[f"{part}_ms"], own[part] = timed_ranks(fn, warmup, repeats)
+        own[f"{part}_back_to_back"] = back_to_back_ms(fn, repeats)
     if profile:
         breakdown = {}
         for part, fn in (("fwd", f), ("fwd_bwd", fb)):
@@ -277,6 +311,8 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
         tflops_per_gpu_fwd_bwd=work(cfg, N, True) / tp["fwd_bwd_ms"] / 1e9 / P,
         tflops_per_gpu_fwd=work(cfg, N, False) / tp["fwd_ms"] / 1e9 / P,
         forward_bytes_sent_per_rank=sent, peak_memory_gib_max_rank=peak.item(),
+        tp_rank_median_ms={part: own[part] for part in ("fwd", "fwd_bwd")},
+        tp_back_to_back_ms={part: own[f"{part}_back_to_back"] for part in ("fwd", "fwd_bwd")},
     )
     if "t1_fwd_ms" in t1 and t1.get("t1_N", N) == N:  # strong scaling: the same N on one GPU
         row.update(efficiency_fwd_bwd=t1["t1_fwd_bwd_ms"] / (P * tp["fwd_bwd_ms"]),
@@ -290,6 +326,9 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
             f"{row['tflops_per_gpu_fwd_bwd']:.0f} TFLOP/s per GPU fwd+bwd; efficiency fwd+bwd "
             f"{row.get('efficiency_fwd_bwd', float('nan')):.1%}, fwd {row.get('efficiency_fwd', float('nan')):.1%}"
             + (f"; MiB sent per rank {mib}" if mib else "") + f" ({call})")
+        say(f"[{name}/{mode}] each rank's own median fwd+bwd " + ", ".join(f"{t:.2f}" for t in own["fwd_bwd"])
+            + " ms, fwd " + ", ".join(f"{t:.2f}" for t in own["fwd"]) + f" ms; back to back (no barrier) fwd+bwd "
+            f"{own['fwd_bwd_back_to_back']:.2f} ms, fwd {own['fwd_back_to_back']:.2f} ms")
     del inputs, f, fb
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
