@@ -16,9 +16,10 @@ rank holds O(N/P) of every tensor. docs/ring.md describes the method; the parts:
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from .plan import RingPlan, ring_plan
 
 __all__ = ["ring_attention", "shard", "unshard", "ring_plan", "RingPlan", "LAYOUTS", "MODES", "explain_ring"]
 
-# The call's descriptor, all-gathered before any transfer (_check_same_config): categorical fields as codes.
+# The call's descriptor, all-gathered before any transfer (_check_same_config, _deferred_check): categorical fields as codes.
 _CODES = {
     "dtype": {d: n for n, d in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))},
     "layout": {n: i for i, n in enumerate(LAYOUTS)},
@@ -50,11 +51,13 @@ _HEADER = struct.Struct(f"<qq{len(_FIELDS)}qq")
 _MESSAGE_BYTES = 1024
 
 
-def _gather_config(group, q, fields: tuple[int, ...] | None, invalid: tuple[int, str] | None):
+def _post_config(group, q, fields: tuple[int, ...] | None, invalid: tuple[int, str] | None):
     """All-gather a small descriptor of the call over `group`, or `invalid` = (rank, message) of a rank whose
-    arguments are invalid (this one's, or a peer's learnt from an earlier gather). Returns the first invalid
-    arguments any row carries as (rank, message), a ValueError for configurations that differ, or None. Every rank
-    takes part in this one collective whatever its arguments, so no rank is left waiting for a peer that raised."""
+    arguments are invalid (this one's, or a peer's learnt from an earlier gather), and return `read()`, which waits
+    for it and returns the first invalid arguments any row carries as (rank, message), a ValueError for
+    configurations that differ, or None. Every rank takes part in this one collective whatever its arguments, so no
+    rank is left waiting for a peer that raised. On a GPU the gathered rows come to the host by a copy queued
+    behind the gather alone: kernels queued after this call do not delay read()."""
     if "nccl" in str(dist.get_backend(group)).lower():
         # NCCL gathers CUDA tensors only, and on a rank with bad arguments q may be a CPU tensor or no tensor.
         cuda = isinstance(q, torch.Tensor) and q.is_cuda
@@ -67,7 +70,22 @@ def _gather_config(group, q, fields: tuple[int, ...] | None, invalid: tuple[int,
     mine = torch.frombuffer(bytearray(row + message.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.uint8).to(dev)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    table = torch.stack(every).cpu()
+    table = torch.stack(every)
+    if table.is_cuda:
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read():
+            copied.synchronize()
+            return _read_config(host)
+        return read
+    return functools.partial(_read_config, table)
+
+
+def _read_config(table: torch.Tensor):
+    """_post_config's result from the gathered rows (on the host)."""
     headers = [_HEADER.unpack(bytes(h)) for h in table[:, :_HEADER.size].tolist()]
     carried = sorted({(h[1], j) for j, h in enumerate(headers) if h[0]})
     if carried:
@@ -94,7 +112,7 @@ def _check_same_config(groups, q, fields, error: Exception | None) -> None:
     invalid = None if error is None else (groups.rank, str(error))
     mismatch = None
     for group in groups.all:
-        seen = _gather_config(group, q, fields, invalid)
+        seen = _post_config(group, q, fields, invalid)()
         if isinstance(seen, tuple):
             invalid = seen if invalid is None else min(invalid, seen)
         elif seen is not None and mismatch is None:
@@ -109,6 +127,24 @@ def _check_same_config(groups, q, fields, error: Exception | None) -> None:
         raise mismatch
     if invalid is not None:
         raise ValueError(f"ring_attention: rank {invalid[0]}'s arguments are invalid: {invalid[1]}")
+
+
+def _deferred_check(groups, q, fields) -> Callable[[], None]:
+    """_check_same_config of valid arguments, as a call that raises what it would: on one group the gather is
+    posted now and read by the call, so that work which needs no peer can be queued in between; the 2-D mode's two
+    groups, each gather carrying what the one before it learnt, are checked now."""
+    if len(groups.all) > 1:
+        _check_same_config(groups, q, fields, None)
+        return lambda: None
+    read = _post_config(groups.all[0], q, fields, None)
+
+    def check():
+        seen = read()
+        if isinstance(seen, tuple):
+            raise ValueError(f"ring_attention: rank {seen[0]}'s arguments are invalid: {seen[1]}")
+        if seen is not None:
+            raise seen
+    return check
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
@@ -208,14 +244,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     digest = zlib.crc32(repr(agreed).encode())
     scale_bits = struct.unpack("<q", struct.pack("<d", call.problem.scale))[0]
     p = call.problem
-    _check_same_config(groups, q, (
+    check = _deferred_check(groups, q, (
         p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
         ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(causal),
         _CODES["layout"][layout], _CODES["head_groups"][head_groups], _CODES["backend"][backend], scale_bits,
-        digest, _CODES["mode"][call.mode]), None)
-    if call.mode == "ring":
-        out, lse = RingAttention.apply(q, k, v, call.ring)
-    elif packed:  # the shards [L, H, D] as the heads mode's [1, L, H, D]
+        digest, _CODES["mode"][call.mode]))
+    if call.mode == "ring":  # checks before its first transfer, after queuing the local branches
+        out, lse = RingAttention.apply(q, k, v, call.ring, check)
+        return (out, lse) if return_lse else out
+    check()
+    if packed:  # the shards [L, H, D] as the heads mode's [1, L, H, D]
         out, lse = HeadParallelFunction.apply(q[None], k[None], v[None], call.head_parallel)
         out, lse = out[0], lse[0]
     else:

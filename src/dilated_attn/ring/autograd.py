@@ -5,8 +5,8 @@ keys of every rank (own rows first, then one received block per step) and their 
 result. Where every step's keys are posted at once (comm.RingComm.eager, as for LongNet), a stack's full blocks run
 as one block over their keys joined (JoinedBlock): one call and one merge. Backward: the exact method of the spec
 (each block's backward with the merged out and LSE); the K/V the forward received where it posted every step at
-once (Exchanged), else exchanged again; dK/dV of received rows summed in float32 and sent back to their owner, dQ
-local.
+once (Exchanged), else exchanged again but for the last step's, which the forward keeps; dK/dV of received rows
+summed in float32 and sent back to their owner, dQ local.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -51,6 +51,10 @@ class RowSet:
     @property
     def is_view(self) -> bool:
         return self.strides is not None
+
+    def covers(self, x) -> bool:
+        """Whether the pairs are every element of x `[B, L, H, ...]` (a view of distinct pairs, as many as x's)."""
+        return self.is_view and self._view(x).numel() == x.numel()
 
     def _view(self, x):  # [B, L, H, ...] -> a [B, n, c, ...] view
         first, step, column_rows, head0, column_heads = self.strides
@@ -213,21 +217,23 @@ class RingConfig:
 
 @dataclass
 class Exchanged:
-    """The K/V rows a forward that posted every step at once (eager) holds: its own compacted rows, the joined
-    blocks and their buffers, and each step's received rows. The backward takes them again instead of a second
-    exchange: they are at most the bytes of the shard's q, k, v and output (RingComm.eager)."""
+    """The K/V rows a forward keeps for its backward: its own compacted rows, the joined blocks and their buffers,
+    and received rows: every step's where it posted every step at once (eager: at most the bytes of the shard's q,
+    k, v and output, RingComm.eager), else the last step's, which the backward computes first while its first
+    step travels again."""
 
     kc: list
     vc: list
     joined: dict
     buffers: dict
     received: dict  # step t >= 1 -> (keys, values) per stack
+    eager: bool
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg: RingConfig):
-        out, lse, ctx.exchanged = ring_forward(q, k, v, cfg, keep=True)
+    def forward(ctx, q, k, v, cfg: RingConfig, check: Optional[Callable[[], None]] = None):
+        out, lse, ctx.exchanged = ring_forward(q, k, v, cfg, keep=True, check=check)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
         # An output without a gradient arrives as None, not as zeros: the blocks then get no LSE gradient, which
@@ -239,31 +245,55 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
         exchanged, ctx.exchanged = ctx.exchanged, None
-        return (*ring_backward(q, k, v, out, lse, d_out, d_lse, ctx.cfg, exchanged), None)
+        return (*ring_backward(q, k, v, out, lse, d_out, d_lse, ctx.cfg, exchanged), None, None)
 
 
-def _start_exchange(cfg: RingConfig, q, k, v):
-    """This rank's compacted rows and their K/V, the joined blocks and their buffers, and the K/V exchange posted:
-    step 1, or every step at once (comm.py, `eager`), in flight while the local branches compute."""
+@dataclass
+class _Exchange:
+    """This rank's compacted rows and their K/V, the joined blocks and their buffers, and the K/V exchange ready to
+    post: its receive buffers allocated and its wait point fixed (RingComm.hold_inputs)."""
+
+    comm: RingComm
+    rows: list
+    kc: list
+    vc: list
+    eager: bool
+    joined: dict
+    buffers: dict
+    send: tuple  # the (keys, values) per stack to send
+
+    def post(self):
+        """Post step 1, or every step at once (eager, comm.py)."""
+        return self.comm.post_all_kv(*self.send) if self.eager else self.comm.post_kv(1, self.kc, self.vc)
+
+
+def _prepare_exchange(cfg: RingConfig, q, k, v) -> _Exchange:
     comm = RingComm(cfg.plan, cfg.rank, cfg.group, q.shape[0], q.shape[3], q.device)
     rows = compacted_rows(cfg.plan, cfg.rank, q.device)
     kc = [cp.kv.gather(k) for cp in rows]
     vc = [cp.kv.gather(v) for cp in rows]
     if not comm.eager(q.shape[2], k.shape[2]):
-        return comm, rows, kc, vc, False, {}, {}, comm.post_kv(1, kc, vc)
+        comm.hold_inputs()
+        return _Exchange(comm, rows, kc, vc, False, {}, {}, (kc, vc))
     joined = joined_blocks(cfg.plan, cfg.rank)
     buffers, into, send_k, send_v = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
-    return comm, rows, kc, vc, True, joined, buffers, comm.post_all_kv(send_k, send_v, into)
+    comm.prepare_all_kv(k.dtype, into)
+    comm.hold_inputs()
+    return _Exchange(comm, rows, kc, vc, True, joined, buffers, (send_k, send_v))
 
 
-def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False):
+def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False, check: Optional[Callable[[], None]] = None):
     """(out, lse) of this rank's shard: the local branches, then every head stack's blocks. With `keep`, also the
-    Exchanged rows where every step was posted at once (else None), for ring_backward."""
+    Exchanged rows for ring_backward. `check()`: raises where the ranks' calls differ (ring_attention's
+    configuration check), called before the first transfer is posted; the local branches, which read no peer's
+    rows, are queued before it, so that the GPU computes while the host waits for the check's gather and posts
+    the transfers."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
     ops = block_ops(cfg.backend)
     B, L, H, D = q.shape
     lse_type = lse_dtype(q.dtype)
-    comm, rows, kc, vc, eager, joined, buffers, step = _start_exchange(cfg, q, k, v)
+    ex = _prepare_exchange(cfg, q, k, v)
+    comm, rows, kc, vc, eager, joined, buffers = ex.comm, ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
     # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
     # result merges into its rows: in place where a stack's rows are a view of the result, else into the stack's
     # own (out, lse), merged into its rows at the end.
@@ -277,6 +307,9 @@ def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False):
            (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
             torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
            for cp, x in zip(rows, qc)]
+    if check is not None:
+        check()
+    step = ex.post()
     received = {}
     for t in range(plan.P):
         src = (rank - t) % plan.P
@@ -286,7 +319,8 @@ def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False):
             keys, values = received[t] = comm.received_kv(step, t)
             if not eager:
                 step = comm.post_kv(t + 1, kc, vc)
-                del received[t]
+                if not (keep and t == plan.P - 1):
+                    del received[t]
         for task in plan.tasks[rank][src]:
             if task.stack in joined and not task.causal:
                 continue
@@ -303,7 +337,7 @@ def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False):
             cp.q.put(out, cur_out)
             cp.q.put_lse(lse, cur_lse)
     if keep:
-        return out, lse, Exchanged(kc, vc, joined, buffers, received) if eager else None
+        return out, lse, Exchanged(kc, vc, joined, buffers, received, eager)
     return out, lse
 
 
@@ -319,23 +353,38 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
     B, L, H, D = q.shape
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
+    kept = {}  # step -> (keys, values) the forward kept
     if exchanged is None:
-        comm, rows, kc, vc, eager, joined, buffers, step = _start_exchange(cfg, q, k, v)
+        ex = _prepare_exchange(cfg, q, k, v)
+        comm, rows, kc, vc, eager, joined, buffers = ex.comm, ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
+        step = ex.post()
     else:
         comm = RingComm(plan, rank, cfg.group, B, D, q.device)
-        rows, eager, step = compacted_rows(plan, rank, q.device), True, None
-        kc, vc, joined, buffers = exchanged.kc, exchanged.vc, exchanged.joined, exchanged.buffers
+        rows = compacted_rows(plan, rank, q.device)
+        kc, vc, joined, buffers, eager = (exchanged.kc, exchanged.vc, exchanged.joined, exchanged.buffers,
+                                          exchanged.eager)
+        kept, step = exchanged.received, None
+    # the steps below `stop` travel again (stepwise: all but a kept last one)
+    stop = plan.P - 1 if not eager and plan.P - 1 in kept else plan.P
+    if exchanged is not None and not eager and stop > 1:
+        step = comm.post_kv(1, kc, vc)
+    # Without local branches, a gradient that one head stack's rows cover whole is that stack's sums: it starts
+    # empty and takes them with one rounding, where it would start as zeros and add them
+    whole = [not plan.local_branches and len(rows) == 1 and rowset.covers(x)
+             for rowset, x in ((rows[0].q, q), (rows[0].kv, k), (rows[0].kv, v))] if rows else [False] * 3
 
     def local_branches():
         if plan.local_branches:
             return ops.backward(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
-        return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        return tuple((torch.empty if w else torch.zeros)(x.shape, dtype=x.dtype, device=x.device)
+                     for x, w in zip((q, k, v), whole))
 
-    # Stepwise: the local branches' gradients (the kernel's, as on one device) while the first K/V block travels;
-    # then the received blocks, each one's dK/dV sent back as soon as they are complete; the own rows last, while
-    # the last of them travel. Eager (the forward's K/V kept, or every step posted at once): the own rows, the
-    # received blocks and the joined ones, then every step's dK/dV sent back in one batch while the local branches
-    # compute. Each head stack's float32 sums are added to their rows with one rounding.
+    # Stepwise: the local branches' gradients (the kernel's, as on one device) and the kept last block while the
+    # first K/V block travels again; then the received blocks, each one's dK/dV sent back as soon as they are
+    # complete; the own rows last, while the last of them travel. Eager (the forward's K/V kept, or every step
+    # posted at once): the own rows, the received blocks and the joined ones, then every step's dK/dV sent back in
+    # one batch while the local branches compute. Each head stack's float32 sums are added to their rows with one
+    # rounding.
     if not eager:
         dq, dk, dv = local_branches()
     qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
@@ -346,15 +395,20 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
     dkc, dvc = _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
     returning = []  # the dK/dV of my rows coming back from the ranks that read them
     held = {}  # step -> (dK, dV, send buffer) of the received rows, where joined blocks read them
-    for t in [0, *range(1, plan.P)] if eager else [*range(1, plan.P), 0]:
+    order = ([0, *range(1, plan.P)] if eager else [*range(1, plan.P), 0] if stop == plan.P
+             else [plan.P - 1, *range(1, plan.P - 1), 0])
+    for t in order:
         src = (rank - t) % plan.P
         grads = None
         if t == 0:
             keys, values, gk, gv = kc, vc, dkc, dvc
         else:
-            keys, values = exchanged.received[t] if exchanged is not None else comm.received_kv(step, t)
-            if not eager:
-                step = comm.post_kv(t + 1, kc, vc)
+            if t in kept:
+                keys, values = kept[t]
+            else:
+                keys, values = comm.received_kv(step, t)
+                if not eager:
+                    step = comm.post_kv(t + 1, kc, vc) if t + 1 < stop else None
             grads, gk, gv = comm.grad_buffer(t, acc_dtype)
         for task in plan.tasks[rank][src]:
             if task.stack in joined and not task.causal:
@@ -389,7 +443,6 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
     for ret, dst in returning:
         comm.add_returned_grads(ret, dst, dkc, dvc)
     for cp, g_q, g_k, g_v in zip(rows, dqc, dkc, dvc):
-        cp.q.add(dq, g_q)
-        cp.kv.add(dk, g_k)
-        cp.kv.add(dv, g_v)
+        for rowset, grad, sums, w in zip((cp.q, cp.kv, cp.kv), (dq, dk, dv), (g_q, g_k, g_v), whole):
+            (rowset.put if w else rowset.add)(grad, sums)
     return dq, dk, dv

@@ -92,7 +92,8 @@ class RingComm:
         self.plan, self.rank, self.group, self.B, self.D = plan, rank, group, B, D
         self.device = device
         self._arrived = None  # post_all_kv's receive buffers per step: (per-stack views, copies due on arrival)
-        self._stream = None  # post_kv's stream, once it has waited for the inputs
+        self._recvs = []  # post_all_kv's receives: (source, flat buffer)
+        self._stream = None  # the exchange's stream, once it has waited for the inputs (hold_inputs)
 
     def shapes(self, dst: int, src: int) -> list[tuple[int, ...]]:
         """Shapes of the per-stack tensors that src sends dst (one of K, V, dK or dV)."""
@@ -109,62 +110,59 @@ class RingComm:
         most = max(sum(plan.rows_needed(dst, src) for src in range(plan.P) if src != dst) for dst in range(plan.P))
         return 2 * most <= plan.L * (2 * heads + 2 * kv_heads)
 
+    def hold_inputs(self) -> None:
+        """Fix the point of the caller's stream after which no transfer waits: the exchange stream (post_kv,
+        post_all_kv) waits for what is queued there now (the inputs, the copies of the rows to send), not for the
+        kernels queued after it."""
+        if self.device.type == "cuda" and self._stream is None:
+            if self.device not in _exchange_streams:
+                _exchange_streams[self.device] = torch.cuda.Stream(self.device)
+            self._stream = _exchange_streams[self.device]
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _exchange_stream(self):
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        self.hold_inputs()
+        return torch.cuda.stream(self._stream)
+
     def post_kv(self, t: int, kc, vc) -> Optional[Step]:
         """Step t of the K/V exchange: my rows that rank+t reads go there; the rows I read from rank-t come.
 
         On a GPU the send is packed and posted from a stream of the exchange's own, which waits only for what
-        was queued before the first step (the inputs): posted while step t-1 computes, its transfer kernel is
+        was queued before the first step (hold_inputs): posted while step t-1 computes, its transfer kernel is
         queued before step t's attention and takes its SMs first. (Posted after the attention on the same stream,
         it waits for a kernel that fills every SM and runs only at its tail: the ring then computes and transfers
-        in turn.) The receive buffer comes from the caller's stream, which reads it."""
+        in turn.) The receive buffer is allocated on that stream too, so that it can reuse no memory the caller's
+        queued kernels still use; received_kv records the caller's stream on it."""
         if t >= self.plan.P:
             return None
         P, me = self.plan.P, self.rank
         dst, src = (me + t) % P, (me - t) % P
         rows = self.plan.rows_needed(me, src)
-        recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device)) if rows else None
         with self._exchange_stream():
+            recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device)) \
+                if rows else None
             send = []
             if self.plan.rows_needed(dst, me):
                 rng = self.plan.needed[dst][me]
                 send = [(dst, _pack(kc + vc, rng + rng))]
             return Step(self.group, send, recv)
 
-    def _exchange_stream(self):
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._stream is None:
-            if self.device not in _exchange_streams:
-                _exchange_streams[self.device] = torch.cuda.Stream(self.device)
-            self._stream = _exchange_streams[self.device]
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._stream)
-
-    def post_all_kv(self, kc, vc, into: Optional[dict] = None) -> Step:
-        """Every step's K/V exchange in one batch (eager): one message per stack and tensor, so that a receiver can
-        take each where it reads it. `into[(t, s)]`: the (keys, values) views `[B, n, Hk, D]` where step t's rows
-        of stack s go (the joined blocks' buffers: received in place where the views are contiguous, else copied
-        there on arrival); other rows arrive in one buffer per step."""
+    def prepare_all_kv(self, dtype: torch.dtype, into: Optional[dict] = None) -> None:
+        """The receive buffers of post_all_kv, allocated before the transfers' wait point (hold_inputs), so that no
+        transfer writes memory a kernel queued after it still reads. `into[(t, s)]`: the (keys, values) views
+        `[B, n, Hk, D]` where step t's rows of stack s go (the joined blocks' buffers: received in place where the
+        views are contiguous, else copied there on arrival); other rows arrive in one buffer per step."""
         P, me, into = self.plan.P, self.rank, into or {}
-        sends, recvs = [], []
-        self._arrived = {}
+        self._arrived, self._recvs = {}, []
         for t in range(1, P):
-            dst, src = (me + t) % P, (me - t) % P
-            if self.plan.rows_needed(dst, me):
-                rng = self.plan.needed[dst][me]
-                for x, ranges in zip(kc + vc, rng + rng):
-                    if not ranges:
-                        continue
-                    # all of a contiguous tensor leaves as it is, else its ranges are copied into one buffer
-                    whole = ranges == [(0, x.shape[1])] and x.is_contiguous()
-                    chunk = (x if whole else _pack([x], [ranges])).view(-1)
-                    if chunk.numel():  # as the receiver's parts (empty ones travel in no message)
-                        sends.append((dst, chunk))
+            src = (me - t) % P
             if not self.plan.rows_needed(me, src):
                 continue
             shapes = self.shapes(me, src)
-            buf = torch.empty(2 * self.plan.rows_needed(me, src) * self.B * self.D, dtype=kc[0].dtype,
-                              device=kc[0].device)
+            buf = torch.empty(2 * self.plan.rows_needed(me, src) * self.B * self.D, dtype=dtype,
+                              device=self.device)
             parts, copies = _unpack(buf, shapes + shapes), []
             for i, part in enumerate(parts):
                 target = into.get((t, i % len(shapes)))
@@ -174,9 +172,29 @@ class RingComm:
                 elif target is not None:
                     copies.append((target, part))
                 if part.numel():
-                    recvs.append((src, part.view(-1)))
+                    self._recvs.append((src, part.view(-1)))
             self._arrived[t] = (parts, copies)
-        return Step(self.group, sends, recvs=recvs)
+
+    def post_all_kv(self, kc, vc) -> Step:
+        """Every step's K/V exchange in one batch (eager), into prepare_all_kv's buffers: one message per stack
+        and tensor, so that a receiver can take each where it reads it."""
+        P, me = self.plan.P, self.rank
+        sends = []
+        with self._exchange_stream():
+            for t in range(1, P):
+                dst = (me + t) % P
+                if not self.plan.rows_needed(dst, me):
+                    continue
+                rng = self.plan.needed[dst][me]
+                for x, ranges in zip(kc + vc, rng + rng):
+                    if not ranges:
+                        continue
+                    # all of a contiguous tensor leaves as it is, else its ranges are copied into one buffer
+                    whole = ranges == [(0, x.shape[1])] and x.is_contiguous()
+                    chunk = (x if whole else _pack([x], [ranges])).view(-1)
+                    if chunk.numel():  # as the receiver's parts (empty ones travel in no message)
+                        sends.append((dst, chunk))
+            return Step(self.group, sends, recvs=self._recvs)
 
     def received_kv(self, step: Step, t: int):
         """(keys, values) per stack received at step t (None for a stack with nothing received); `step` is that
@@ -194,6 +212,8 @@ class RingComm:
             buf = step.wait()
             if buf is None:
                 return [None] * len(shapes), [None] * len(shapes)
+            if buf.is_cuda:  # allocated on the exchange stream (post_kv), read on the caller's
+                buf.record_stream(torch.cuda.current_stream(buf.device))
             parts = _unpack(buf, shapes + shapes)
         return parts[: len(shapes)], parts[len(shapes):]
 
