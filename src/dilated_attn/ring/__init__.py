@@ -34,7 +34,8 @@ from .plan import RingPlan, ring_plan
 
 __all__ = ["ring_attention", "shard", "unshard", "ring_plan", "RingPlan", "LAYOUTS", "MODES", "explain_ring"]
 
-# The call's descriptor, all-gathered before any transfer (_check_same_config, _deferred_check): categorical fields as codes.
+# The call's descriptor, all-gathered before any transfer (_check_same_config, _deferred_check): categorical
+# fields as codes.
 _CODES = {
     "dtype": {d: n for n, d in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))},
     "layout": {n: i for i, n in enumerate(LAYOUTS)},
@@ -67,7 +68,9 @@ def _post_config(group, q, fields: tuple[int, ...] | None, invalid: tuple[int, s
     origin, text = invalid if invalid is not None else (0, "")
     message = text.encode()[:_MESSAGE_BYTES]
     row = _HEADER.pack(int(invalid is not None), origin, *(fields or (0,) * len(_FIELDS)), len(message))
-    mine = torch.frombuffer(bytearray(row + message.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.uint8).to(dev)
+    mine = torch.frombuffer(bytearray(row + message.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.uint8)
+    # from pinned memory, so that the copy waits for no kernel queued before it on this stream
+    mine = mine.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else mine
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every)
@@ -131,8 +134,8 @@ def _check_same_config(groups, q, fields, error: Exception | None) -> None:
 
 def _deferred_check(groups, q, fields) -> Callable[[], None]:
     """_check_same_config of valid arguments, as a call that raises what it would: on one group the gather is
-    posted now and read by the call, so that work which needs no peer can be queued in between; the 2-D mode's two
-    groups, each gather carrying what the one before it learnt, are checked now."""
+    posted now (on the current stream) and read by the call, so that work which needs no peer can be queued in
+    between; the 2-D mode's two groups, each gather carrying what the one before it learnt, are checked now."""
     if len(groups.all) > 1:
         _check_same_config(groups, q, fields, None)
         return lambda: None
@@ -244,15 +247,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     digest = zlib.crc32(repr(agreed).encode())
     scale_bits = struct.unpack("<q", struct.pack("<d", call.problem.scale))[0]
     p = call.problem
-    check = _deferred_check(groups, q, (
+    fields = (
         p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
         ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(causal),
         _CODES["layout"][layout], _CODES["head_groups"][head_groups], _CODES["backend"][backend], scale_bits,
-        digest, _CODES["mode"][call.mode]))
-    if call.mode == "ring":  # checks before its first transfer, after queuing the local branches
-        out, lse = RingAttention.apply(q, k, v, call.ring, check)
+        digest, _CODES["mode"][call.mode])
+    if call.mode == "ring":  # checked before its first transfer, after its local branches are queued
+        out, lse = RingAttention.apply(q, k, v, call.ring, functools.partial(_deferred_check, groups, q, fields))
         return (out, lse) if return_lse else out
-    check()
+    _deferred_check(groups, q, fields)()
     if packed:  # the shards [L, H, D] as the heads mode's [1, L, H, D]
         out, lse = HeadParallelFunction.apply(q[None], k[None], v[None], call.head_parallel)
         out, lse = out[0], lse[0]

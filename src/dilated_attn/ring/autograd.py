@@ -179,10 +179,11 @@ def joined_blocks(plan: RingPlan, rank: int) -> dict[int, JoinedBlock]:
 
 
 def _joined_buffers(plan: RingPlan, rank: int, joined: dict, kc, vc):
-    """Per joined stack (index): its keys' and values' buffers `[B, rows, Hk, D]`, the own rows copied in, and each
-    step's rows in them; where each step's received rows go (RingComm.post_all_kv's `into`); and the own rows to
-    send: their copy in a joined buffer where they have one (no second copy), else kc and vc."""
-    buffers, into, send_k, send_v = {}, {}, list(kc), list(vc)
+    """Per joined stack (index): its keys' and values' buffers `[B, rows, Hk, D]` and each step's rows in them;
+    where each step's received rows go (RingComm.post_all_kv's `into`); the own rows to send: their copy in a
+    joined buffer where they have one (no second copy), else kc and vc; and those copies, `(target, source)`, due
+    before the send."""
+    buffers, into, send_k, send_v, copies = {}, {}, list(kc), list(vc), []
     for s, j in joined.items():
         rows, spans = 0, {}
         for t in j.steps:
@@ -192,13 +193,12 @@ def _joined_buffers(plan: RingPlan, rank: int, joined: dict, kc, vc):
         keys, values = (x.new_empty((x.shape[0], rows, *x.shape[2:])) for x in (kc[s], vc[s]))
         for t, (a, b) in spans.items():
             if t == 0:
-                keys[:, a:b].copy_(kc[s])
-                values[:, a:b].copy_(vc[s])
                 send_k[s], send_v[s] = keys[:, a:b], values[:, a:b]
+                copies += [(keys[:, a:b], kc[s]), (values[:, a:b], vc[s])]
             else:
                 into[(t, s)] = (keys[:, a:b], values[:, a:b])
         buffers[s] = (keys, values, spans)
-    return buffers, into, send_k, send_v
+    return buffers, into, send_k, send_v, copies
 
 
 @dataclass(frozen=True)
@@ -232,8 +232,8 @@ class Exchanged:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg: RingConfig, check: Optional[Callable[[], None]] = None):
-        out, lse, ctx.exchanged = ring_forward(q, k, v, cfg, keep=True, check=check)
+    def forward(ctx, q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Callable[[], None]]] = None):
+        out, lse, ctx.exchanged = ring_forward(q, k, v, cfg, keep=True, post_check=post_check)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
         # An output without a gradient arrives as None, not as zeros: the blocks then get no LSE gradient, which
@@ -251,7 +251,8 @@ class RingAttention(torch.autograd.Function):
 @dataclass
 class _Exchange:
     """This rank's compacted rows and their K/V, the joined blocks and their buffers, and the K/V exchange ready to
-    post: its receive buffers allocated and its wait point fixed (RingComm.hold_inputs)."""
+    post: its buffers allocated and its wait point fixed (RingComm.hold_inputs), so that kernels queued after
+    _prepare_exchange delay no transfer."""
 
     comm: RingComm
     rows: list
@@ -261,10 +262,16 @@ class _Exchange:
     joined: dict
     buffers: dict
     send: tuple  # the (keys, values) per stack to send
+    copies: list  # (target, source): the own rows into the joined buffers, made on the exchange stream
 
     def post(self):
         """Post step 1, or every step at once (eager, comm.py)."""
-        return self.comm.post_all_kv(*self.send) if self.eager else self.comm.post_kv(1, self.kc, self.vc)
+        if not self.eager:
+            return self.comm.post_kv(1, self.kc, self.vc)
+        with self.comm.exchange_stream():
+            for target, source in self.copies:
+                target.copy_(source)
+        return self.comm.post_all_kv(*self.send)
 
 
 def _prepare_exchange(cfg: RingConfig, q, k, v) -> _Exchange:
@@ -274,20 +281,23 @@ def _prepare_exchange(cfg: RingConfig, q, k, v) -> _Exchange:
     vc = [cp.kv.gather(v) for cp in rows]
     if not comm.eager(q.shape[2], k.shape[2]):
         comm.hold_inputs()
-        return _Exchange(comm, rows, kc, vc, False, {}, {}, (kc, vc))
+        return _Exchange(comm, rows, kc, vc, False, {}, {}, (kc, vc), [])
     joined = joined_blocks(cfg.plan, cfg.rank)
-    buffers, into, send_k, send_v = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
+    buffers, into, send_k, send_v, copies = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
     comm.prepare_all_kv(k.dtype, into)
     comm.hold_inputs()
-    return _Exchange(comm, rows, kc, vc, True, joined, buffers, (send_k, send_v))
+    return _Exchange(comm, rows, kc, vc, True, joined, buffers, (send_k, send_v), copies)
 
 
-def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False, check: Optional[Callable[[], None]] = None):
+def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False,
+                 post_check: Optional[Callable[[], Callable[[], None]]] = None):
     """(out, lse) of this rank's shard: the local branches, then every head stack's blocks. With `keep`, also the
-    Exchanged rows for ring_backward. `check()`: raises where the ranks' calls differ (ring_attention's
-    configuration check), called before the first transfer is posted; the local branches, which read no peer's
-    rows, are queued before it, so that the GPU computes while the host waits for the check's gather and posts
-    the transfers."""
+    Exchanged rows for ring_backward.
+
+    post_check(): posts ring_attention's configuration check and returns the call that waits for it and raises
+    where the ranks' calls differ, which runs before the first transfer is posted. The local branches read no
+    peer's rows: they are queued first, and the check's gather and the transfers come from the exchange stream, so
+    that the GPU computes while the host checks and posts."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
     ops = block_ops(cfg.backend)
     B, L, H, D = q.shape
@@ -307,7 +317,9 @@ def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False, check: Optional[C
            (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
             torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
            for cp, x in zip(rows, qc)]
-    if check is not None:
+    if post_check is not None:
+        with comm.exchange_stream():
+            check = post_check()
         check()
     step = ex.post()
     received = {}

@@ -120,7 +120,8 @@ class RingComm:
             self._stream = _exchange_streams[self.device]
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _exchange_stream(self):
+    def exchange_stream(self):
+        """A context on the exchange's stream (hold_inputs): the caller's stream where there is no GPU."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         self.hold_inputs()
@@ -140,7 +141,7 @@ class RingComm:
         P, me = self.plan.P, self.rank
         dst, src = (me + t) % P, (me - t) % P
         rows = self.plan.rows_needed(me, src)
-        with self._exchange_stream():
+        with self.exchange_stream():
             recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device)) \
                 if rows else None
             send = []
@@ -180,7 +181,7 @@ class RingComm:
         and tensor, so that a receiver can take each where it reads it."""
         P, me = self.plan.P, self.rank
         sends = []
-        with self._exchange_stream():
+        with self.exchange_stream():
             for t in range(1, P):
                 dst = (me + t) % P
                 if not self.plan.rows_needed(dst, me):
