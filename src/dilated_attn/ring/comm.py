@@ -112,8 +112,8 @@ class RingComm:
 
     def hold_inputs(self) -> None:
         """Fix the point of the caller's stream after which no transfer waits: the exchange stream (post_kv,
-        post_all_kv) waits for what is queued there now (the inputs, the copies of the rows to send), not for the
-        kernels queued after it."""
+        post_all_kv, and what the caller runs in exchange_stream()) waits for what is queued there now (the inputs
+        and the rows gathered from them), not for the kernels queued after it."""
         if self.device.type == "cuda" and self._stream is None:
             if self.device not in _exchange_streams:
                 _exchange_streams[self.device] = torch.cuda.Stream(self.device)
