@@ -7,7 +7,7 @@
 
 Configurations: N = 65536 with the LongNet branches (2048,1), (4096,2), (8192,4), (16384,8), non-causal and
 causal; N = 16384 with the same branches; N = 262144 with the long branches (2048,1), (8192,4), (32768,16),
-(131072,64) (dilated_attn.cli.harness.LONGNET, LONGNET_LONG).
+(131072,64) (dilated_attn.benchmarking.LONGNET, LONGNET_LONG).
 
 Providers (each measured in the same process, on the same inputs):
   triton, cudnn, fa4, cuda    dilated_attn's backends (where they can run); triton with the shipped configs
@@ -22,7 +22,7 @@ Providers (each measured in the same process, on the same inputs):
                               (the first branch's shape alone, where its dilation is 1): the kernels' ceiling
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
-(dilated_attn.cli.harness.median_ms: CUDA events, L2 flushed before each run); with --rounds R the providers of a
+(dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run); with --rounds R the providers of a
 configuration are timed in turn R times and a row gives the median of its R medians; TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; "extra memory"
 is the peak allocated above the inputs during one call. Before timing, the Triton kernels (shipped configs) and the
@@ -45,7 +45,7 @@ import triton.language as tl
 
 import dilated_attn
 from dilated_attn import backends
-from dilated_attn.cli.harness import (
+from dilated_attn.benchmarking import (
     LONGNET,
     LONGNET_LONG,
     Record,

@@ -17,7 +17,7 @@ ring_attention on P GPUs (each iteration starts after a barrier; the slowest ran
 and forward apart. Weak scaling (--tokens-per-gpu, default 131072 tokens a GPU for longnet, 32768 for dense): N = P
 times that, the preset's branches; per-GPU TFLOP/s = spec.flops(N) / (P * TP), against one GPU's on the
 same tokens per GPU (N = tokens, measured in the same run): weak efficiency = their ratio. Times are medians over
---repeats after --warmup calls (dilated_attn.cli.harness.median_ms: CUDA events, L2 flushed before each run).
+--repeats after --warmup calls (dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run).
 Each row also holds each rank's own median (tp_rank_median_ms: above TP where the ranks start apart) and the time
 per call of --repeats calls in a row with no barrier between them, as a training loop runs (tp_back_to_back_ms).
 
@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 import dilated_attn
 from dilated_attn import dispatch
-from dilated_attn.cli.harness import Record, attention_call, median_ms, random_inputs, say
+from dilated_attn.benchmarking import Record, attention_call, median_ms, random_inputs, say
 from dilated_attn.spec import flops, validate, validate_varlen
 
 PRESETS = {

@@ -15,7 +15,7 @@ Rows (each measured in this process, on the same GPU, forward and forward+backwa
             without varlen runs (padding keys then enter the short sequences' softmax: a cost only, not a result)
 TFLOP/s count each sequence with its own length (segments clipped to it: dilated_attn.spec.flops), so the pack's
 and the uniform sequence's rates compare the kernels' speed, and padded's rate counts only the pack's work.
-Times are medians of --repeats runs after --warmup (dilated_attn.cli.harness.median_ms, L2 flushed), the providers
+Times are medians of --repeats runs after --warmup (dilated_attn.benchmarking.median_ms, L2 flushed), the providers
 timed in turn for --rounds rounds and the median of the round medians reported.
 """
 
@@ -30,7 +30,7 @@ import torch
 import triton
 
 import dilated_attn
-from dilated_attn.cli.harness import LONGNET, Record, attention_call, median_ms, peak_memory_bytes, say
+from dilated_attn.benchmarking import LONGNET, Record, attention_call, median_ms, peak_memory_bytes, say
 from dilated_attn.spec import flops, validate, validate_varlen
 
 LENGTHS = [1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168, 10240, 6144]

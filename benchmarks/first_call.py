@@ -42,7 +42,7 @@ def child(family: str, seq_len: int) -> None:
     from triton.runtime.autotuner import Autotuner
 
     import dilated_attn
-    from dilated_attn.cli.harness import LONGNET, random_inputs
+    from dilated_attn.benchmarking import LONGNET, random_inputs
 
     dtype, head_dim, kv_heads, causal = FAMILIES[family]
     compiled = []
@@ -110,7 +110,7 @@ def main() -> None:
 
     import torch
 
-    from dilated_attn.cli.harness import command_line, device_info, say, versions
+    from dilated_attn.benchmarking import command_line, device_info, say, versions
 
     rows = []
     for family in args.families:

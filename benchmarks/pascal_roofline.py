@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from dilated_attn.cli.harness import LONGNET
+from dilated_attn.benchmarking import LONGNET
 from dilated_attn.spec import Problem, flops
 
 # fp32 peak (TFLOP/s), DRAM bandwidth (GB/s), SMs, L2 (MiB), and the tile table each runs (csrc/cuda/launch.h)

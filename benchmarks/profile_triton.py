@@ -25,7 +25,7 @@ import argparse
 import torch
 
 import dilated_attn
-from dilated_attn.cli.harness import LONGNET, random_inputs
+from dilated_attn.benchmarking import LONGNET, random_inputs
 
 
 def main() -> None:

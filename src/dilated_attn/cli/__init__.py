@@ -11,7 +11,7 @@ Exit status: 0 when all is well; 1 when the self-check (or the warm-up of a fami
 (argparse's errors, and attention configurations the package rejects, with its ValueError message); 3 when a
 backend named with --backends cannot run on this device or configuration (with the package's reason). Backends
 not named that cannot run are skipped. docs/cli.md is the reference. The self-check is dilated_attn.cli.check's,
-the bench command's run dilated_attn.cli.bench's, and their measuring dilated_attn.cli.harness's.
+the bench command's run dilated_attn.cli.bench's, and their measuring dilated_attn.benchmarking's.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch
 from .. import __version__, build_info
 from ..backends import triton as triton_backend
 from ..backends import verdicts as backend_verdicts
+from ..benchmarking import DTYPES, MODES, Record, device_info, say, triton_version
 from ..spec import BACKEND_NAMES, Problem, dtype_name
 from .bench import BENCH_DEFAULTS, BenchConfig, matplotlib_missing, plan, plot_rows, print_table, refusals, run_bench
 from .check import CHECK_DTYPES, check_problems, self_check
-from .harness import DTYPES, MODES, Record, device_info, say, triton_version
 
 __all__ = ["main", "build_parser", "environment", "print_environment", "EXIT_CHECK_FAILED", "EXIT_CANNOT_RUN"]
 

@@ -1,7 +1,7 @@
 """The `bench` command's run: its configuration (BenchConfig, and BENCH_DEFAULTS for the flags left out), the
 plan made before anything runs (which backends at each N, which are refused and why), the timing of every
 (N, backend, mode) into a Record, the table printed at the end, and the plots of `bench --plot` (plot_rows,
-which benchmarks/plot_results.py draws with too). The measuring itself is dilated_attn.cli.harness's.
+which benchmarks/plot_results.py draws with too). The measuring itself is dilated_attn.benchmarking's.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .. import backends
-from ..functional import dilated_attention
-from ..spec import Problem, dtype_name, validate
-from .harness import (
+from ..benchmarking import (
     LONGNET,
     MODES,
     Record,
@@ -30,6 +28,8 @@ from .harness import (
     say,
     tflops,
 )
+from ..functional import dilated_attention
+from ..spec import Problem, dtype_name, validate
 
 # A measurement whose first call takes longer than this says so before it times the rest (a CPU run of the
 # reference at the GPU sizes takes minutes).

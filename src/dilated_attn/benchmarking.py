@@ -1,4 +1,4 @@
-"""The measuring of `dilated-attn bench` and of every script in benchmarks/, one harness for both.
+"""The benchmark library: the measuring of every script in benchmarks/ and of `dilated-attn bench`.
 
     median_ms               median time of a call after warm-up (CUDA events with L2 flushed; time.perf_counter)
     peak_memory_bytes       the most one call allocates on a GPU above what was allocated before it
@@ -30,8 +30,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .. import __version__, dispatch
-from ..spec import BACKEND_NAMES, Problem, flops
+from . import __version__, dispatch
+from .spec import BACKEND_NAMES, Problem, flops
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
