@@ -80,8 +80,9 @@ def math_loops():
 
 def _member_pairs(c, kv: bool):
     """(row, head) of every member of call `c`, the query side's or the kv side's views."""
-    head0, n_heads, head_step, seg_head_step = c.heads(kv)
-    return [(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation, head0 + j * seg_head_step + i * head_step)
+    head0, n_heads, head_step, segment_head_step = c.heads(kv)
+    return [(c.first_row + j * c.seg_rows + i * c.row_step + m * c.dilation,
+             head0 + j * segment_head_step + i * head_step)
             for j in range(c.n_seg) for i in range(n_heads) for m in range(c.members)]
 
 
@@ -199,10 +200,10 @@ def test_calls_by_segment_equal_the_reference(layout, causal, pieces, kv_heads, 
                                num_kv_heads=kv_heads)
     calls = ops.branch_calls(branch_table([64], [4], 80, 8, "all")[0], 80, 8 // kv_heads)
     if kv_heads == 8:
-        assert [(c.n_seg, c.n_heads, c.seg_head_step, c.kv_heads, c.kv_seg_head_step) for c in calls] == \
+        assert [(c.n_seg, c.n_heads, c.segment_head_step, c.kv_heads, c.kv_segment_head_step) for c in calls] == \
             [(4, 2, 2, 2, 2)] * 2
     else:
-        assert [(c.n_seg, c.n_heads, c.seg_head_step, c.kv_heads) for c in calls] == [(1, 2, 0, 1)] * 8
+        assert [(c.n_seg, c.n_heads, c.segment_head_step, c.kv_heads) for c in calls] == [(1, 2, 0, 1)] * 8
     _forward_backward_equal_the_reference(case, seed=5)
 
 

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import dilated_attn
-from dilated_attn import backends, dispatch, trace
-from dilated_attn.backends import compiled
-from dilated_attn.backends import reference as reference_backend
+from dilated_attn import backends, compile_hints, dispatch
+from dilated_attn.backends import compiled, reference_backend
 from dilated_attn.backends import triton as triton_backend
 from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
@@ -22,7 +21,7 @@ SEGS, DILS = [8, 16], [1, 2]
 def _clean(monkeypatch):
     """Every test starts with no warning given yet, no backend forced and no compiled code of another test (the
     environment variable is read when a compiled function is traced, so a stale trace would hide it)."""
-    monkeypatch.setattr(trace, "_WARNED", set())
+    monkeypatch.setattr(compile_hints, "_WARNED", set())
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     torch.compiler.reset()
     yield
@@ -437,7 +436,7 @@ def test_compile_fullgraph_forward_backward_matches_eager_gpu(dtype, head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, causal, head_groups", [(128, False, "all"), (256, True, "split")])
 def test_gpu_reference_memory_estimate_bounds_its_peak(head_dim, causal, head_groups):
-    """auto's memory rule rests on backends.reference.memory_bytes: an upper bound on the reference's peak for a
+    """auto's memory rule rests on backends.reference_backend.memory_bytes: an upper bound on the reference's peak for a
     forward and backward, and not a loose one (the measured peak is at least a quarter of it)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 3000, 8, head_dim, device="cuda", generator=g, requires_grad=True)

@@ -98,7 +98,7 @@ def test_kernel_epilogue_is_the_merge(backend, device, dtype, branches, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, vectors", [(torch.float32, True), (torch.float32, False),
                                             (torch.bfloat16, True), (torch.float16, False)])
-def test_cudnn_merge_kernel_is_the_merge(dtype, vectors):
+def test_merge_into_kernel_is_the_merge(dtype, vectors):
     """The cudnn backend merges each cuDNN call's result with a CUDA kernel of its own (csrc/cuda/merge.cu): in
     place, with 16-byte vectors or (views at an odd element) element by element, it equals merge_into on equal LSEs,
     -inf (one side and both), |LSE| ~ 1e8 and NaN, to the rounding of the output's dtype; a part whose LSE is -inf
@@ -128,7 +128,7 @@ def test_cudnn_merge_kernel_is_the_merge(dtype, vectors):
         return torch.empty(x.numel() + start, dtype=x.dtype, device="cuda")[start:].view(x.shape).copy_(x)
 
     out, lse = on_gpu(acc_out), on_gpu(acc_lse)
-    torch.ops.dilated_attn.cudnn_merge(out, lse, on_gpu(part_out), on_gpu(part_lse))
+    torch.ops.dilated_attn.merge_into(out, lse, on_gpu(part_out), on_gpu(part_lse))
     tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(out.cpu().double(), want_out.to(dtype).double(), **tol, equal_nan=True)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=2e-6, atol=2e-6, equal_nan=True)

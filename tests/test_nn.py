@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dilated_attn
-from dilated_attn import DilatedAttention, MultiheadDilatedAttention, trace
+from dilated_attn import DilatedAttention, MultiheadDilatedAttention, compile_hints
 from dilated_attn.hilbert import deserialize, hilbert_index, serialize
 from dilated_attn.reference import dilated_attention_reference
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:dilated_attn.*attention_dropout:
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
-    monkeypatch.setattr(trace, "_WARNED", set())
+    monkeypatch.setattr(compile_hints, "_WARNED", set())
 
 
 def _dropout_warnings(fn):

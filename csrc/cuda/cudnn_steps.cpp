@@ -248,14 +248,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward_steps(
   return {grad_q, grad_k, grad_v};
 }
 
-// The merge kernel of cudnn_forward_steps on whole tensors: out, part_out [b, h, s, d], lse, part_lse [b, h, s]
+// The merge kernel of cudnn_forward_steps on whole tensors, the one every path merges with: out, part_out [b, h, s, d], lse, part_lse [b, h, s]
 // (tests/test_merge.py pins it to dilated_attn.merge).
-void cudnn_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                  const at::Tensor& part_lse) {
   TORCH_CHECK_VALUE(out.dim() == 4 && lse.dim() == 3 && part_out.sizes() == out.sizes() &&
                         part_lse.sizes() == lse.sizes() && lse.sizes() == out.sizes().slice(0, 3) &&
                         out.stride(3) == 1 && part_out.stride(3) == 1,
-                    "cudnn_merge takes out, part_out [b, h, s, d] with unit-stride rows and lse, part_lse [b, h, s]");
+                    "merge_into takes out, part_out [b, h, s, d] with unit-stride rows and lse, part_lse [b, h, s]");
   check_running_result(out, out, lse);
   TORCH_CHECK_TYPE(part_out.scalar_type() == out.scalar_type() && part_lse.scalar_type() == at::kFloat,
                    "part_out must have out's dtype and part_lse float32");
@@ -298,7 +298,7 @@ void cudnn_accumulate(at::TensorList targets, at::TensorList parts, bool store) 
 TORCH_LIBRARY_IMPL(dilated_attn, CUDA, m) {
   m.impl("cudnn_forward_steps", &cuda::cudnn_forward_steps);
   m.impl("cudnn_backward_steps", &cuda::cudnn_backward_steps);
-  m.impl("cudnn_merge", &cuda::cudnn_merge);
+  m.impl("merge_into", &cuda::merge_into);
   m.impl("cudnn_accumulate", &cuda::cudnn_accumulate);
 }
 

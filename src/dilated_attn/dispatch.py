@@ -23,11 +23,11 @@ import torch
 from . import backends
 from .backends import cudnn as cudnn_backend
 from .backends import fa4 as fa4_backend
-from .backends import reference as reference_backend
+from .backends import reference_backend
 from .backends import triton as triton_backend
 from .backends.autograd import set_lse_gradient_chooser
+from .compile_hints import trace_constant, warn_once
 from .spec import BACKEND_NAMES, Problem, dtype_name, validate
-from .trace import trace_constant, warn_once
 
 __all__ = ["auto_preference", "backward_backend", "decide", "explain", "lse_gradient_backend",
            "lse_gradient_backward_op", "select", "Decision", "ENV_VAR"]

@@ -25,13 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from . import dispatch
+from .compile_hints import warn_once
 from .functional import dilated_attention, dilated_attention_with_kvcache
 from .hilbert import _check_shape, hilbert_index
 from .reference import dilated_attention_reference
 from .ring import ring_attention
 from .ring.layout import check_layout
 from .spec import Problem, _int_list, looks_swapped, validate
-from .trace import warn_once
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "KVCache"]
 

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .compile_hints import warn_once
 from .memo import read_once
-from .trace import warn_once
 
 HEAD_GROUPS = ("all", "split")
 BACKEND_NAMES = ("cuda", "triton", "cudnn", "fa4", "cpu", "reference")  # dilated_attn.backends.REGISTRY, in its order

@@ -19,7 +19,7 @@ from .base import Backend
 from .compiled import CPU, CUDA
 from .cudnn import CUDNN
 from .fa4 import FA4
-from .reference import REFERENCE
+from .reference_backend import REFERENCE
 from .triton import TRITON
 
 __all__ = ["Backend", "REGISTRY", "get", "verdicts", "CPU", "CUDA", "CUDNN", "FA4", "TRITON", "REFERENCE"]

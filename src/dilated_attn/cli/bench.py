@@ -36,8 +36,8 @@ from ..spec import Problem, dtype_name, validate
 SLOW_CALL_S = 2.0
 
 __all__ = [
-    "BENCH_DEFAULTS", "METRICS", "BenchConfig", "Plan", "plan", "refusals", "run_bench", "print_table", "plot_rows",
-    "matplotlib_missing",
+    "BENCH_DEFAULTS", "METRICS", "BenchConfig", "BenchPlan", "plan", "refusals", "run_bench", "print_table",
+    "plot_rows", "matplotlib_missing",
 ]
 
 
@@ -90,13 +90,13 @@ def refusals(problems: Sequence[Problem], names: Sequence[str]) -> dict[str, str
     return refused
 
 
-class Plan(NamedTuple):
+class BenchPlan(NamedTuple):
     backends: dict[int, list[str]]  # N -> the backends timed at N
     skipped: dict[str, str]  # a backend not named that cannot run -> why
     refused: dict[str, str]  # a backend named that cannot run -> why (the run must not start)
 
 
-def plan(cfg: BenchConfig, names: Optional[Sequence[str]] = None) -> Plan:
+def plan(cfg: BenchConfig, names: Optional[Sequence[str]] = None) -> BenchPlan:
     """Validates the configuration at every N before anything runs (raising the package's ValueError/TypeError
     for an invalid one) and picks the backends at each N: those named, or every one that applies to the device
     and can run."""
@@ -112,7 +112,7 @@ def plan(cfg: BenchConfig, names: Optional[Sequence[str]] = None) -> Plan:
         found = backends.verdicts(p)
         timed[n] = [name for name in applicable_backends(p) if found[name] is None]
         skipped.update({name: found[name] for name in applicable_backends(p) if found[name] is not None})
-    return Plan(timed, skipped, refusals(problems, names or ()))
+    return BenchPlan(timed, skipped, refusals(problems, names or ()))
 
 
 def run_bench(cfg: BenchConfig, timed: dict[int, list[str]], record: Record) -> list[dict]:

@@ -67,7 +67,7 @@ def _merge_kernel_runs(acc_out, acc_lse, out, lse) -> bool:
 def merge_block(acc_out, acc_lse, out, lse) -> None:
     """acc_out [B, n, H, D], acc_lse [B, H, n] <- their merge with (out, lse) of the same shapes, in place."""
     if _merge_kernel_runs(acc_out, acc_lse, out, lse):
-        torch.ops.dilated_attn.cudnn_merge(acc_out.transpose(1, 2), acc_lse, out.transpose(1, 2), lse)
+        torch.ops.dilated_attn.merge_into(acc_out.transpose(1, 2), acc_lse, out.transpose(1, 2), lse)
     else:
         merge_into(acc_out, acc_lse.transpose(1, 2), out, lse.transpose(1, 2))
 

@@ -5,8 +5,8 @@ path on Hopper for large inputs (dispatch.auto_preference; the measurements are 
 step on one GPU"; how it works: docs/design.md).
 
     ops.py    the call plan of a problem (`plan`: `branch_calls` per branch), its views packed as the steps of the C++
-              loops (`Plan.schedule`), and the `torch.library.custom_op` registrations (`dilated_attn::cudnn_forward`,
-              `cudnn_backward`)
+              loops (`CallPlan.schedule`), and the `torch.library.custom_op` registrations
+              (`dilated_attn::cudnn_forward`, `cudnn_backward`)
     csrc/cuda/cudnn_steps.cpp, merge.cu
               the loops over the calls (`dilated_attn::cudnn_forward_steps`, `cudnn_backward_steps`) and the merge
               and gradient-addition kernels, in the compiled extension
@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
+from ...compile_hints import trace_constant
 from ...spec import Problem
-from ...trace import trace_constant
 from .. import compiled
 from ..base import Backend, OnceLoader
 

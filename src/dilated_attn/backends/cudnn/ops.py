@@ -1,5 +1,5 @@
 """The cudnn backend's ops: cuDNN's fused attention on strided views of each branch's members, each call's result
-merged into the running one. This module plans the calls (a `Plan` per problem, its `Schedule` per input layout);
+merged into the running one. This module plans the calls (a `CallPlan` per problem, its `Schedule` per input layout);
 csrc/cuda/cudnn_steps.cpp runs them, with the merge and gradient-addition kernels of csrc/cuda/merge.cu.
 
 A branch's members are evenly spaced rows: for offset `o`, segment `j` holds rows `j*s + o + r*i`. For a run of
@@ -29,17 +29,18 @@ import torch
 from ...spec import Branch, branch_table, covers_everything, lse_dtype
 from ..autograd import register_attention_autograd
 
-__all__ = ["Call", "Plan", "Schedule", "branch_calls", "plan", "cudnn_forward", "cudnn_backward", "dense_forward",
+__all__ = ["Call", "CallPlan", "Schedule", "branch_calls", "plan", "cudnn_forward", "cudnn_backward", "dense_forward",
            "dense_backward"]
 
 
 @dataclass(frozen=True)
 class Call:
-    """One attention call over `n_seg` segments (`seg_rows` rows and `seg_head_step` heads apart) starting at row
-    `first_row`: head `i` of the call is head `head0 + i*head_step` at row shift `i*row_step`, and its members are
+    """One attention call over `n_seg` segments (`seg_rows` rows and `segment_head_step` heads apart) starting at
+    row `first_row`: head `i` of the call is head `head0 + i*head_step` at row shift `i*row_step`, and its members are
     `members` rows `dilation` apart. (A call's "segments" may also be the offset groups of one segment: see
     branch_calls.) Its k and v views take `kv_heads` heads from `kv_head0`, `kv_head_step` apart (and
-    `kv_seg_head_step` from one segment to the next): the call's heads in runs of `n_heads // kv_heads` share one."""
+    `kv_segment_head_step` from one segment to the next): the call's heads in runs of `n_heads // kv_heads` share
+    one."""
 
     first_row: int
     n_seg: int
@@ -50,17 +51,17 @@ class Call:
     n_heads: int
     head_step: int = 1
     row_step: int = 0
-    seg_head_step: int = 0
+    segment_head_step: int = 0
     kv_head0: int = 0
     kv_heads: int = 0
     kv_head_step: int = 1
-    kv_seg_head_step: int = 0
+    kv_segment_head_step: int = 0
 
     def heads(self, kv: bool) -> tuple[int, int, int, int]:
         """(first head, heads, head step, head step per segment) of the query-side or the kv-side views."""
         if kv:
-            return self.kv_head0, self.kv_heads, self.kv_head_step, self.kv_seg_head_step
-        return self.head0, self.n_heads, self.head_step, self.seg_head_step
+            return self.kv_head0, self.kv_heads, self.kv_head_step, self.kv_segment_head_step
+        return self.head0, self.n_heads, self.head_step, self.segment_head_step
 
 
 def _offset_groups(br: Branch) -> list[tuple[int, int, int]]:
@@ -73,7 +74,7 @@ def _with_kv_heads(call: Call, group: int) -> Optional[Call]:
     onto kv heads as cuDNN groups them (equal runs of query heads per kv head, evenly spaced kv heads, and the heads
     of a run reading the same rows)."""
     def kv(j: int, i: int) -> int:
-        return (call.head0 + j * call.seg_head_step + i * call.head_step) // group
+        return (call.head0 + j * call.segment_head_step + i * call.head_step) // group
 
     first = [kv(0, i) for i in range(call.n_heads)]
     run = next((i for i, h in enumerate(first) if h != first[0]), call.n_heads)
@@ -81,12 +82,12 @@ def _with_kv_heads(call: Call, group: int) -> Optional[Call]:
         return None
     starts = first[::run]
     step = starts[1] - starts[0] if len(starts) > 1 else 1
-    seg_step = kv(1, 0) - kv(0, 0) if call.seg_head_step else 0
+    seg_step = kv(1, 0) - kv(0, 0) if call.segment_head_step else 0
     if any(kv(j, i) != starts[0] + (i // run) * step + j * seg_step
-           for j in range(call.n_seg if call.seg_head_step else 1) for i in range(call.n_heads)):
+           for j in range(call.n_seg if call.segment_head_step else 1) for i in range(call.n_heads)):
         return None
     return dataclasses.replace(call, kv_head0=starts[0], kv_heads=len(starts), kv_head_step=step,
-                               kv_seg_head_step=seg_step)
+                               kv_segment_head_step=seg_step)
 
 
 def _group_calls(first_row: int, n_seg: int, s: int, length: int, r: int, offset: int, head0: int, n_heads: int,
@@ -124,7 +125,7 @@ def branch_calls(br: Branch, seq_len: int, group: int = 1) -> list[Call]:
         stacked = None
         if stackable and n_seg < min(size, len(groups)):
             stacked = [Call(first_row + j * s + groups[0][0], len(groups), 1, length // r, r, br.head_lo, size,
-                            seg_head_step=size) for j in range(n_seg)]
+                            segment_head_step=size) for j in range(n_seg)]
         elif stackable and size < len(groups):
             stacked = [Call(first_row + groups[0][0], n_seg, s, length // r, r, br.head_lo + i, len(groups),
                             head_step=size, row_step=1) for i in range(size)]
@@ -141,14 +142,14 @@ def branch_calls(br: Branch, seq_len: int, group: int = 1) -> list[Call]:
 
 def _batch_merges(call: Call, shape, stride) -> bool:
     """Batches of a `[B, N, H, ...]` layout continue its segment dimension (one view spans them)."""
-    return shape[0] == 1 or (call.seg_head_step == 0 and stride[0] == call.n_seg * call.seg_rows * stride[1])
+    return shape[0] == 1 or (call.segment_head_step == 0 and stride[0] == call.n_seg * call.seg_rows * stride[1])
 
 
 # The most elements (segments x heads x members x D) one cuDNN call takes in the forward and in the backward:
 # bounds what a call allocates beyond the result (its output in the forward; its gradients and cuDNN's float32 dQ
 # accumulator in the backward), while a call still has >= 1024 programs at the sizes that matter. The backward's
 # larger pieces take fewer calls. A first branch that is one call over
-# every row is not cut: its result is the whole one (Plan.schedule).
+# every row is not cut: its result is the whole one (CallPlan.schedule).
 MAX_CALL_ELEMENTS = 1 << 24
 MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
 
@@ -176,8 +177,8 @@ def _geometry(call: Call, layouts: tuple, kv: tuple, limit: Optional[int]) -> It
         for first in range(0, segments, size):
             piece = []
             for (shape, (sb, sn, sh, *rest), offset), kv_side in zip(layouts, kv):
-                head0, n_heads, head_step, seg_head_step = call.heads(kv_side)
-                strides = (call.seg_rows * sn + seg_head_step * sh, call.row_step * sn + head_step * sh,
+                head0, n_heads, head_step, segment_head_step = call.heads(kv_side)
+                strides = (call.seg_rows * sn + segment_head_step * sh, call.row_step * sn + head_step * sh,
                            call.dilation * sn, *rest)
                 start = offset + b * sb + call.first_row * sn + head0 * sh + first * strides[0]
                 piece.append(((min(size, segments - first), n_heads, call.members, *shape[3:]), strides, start))
@@ -217,7 +218,7 @@ class Schedule:
 
 
 @dataclass(frozen=True)
-class Plan:
+class CallPlan:
     """The calls of each branch of one problem, and whether the first branch's calls write every (row, head) of
     the results once (so they store, and the results need no initial value)."""
 
@@ -244,15 +245,15 @@ class Plan:
 
 @functools.lru_cache(maxsize=256)
 def plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, heads: int, kv_heads: int,
-         split_heads: bool, head_start: int = 0, global_heads: int = 0) -> Plan:
+         split_heads: bool, head_start: int = 0, global_heads: int = 0) -> CallPlan:
     table = branch_table(list(segment_lengths), list(dilation_rates), seq_len, heads, "split" if split_heads else "all",
                          head_start, global_heads)
     if not seq_len:
-        return Plan((), False)
+        return CallPlan((), False)
     calls = tuple(tuple(branch_calls(br, seq_len, heads // kv_heads)) for br in table)
     # A first branch over all heads with dilation 1 takes every (row, head) once, in calls of disjoint rows (the
     # full segments, the tail), each with all heads: every kv head's rows once too.
-    return Plan(calls, covers_everything(table[0], heads))
+    return CallPlan(calls, covers_everything(table[0], heads))
 
 
 def _cudnn_layout(x: torch.Tensor) -> torch.Tensor:
@@ -265,7 +266,7 @@ def _cudnn_layout(x: torch.Tensor) -> torch.Tensor:
     return x if readable else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
 
 
-def _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads) -> Plan:
+def _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads) -> CallPlan:
     return plan(tuple(segment_lengths), tuple(dilation_rates), q.shape[1], q.shape[2], k.shape[2], split_heads,
                 head_start, global_heads)
 

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
+from ...compile_hints import trace_constant
 from ...spec import Problem
-from ...trace import trace_constant
 from ..base import Backend, OnceLoader
 
 __all__ = ["FA4", "cache_dir", "load_error"]

@@ -77,7 +77,7 @@ def _merge(out_view, lse_view, part_out, part_lse) -> None:
     """(out_view, lse_view) <- their merge with (part_out, part_lse); rows whose part_lse is -inf keep their values
     and part_out is not read there (the kernel skips it: a packed call's rows between its runs hold no result)."""
     if out_view.is_cuda and compiled.has_kernel("cuda"):
-        torch.ops.dilated_attn.cudnn_merge(out_view, lse_view, part_out, part_lse)
+        torch.ops.dilated_attn.merge_into(out_view, lse_view, part_out, part_lse)
     else:  # an extension built without CUDA: the same merge in PyTorch
         merge_into(out_view, lse_view, part_out.masked_fill((part_lse == float("-inf"))[..., None], 0), part_lse)
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ...trace import trace_constant
+from ...compile_hints import trace_constant
 from ..base import Backend, OnceLoader
 
 __all__ = ["TRITON", "float32_precision", "interpreting", "load_error", "TF32X3_MAX_HEAD_DIM"]

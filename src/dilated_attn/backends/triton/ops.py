@@ -93,7 +93,7 @@ def _common(q, k, segment_lengths, dilation_rates, split_heads, cu_seqlens, max_
     return table, meta, sequences, max_seqlen if varlen else N
 
 
-def _unread_int32(device) -> torch.Tensor:
+def _placeholder_int32(device) -> torch.Tensor:
     """An int32 argument the kernel never reads (the tile order when not ordered, the offsets without VARLEN).
     A fresh tensor, not a view of another argument: under torch.compile, arguments aliasing a tensor the kernel
     writes gave wrong results (the functionalised kernel's writes do not all reach the output)."""
@@ -160,7 +160,7 @@ def _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scal
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, N), -math.inf, dtype=torch.float32, device=q.device)
     order = auto_tile_order(N, H, k.shape[2]) if TILE_ORDER == "auto" else TILE_ORDER
-    unread = _unread_int32(q.device)
+    unread = _placeholder_int32(q.device)
     precision = _precision(q)
     if torch.compiler.is_compiling() or cu_seqlens is not None:
         # the order tables are cached host-side objects, which a traced graph cannot hold; packed sequences
@@ -275,7 +275,7 @@ def _backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_r
     )
     precision = _precision(q)
     flags = dict(CAUSAL=causal, PRECISION=precision, **meta)
-    offsets = _unread_int32(q.device) if cu_seqlens is None else cu_seqlens
+    offsets = _placeholder_int32(q.device) if cu_seqlens is None else cu_seqlens
     for i, br in enumerate(table):
         n_seg, max_members, bucket = _branch_geometry(br, length)
         n_heads = br.head_hi - br.head_lo
@@ -372,7 +372,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, cache_len, branches, scale, laun
     stats = torch.empty((queries, splits, 2), dtype=torch.float32, device=q.device)
     partial = torch.empty((queries, splits, tile_d), dtype=torch.float32, device=q.device)
     launch(_decode_kernel)[(programs, splits)](
-        q, k_cache, v_cache, stats, partial, _unread_int32(q.device) if cache_seqlens is None else cache_seqlens,
+        q, k_cache, v_cache, stats, partial, _placeholder_int32(q.device) if cache_seqlens is None else cache_seqlens,
         branches,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -394,7 +394,7 @@ def _append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_len, launch=wrap_tri
     cache_seqlens), in one launch; rows outside the cache are not written."""
     B, Sq, Hkv, D = k.shape
     launch(_append_kernel)[(B * Sq, 2)](
-        k, v, k_cache, v_cache, _unread_int32(k.device) if cache_seqlens is None else cache_seqlens,
+        k, v, k_cache, v_cache, _placeholder_int32(k.device) if cache_seqlens is None else cache_seqlens,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), Sq, cache_len, k_cache.shape[1] - 1, Hkv, D,
         PER_BATCH=cache_seqlens is not None, BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
     )
