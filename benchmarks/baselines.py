@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from dilated_attn.spec import branch_table
+from dilated_attn.branches import branch_table
 
 
 def _sdpa_with_lse(q, k, v, causal, scale, kernel):

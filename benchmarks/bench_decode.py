@@ -30,7 +30,7 @@ import triton
 
 import dilated_attn
 from dilated_attn.benchmarking import LONGNET, Record, median_ms, say
-from dilated_attn.spec import branch_table
+from dilated_attn.branches import branch_table
 
 
 def attended_rows(position: int, segs, dils, heads: int, kv_heads: int, head_groups: str) -> list[int]:
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
                                                     backend="triton")
 
     from dilated_attn.backends.triton import ops
-    from dilated_attn.spec import validate_kvcache
+    from dilated_attn.cache_spec import validate_kvcache
 
     cp = validate_kvcache(q, k_cache, v_cache, cached, segs, dils)
 

@@ -13,7 +13,7 @@ Rows (each measured in this process, on the same GPU, forward and forward+backwa
   uniform   dilated_attention over one sequence of those 128K tokens ([1, 131072, H, D])
   padded    dilated_attention over the pack padded to a batch of 16 x 16K ([16, 16384, H, D]): what a user
             without varlen runs (padding keys then enter the short sequences' softmax: a cost only, not a result)
-TFLOP/s count each sequence with its own length (segments clipped to it: dilated_attn.spec.flops), so the pack's
+TFLOP/s count each sequence with its own length (segments clipped to it: dilated_attn.benchmarking.flops), so the pack's
 and the uniform sequence's rates compare the kernels' speed, and padded's rate counts only the pack's work.
 Times are medians of --repeats runs after --warmup (dilated_attn.benchmarking.median_ms, L2 flushed), the providers
 timed in turn for --rounds rounds and the median of the round medians reported.
@@ -30,8 +30,8 @@ import torch
 import triton
 
 import dilated_attn
-from dilated_attn.benchmarking import LONGNET, Record, attention_call, median_ms, peak_memory_bytes, say
-from dilated_attn.spec import flops, validate, validate_varlen
+from dilated_attn.benchmarking import LONGNET, Record, attention_call, flops, median_ms, peak_memory_bytes, say
+from dilated_attn.spec import validate, validate_varlen
 
 LENGTHS = [1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168, 10240, 6144]
 EIGHT = [4096, 12288, 2048, 16384, 6144, 10240, 8192, 6144]  # --eight: 8 sequences, 65536 tokens

@@ -35,9 +35,10 @@ import os
 
 import torch
 
+from dilated_attn.benchmarking import flops
 from dilated_attn.ring import ring_plan
 from dilated_attn.ring.comm import RingComm
-from dilated_attn.spec import Problem, flops
+from dilated_attn.spec import Problem
 
 NODE = 8
 NVLINK_GBPS = 450.0

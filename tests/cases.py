@@ -84,7 +84,7 @@ def make_qkv(case: Case, dtype=torch.float64, seed: int = 0, device="cpu"):
 
 def uncovered_positions(case: Case) -> bool:
     """True if some (position, head) is a member of no branch (its output must be 0, its LSE -inf)."""
-    from dilated_attn.spec import branch_table
+    from dilated_attn.branches import branch_table
 
     table = branch_table(case.segment_lengths, case.dilation_rates, case.seq_len, case.num_heads, case.head_groups)
     for h in range(case.num_heads):

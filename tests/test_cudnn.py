@@ -13,9 +13,10 @@ from parity import math_attend, math_attend_backward, poison_allocator
 
 import dilated_attn
 from dilated_attn.backends.cudnn import ops
+from dilated_attn.branches import branch_table
 from dilated_attn.merge import merge_into
 from dilated_attn.reference import GRADIENT_ERROR_FLOOR, allowed_error, dilated_attention_reference, max_error
-from dilated_attn.spec import branch_table, lse_dtype
+from dilated_attn.spec import lse_dtype
 
 # Random configurations: odd lengths, w > N, r > w, both head groupings, heads not divisible by r, grouped-query
 # heads, causal, three memory layouts, batch 2.

@@ -89,7 +89,7 @@ def test_gpu_triton_decode(dtype, atol, Sq, write, per_batch, head_groups):
 def lengths_on_device(monkeypatch):
     """Every cache_seqlens tensor treated as a GPU one is: not read on the host (the path of GPU tensors, CUDA
     graphs and torch.compile), so that it runs on CPU tensors too."""
-    monkeypatch.setattr(dilated_attn.spec, "reads_cache_seqlens", lambda lengths: not torch.is_tensor(lengths))
+    monkeypatch.setattr(dilated_attn.cache_spec, "reads_cache_seqlens", lambda lengths: not torch.is_tensor(lengths))
 
 
 DEVICE_CASES = [(Sq, write, groups) for Sq, write, groups in [(1, True, "all"), (3, True, "split"), (5, False, "all")]]

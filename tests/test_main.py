@@ -15,8 +15,9 @@ import torch
 
 import dilated_attn
 from dilated_attn import backends, benchmarking, cli
+from dilated_attn.benchmarking import flops
 from dilated_attn.cli import bench, check
-from dilated_attn.spec import Problem, flops, validate
+from dilated_attn.spec import Problem, validate
 from dilated_attn.warmup import prepare_cudnn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

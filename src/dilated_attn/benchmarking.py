@@ -5,7 +5,7 @@
     random_inputs           seeded q, k, v (requiring grad) and an output gradient, GQA-capable
     attention_call          a forward, or forward and backward, of an attention function, as one call to time
     LONGNET, ...            branch presets (segment_lengths, dilation_rates)
-    tflops                  dilated_attn.spec.flops over a time
+    flops, tflops           the matmul FLOPs of a problem, and over a time
     device_info, versions   the device and the software a record was measured with
     Record                  a benchmark's JSON (and CSV) file, rewritten after every row
     applicable_backends     the backends the auto rule considers for a problem's device
@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from . import __version__, dispatch
-from .spec import BACKEND_NAMES, Problem, flops
+from .spec import BACKEND_NAMES, Problem, host_offsets, sequence_problem
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
@@ -187,7 +187,7 @@ def attention_call(attention: Callable, inputs: Inputs, mode: str) -> Callable[[
 
 
 def tflops(p: Problem, ms: float, backward: bool) -> float:
-    """TFLOP/s of a run of `p` that took `ms` milliseconds (FLOPs: dilated_attn.spec.flops)."""
+    """TFLOP/s of a run of `p` that took `ms` milliseconds (FLOPs: flops)."""
     return flops(p, backward=backward) / ms / 1e9
 
 
@@ -311,3 +311,17 @@ def applicable_backends(p: Problem) -> list[str]:
     CPU tensors (its interpreter, a test tool) is not among them; it runs there only when named."""
     return [name for name in BACKEND_NAMES if name in dispatch.auto_preference(p)]
 
+
+def flops(problem: Problem, backward: bool = False) -> float:
+    """Matmul FLOPs: 4*B*N*D*sum_i(H_i*s_i/r_i^2), H_i the heads taking part in branch i (all H with
+    head_groups="all"), halved for causal, x3.5 with backward (forward 2 matmuls, backward 5). Packed sequences
+    count each sequence with its own length (its segments clipped to it)."""
+    if problem.varlen:
+        offsets = host_offsets(problem.cu_seqlens)
+        return sum(flops(sequence_problem(problem, end - start), backward) for start, end in zip(offsets, offsets[1:]))
+    b = problem
+    work = sum((br.head_hi - br.head_lo) * br.seg_len / br.dilation**2 for br in b.branches)
+    f = 4.0 * b.batch * b.seq_len * b.head_dim * work
+    if b.causal:
+        f /= 2
+    return f * (3.5 if backward else 1.0)

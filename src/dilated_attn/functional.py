@@ -7,7 +7,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import dispatch
-from .spec import lse_dtype, validate, validate_kvcache, validate_varlen
+from .cache_spec import validate_kvcache
+from .spec import lse_dtype, validate, validate_varlen
 
 # What the functions return: `out`, or `(out, lse)` with return_lse=True.
 Attention = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]

@@ -19,8 +19,9 @@ import math
 
 import torch
 
+from .branches import split_group_bounds
 from .merge import merge
-from .spec import Problem, lse_dtype, split_group_bounds, validate
+from .spec import Problem, lse_dtype, validate
 
 __all__ = ["dilated_attention_reference", "dilated_attention_bruteforce", "default_compute_dtype", "allowed_error",
            "max_error"]
@@ -99,7 +100,7 @@ def dilated_attention_reference(
     """Gather-based reference. Returns `(out [B, N, Hq, D] in q.dtype, lse [B, Hq, N])`.
 
     With `global_heads` > 0 the heads of q are the heads `[head_start, head_start + Hq)` of a problem of
-    `global_heads` query heads, and keep its offsets (spec.branch_table).
+    `global_heads` query heads, and keep its offsets (branches.branch_table).
 
     Arithmetic runs in `compute_dtype` (default: float64 for float64 inputs, else float32).
 

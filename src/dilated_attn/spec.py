@@ -1,7 +1,9 @@
-"""Argument validation and the branch table of the spec (docs/SPEC.md).
+"""Argument validation of the spec (docs/SPEC.md): the Problem every backend receives, from validate() (and
+validate_varlen() for packed sequences).
 
-Every backend receives arguments that passed `validate()`; the errors raised here are the spec's Errors
-section: ValueError (TypeError for wrong types) naming the argument and the rule it broke.
+The errors raised here are the spec's Errors section: ValueError (TypeError for wrong types) naming the argument and
+the rule it broke. The branch table a Problem holds is branches.py's; the KV-cache call's checks are cache_spec.py's;
+FLOP counts are benchmarking.flops.
 """
 
 from __future__ import annotations
@@ -14,92 +16,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from .branches import Branch, branch_table
 from .compile_hints import warn_once
 from .memo import read_once
 
 HEAD_GROUPS = ("all", "split")
 BACKEND_NAMES = ("cuda", "triton", "cudnn", "fa4", "cpu", "reference")  # dilated_attn.backends.REGISTRY, in its order
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # what the `backend` argument accepts
-
-
-@dataclass(frozen=True)
-class Branch:
-    """One (segment length, dilation) pair resolved for a given sequence length and head count.
-
-    Query head `h` takes part iff `head_lo <= h < head_hi`, and then uses the offset
-    `offset_base + (h - head_lo) // offset_div`. Both head groupings of the spec fit this form:
-    "all": every head, offset `h // ceil(Hq / r)`; "split": group `i`, offset `i % r`.
-    """
-
-    segment_length: int  # w as given
-    seg_len: int  # s = min(w, N)
-    dilation: int  # r
-    head_lo: int
-    head_hi: int
-    offset_div: int
-    offset_base: int
-
-    def offset(self, head: int) -> int:
-        return self.offset_base + (head - self.head_lo) // self.offset_div
-
-
-def covers_everything(br: Branch, n_heads: int) -> bool:
-    """A branch with dilation 1 over all heads has every (head, position) as a member of some segment."""
-    return br.dilation == 1 and br.head_lo == 0 and br.head_hi == n_heads
-
-
-def split_group_bounds(num_heads: int, num_groups: int, group: int) -> tuple[int, int]:
-    """Head range [lo, hi) of `group` when `num_heads` heads are cut into `num_groups` contiguous groups,
-    the first `num_heads % num_groups` groups holding one head more."""
-    base, extra = divmod(num_heads, num_groups)
-    lo = group * base + min(group, extra)
-    return lo, lo + base + (1 if group < extra else 0)
-
-
-def branch_table(
-    segment_lengths: Sequence[int], dilation_rates: Sequence[int], seq_len: int, num_heads: int, head_groups: str,
-    head_start: int = 0, global_heads: int = 0,
-) -> list[Branch]:
-    """The branches for `num_heads` query heads. With `global_heads` > 0 these heads are the heads
-    `[head_start, head_start + num_heads)` of a problem of `global_heads` heads (a rank's share in the head-parallel
-    ring modes): each keeps the offsets of its global index, written in local head indices (localize_branch), and a
-    branch in which none of them takes part ("split") is left out, as csrc/checks.h leaves it out."""
-    total = global_heads or num_heads
-    m = len(segment_lengths)
-    table = []
-    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        s = max(min(w, seq_len), 1)  # N = 0: no position, any s >= 1 will do
-        if head_groups == "all":
-            table.append(Branch(w, s, r, 0, total, -(-total // r), 0))
-        else:
-            lo, hi = split_group_bounds(total, m, i)
-            table.append(Branch(w, s, r, lo, hi, max(total, 1), i % r))
-    if total == num_heads and head_start == 0:
-        return table
-    local = (localize_branch(br, head_start, num_heads) for br in table)
-    return [br for br in local if br.head_hi > br.head_lo]
-
-
-def localize_branch(br: Branch, head_start: int, num_heads: int) -> Branch:
-    """`br` restricted to the heads `[head_start, head_start + num_heads)`, renumbered from 0, offsets unchanged.
-    The Branch form holds it where the first of these heads begins a run of heads sharing an offset, or where all
-    of them share one; elsewhere ValueError (a head split a kernel could not run). No head of the range: an empty
-    branch (head_lo == head_hi)."""
-    lo, hi = max(br.head_lo, head_start), min(br.head_hi, head_start + num_heads)
-    if lo >= hi:
-        return dataclasses.replace(br, head_lo=0, head_hi=0, offset_div=1, offset_base=0)
-    into_run = (lo - br.head_lo) % br.offset_div
-    if into_run == 0:
-        div = br.offset_div
-    elif hi - lo <= br.offset_div - into_run:
-        div = max(num_heads, 1)  # one offset for every head of the range
-    else:
-        raise ValueError(
-            f"heads [{head_start}, {head_start + num_heads}) cannot run as one problem: branch "
-            f"(w={br.segment_length}, r={br.dilation}) gives runs of {br.offset_div} heads one offset, and the range "
-            f"starts inside a run and leaves it (choose a head count per rank that is a multiple of "
-            f"ceil(heads / r) or divides it)")
-    return Branch(br.segment_length, br.seg_len, br.dilation, lo - head_start, hi - head_start, div, br.offset(lo))
 
 
 def _is_int(x) -> bool:
@@ -451,145 +374,6 @@ def validate_varlen(
     return dataclasses.replace(p, cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen))
 
 
-@dataclass(frozen=True)
-class CacheProblem:
-    """Validated arguments of one dilated_attention_with_kvcache call: the problem of the longest prefix a new
-    token attends over (batch 1, causal; what dispatch decides on) and each batch element's cached length."""
-
-    problem: Problem
-    cache_seqlens: Optional[tuple[int, ...]]  # on the host; None where that needs a device-to-host copy
-    new_tokens: int
-    given_seqlens: object  # cache_seqlens as the caller gave it: an int, or a tensor [B] kernels may read
-
-
-def _byte_span(x: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) byte of x's elements."""
-    start = x.data_ptr()
-    last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if n > 1)
-    return start, start + (last + 1) * x.element_size()
-
-
-def _dense(x: torch.Tensor) -> bool:
-    """x's elements fill its span without gaps or repeats (a permutation of a contiguous layout)."""
-    expected = 1
-    for s, n in sorted((s, n) for n, s in zip(x.shape, x.stride()) if n > 1):
-        if s != expected:
-            return False
-        expected *= n
-    return True
-
-
-def _share_memory(a: torch.Tensor, b: torch.Tensor, dense_only: bool) -> bool:
-    """Whether a and b, views of one storage, may refer to one element: their spans intersect (with `dense_only`,
-    and both are dense, the rule of PyTorch's copies, which lets interleaved views such as kv[:, :, 0] and
-    kv[:, :, 1] be)."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
-    return a0 < b1 and b0 < a1 and (not dense_only or (_dense(a) and _dense(b)))
-
-
-def reads_cache_seqlens(cache_seqlens) -> bool:
-    """Whether the KV-cache call reads `cache_seqlens` on the host: an int or a CPU tensor, in eager mode. A GPU
-    tensor is left on the GPU (no device-to-host copy: the call stays asynchronous and can be captured in a CUDA
-    graph), and so is any tensor under torch.compile (no graph break); the kernels then clamp every row they
-    touch to the cache."""
-    if not isinstance(cache_seqlens, torch.Tensor):
-        return True
-    return cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def validate_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    segment_lengths,
-    dilation_rates,
-    *,
-    k=None,
-    v=None,
-    scale=None,
-    head_groups="all",
-    return_lse=False,
-    backend="auto",
-) -> CacheProblem:
-    """The KV-cache call's checks (docs/SPEC.md, "Decoding with a KV cache"). A cache too short for the new tokens
-    is a ValueError where `cache_seqlens` is read on the host (reads_cache_seqlens)."""
-    given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
-    given += [(name, x) for name, x in (("k", k), ("v", v)) if x is not None]
-    for name, x in given:
-        _check_tensor(name, x)
-        if x.requires_grad:
-            raise ValueError(f"{name} requires grad: dilated_attention_with_kvcache is inference only (call it "
-                             f"under torch.no_grad(), or detach {name})")
-    if (k is None) != (v is None):
-        raise ValueError("k and v go together: give both (written into the cache first) or neither")
-    for name, x in given[1:]:
-        if x.device != q.device or x.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's device and dtype ({q.device}, {q.dtype}), got {x.device}, "
-                             f"{x.dtype}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    B, Sq, Hq, D = q.shape
-    _, Nmax, Hkv, Dc = k_cache.shape
-    if k_cache.shape[0] != B or Dc != D:
-        raise ValueError(f"k_cache must be [B={B}, Nmax, Hkv, D={D}] for q of shape {tuple(q.shape)}, got "
-                         f"{tuple(k_cache.shape)}")
-    if Sq < 1:
-        raise ValueError(f"q must hold at least one new token (q.shape[1] >= 1), got {Sq}")
-    for name, x in (("k", k), ("v", v)):
-        if x is not None and tuple(x.shape) != (B, Sq, Hkv, D):
-            raise ValueError(f"{name} must be [B, Sq, Hkv, D] = {(B, Sq, Hkv, D)}, got {tuple(x.shape)}")
-    # The caches are written in place: every element needs memory of its own, checked before anything is written.
-    # A traced call (torch.compile) and meta tensors have no memory to look at: there only strides of 0 can be seen.
-    eager = not torch.compiler.is_compiling() and q.device.type != "meta"
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)) or (
-                eager and torch._debug_has_internal_overlap(x) == 1):
-            raise ValueError(f"{name} has elements that share memory (a stride of 0, as expand() makes, or "
-                             f"overlapping strides): the cache is written in place, so each row needs its own memory")
-    pairs = [("k_cache", k_cache, "v_cache", v_cache, True)]
-    if k is not None:
-        pairs += [(n, x, c, cache, False) for n, x in (("k", k), ("v", v))
-                  for c, cache in (("k_cache", k_cache), ("v_cache", v_cache))]
-    storage = {name: x.untyped_storage().data_ptr() for name, x in given[1:]} if eager else {}
-    for a, x, b, y, dense_only in pairs if eager else ():
-        if storage[a] == storage[b] and _share_memory(x, y, dense_only):
-            raise ValueError(f"{a} and {b} share memory: the new tokens are written into the caches in place, so "
-                             f"they need memory apart from each other's")
-    if isinstance(cache_seqlens, torch.Tensor):
-        if cache_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cache_seqlens must be an int or an int32/int64 tensor, got dtype {cache_seqlens.dtype}")
-        if tuple(cache_seqlens.shape) != (B,):
-            raise ValueError(f"cache_seqlens must have shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
-        if cache_seqlens.device != q.device and cache_seqlens.device.type != "cpu":
-            raise ValueError(f"cache_seqlens must be on q's device ({q.device}) or the CPU, got {cache_seqlens.device}")
-    elif not _is_int(cache_seqlens):
-        raise TypeError(f"cache_seqlens must be an int or an integer tensor [B], got {type(cache_seqlens).__name__}")
-    lengths = None
-    longest = Nmax  # what dispatch decides on where the lengths stay on the device
-    if reads_cache_seqlens(cache_seqlens):
-        if isinstance(cache_seqlens, torch.Tensor):
-            lengths = tuple(int(n) for n in cache_seqlens.tolist())
-        else:
-            lengths = (cache_seqlens,) * B
-        for b, n in enumerate(lengths):
-            if n < 0:
-                raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch element {b}")
-            if n + Sq > Nmax:
-                raise ValueError(f"the cache is too short: cache_seqlens + Sq = {n} + {Sq} > Nmax = {Nmax} (batch "
-                                 f"element {b}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
-        # B = 0: no element, no length (no max(..., default=): torch.compile's fullgraph does not take it)
-        longest = (max(lengths) if lengths else 0) + Sq
-    # the problem of one batch element's longest attended prefix (batch 0 where there is no element)
-    p = validate(q[:1, :1].expand(min(B, 1), longest, Hq, D), k_cache[:1, :longest], v_cache[:1, :longest],
-                 segment_lengths, dilation_rates, causal=True, scale=scale, head_groups=head_groups,
-                 return_lse=return_lse, backend=backend)
-    return CacheProblem(p, lengths, Sq, cache_seqlens)
-
-
 def sequence_problem(packed: Problem, length: int) -> Problem:
     """The problem of one sequence (batch 1, `length` rows) of a pack."""
     return dataclasses.replace(packed, seq_len=length, cu_seqlens=None, max_seqlen=None)
@@ -603,19 +387,3 @@ def dtype_name(dtype: torch.dtype) -> str:
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """LSE is float32, or float64 for float64 inputs (spec: Merging branches)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def flops(problem: Problem, backward: bool = False) -> float:
-    """Matmul FLOPs: 4*B*N*D*sum_i(H_i*s_i/r_i^2), H_i the heads taking part in branch i (all H with
-    head_groups="all"), halved for causal, x3.5 with backward (forward 2 matmuls, backward 5). Packed sequences
-    count each sequence with its own length (its segments clipped to it)."""
-    if problem.varlen:
-        offsets = host_offsets(problem.cu_seqlens)
-        return sum(flops(sequence_problem(problem, end - start), backward) for start, end in zip(offsets, offsets[1:]))
-    b = problem
-    work = sum((br.head_hi - br.head_lo) * br.seg_len / br.dilation**2 for br in b.branches)
-    f = 4.0 * b.batch * b.seq_len * b.head_dim * work
-    if b.causal:
-        f /= 2
-    return f * (3.5 if backward else 1.0)
-

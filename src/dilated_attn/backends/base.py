@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..spec import CacheProblem, Problem, check_offsets, dtype_name, host_offsets, lse_dtype, sequence_problem
+from ..cache_spec import CacheProblem
+from ..spec import Problem, check_offsets, dtype_name, host_offsets, lse_dtype, sequence_problem
 
 __all__ = ["Backend", "OnceLoader"]
 
@@ -44,7 +45,7 @@ class Backend:
                  scale, head_start=0, global_heads=0) -> (grad_q, grad_k, grad_v)
 
     `head_start` and `global_heads` (0: the heads are the whole problem) make the heads of q the heads
-    `[head_start, head_start + Hq)` of a problem of `global_heads` heads, with its offsets (spec.branch_table): the
+    `[head_start, head_start + Hq)` of a problem of `global_heads` heads, with its offsets (branches.branch_table): the
     head-parallel ring modes run a rank's heads so.
 
     `forward` is differentiable (autograd runs `backward`). `backward` takes the merged `out` and `lse` of the

@@ -193,7 +193,7 @@ def print_table(rows: list[dict]) -> None:
             f"{cell(n, name, 'fwd', 'speedup_over_reference', '.2f'):>10} "
             f"{cell(n, name, 'fwd+bwd', 'speedup_over_reference', '.2f'):>10}")
     say("  (medians; each measurement's line above gives its fastest and slowest run; TFLOP/s from "
-        "dilated_attn.spec.flops; peak MiB: CUDA only, the most allocated above the inputs during one call; vs ref: "
+        "dilated_attn.benchmarking.flops; peak MiB: CUDA only, the most allocated above the inputs during one call; vs ref: "
         "the reference backend's time over this backend's)")
 
 

@@ -3,7 +3,7 @@
 In the "heads" mode each of the P ranks of a group trades its sequence shard of q, k and v (all heads, L positions)
 for all P*L positions of its share of the heads (an all-to-all), runs the single-device kernels on them (no ring
 step, no merge), and trades the output back; the backward mirrors it. Rank j takes the query heads
-`[j*Hq/P, (j+1)*Hq/P)`, with the offsets of their global indices (spec.branch_table), and the key/value heads they
+`[j*Hq/P, (j+1)*Hq/P)`, with the offsets of their global indices (branches.branch_table), and the key/value heads they
 read: a key/value head that serves the query heads of several ranks (Hkv < P) goes to each of them, and the
 gradients of its copies are summed where it came from.
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..spec import branch_table
+from ..branches import branch_table
 from .layout import chunks
 
 __all__ = ["BlockTask", "HeadStack", "RingPlan", "ring_plan"]

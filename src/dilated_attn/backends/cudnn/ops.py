@@ -26,7 +26,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from ...spec import Branch, branch_table, covers_everything, lse_dtype
+from ...branches import Branch, branch_table, covers_everything
+from ...spec import lse_dtype
 from ..autograd import register_attention_autograd
 
 __all__ = ["Call", "CallPlan", "Schedule", "branch_calls", "plan", "cudnn_forward", "cudnn_backward", "dense_forward",

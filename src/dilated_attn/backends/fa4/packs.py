@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ...spec import Branch, branch_table, covers_everything
+from ...branches import Branch, branch_table, covers_everything
 
 __all__ = ["Pack", "PackCall", "PackPlan", "plan_pack", "plan_sequences"]
 
@@ -100,7 +100,7 @@ def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_l
               dilation_rates: tuple[int, ...], heads: int, kv_heads: int, split_heads: bool, head_start: int = 0,
               global_heads: int = 0) -> PackPlan:
     """The calls of sequences `(start, length)` (in order, apart or not) in tensors of `total` rows; the heads are
-    those `[head_start, head_start + heads)` of a problem of `global_heads` (spec.branch_table)."""
+    those `[head_start, head_start + heads)` of a problem of `global_heads` (branches.branch_table)."""
     lengths = [(a, n) for a, n in sequences if n > 0]
     longest = max((n for _, n in lengths), default=0)
     if not lengths:

@@ -15,8 +15,8 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
+from ...branches import branch_table, covers_everything
 from ...hilbert import hilbert_index
-from ...spec import branch_table, covers_everything
 from ..autograd import register_attention_autograd
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel

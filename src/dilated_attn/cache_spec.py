@@ -1,0 +1,154 @@
+"""Argument validation of dilated_attention_with_kvcache (docs/SPEC.md, "Decoding with a KV cache"): the
+CacheProblem it runs, and the checks that the caches, the new keys and values and the output share no memory that
+the call writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .spec import Problem, _check_tensor, _is_int, validate
+
+__all__ = ["CacheProblem", "reads_cache_seqlens", "validate_kvcache"]
+
+
+@dataclass(frozen=True)
+class CacheProblem:
+    """Validated arguments of one dilated_attention_with_kvcache call: the problem of the longest prefix a new
+    token attends over (batch 1, causal; what dispatch decides on) and each batch element's cached length."""
+
+    problem: Problem
+    cache_seqlens: Optional[tuple[int, ...]]  # on the host; None where that needs a device-to-host copy
+    new_tokens: int
+    given_seqlens: object  # cache_seqlens as the caller gave it: an int, or a tensor [B] kernels may read
+
+
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte of x's elements."""
+    start = x.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if n > 1)
+    return start, start + (last + 1) * x.element_size()
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """x's elements fill its span without gaps or repeats (a permutation of a contiguous layout)."""
+    expected = 1
+    for s, n in sorted((s, n) for n, s in zip(x.shape, x.stride()) if n > 1):
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor, dense_only: bool) -> bool:
+    """Whether a and b, views of one storage, may refer to one element: their spans intersect (with `dense_only`,
+    and both are dense, the rule of PyTorch's copies, which lets interleaved views such as kv[:, :, 0] and
+    kv[:, :, 1] be)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1 and (not dense_only or (_dense(a) and _dense(b)))
+
+
+def reads_cache_seqlens(cache_seqlens) -> bool:
+    """Whether the KV-cache call reads `cache_seqlens` on the host: an int or a CPU tensor, in eager mode. A GPU
+    tensor is left on the GPU (no device-to-host copy: the call stays asynchronous and can be captured in a CUDA
+    graph), and so is any tensor under torch.compile (no graph break); the kernels then clamp every row they
+    touch to the cache."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        return True
+    return cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def validate_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    segment_lengths,
+    dilation_rates,
+    *,
+    k=None,
+    v=None,
+    scale=None,
+    head_groups="all",
+    return_lse=False,
+    backend="auto",
+) -> CacheProblem:
+    """The KV-cache call's checks (docs/SPEC.md, "Decoding with a KV cache"). A cache too short for the new tokens
+    is a ValueError where `cache_seqlens` is read on the host (reads_cache_seqlens)."""
+    given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    given += [(name, x) for name, x in (("k", k), ("v", v)) if x is not None]
+    for name, x in given:
+        _check_tensor(name, x)
+        if x.requires_grad:
+            raise ValueError(f"{name} requires grad: dilated_attention_with_kvcache is inference only (call it "
+                             f"under torch.no_grad(), or detach {name})")
+    if (k is None) != (v is None):
+        raise ValueError("k and v go together: give both (written into the cache first) or neither")
+    for name, x in given[1:]:
+        if x.device != q.device or x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's device and dtype ({q.device}, {q.dtype}), got {x.device}, "
+                             f"{x.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    B, Sq, Hq, D = q.shape
+    _, Nmax, Hkv, Dc = k_cache.shape
+    if k_cache.shape[0] != B or Dc != D:
+        raise ValueError(f"k_cache must be [B={B}, Nmax, Hkv, D={D}] for q of shape {tuple(q.shape)}, got "
+                         f"{tuple(k_cache.shape)}")
+    if Sq < 1:
+        raise ValueError(f"q must hold at least one new token (q.shape[1] >= 1), got {Sq}")
+    for name, x in (("k", k), ("v", v)):
+        if x is not None and tuple(x.shape) != (B, Sq, Hkv, D):
+            raise ValueError(f"{name} must be [B, Sq, Hkv, D] = {(B, Sq, Hkv, D)}, got {tuple(x.shape)}")
+    # The caches are written in place: every element needs memory of its own, checked before anything is written.
+    # A traced call (torch.compile) and meta tensors have no memory to look at: there only strides of 0 can be seen.
+    eager = not torch.compiler.is_compiling() and q.device.type != "meta"
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)) or (
+                eager and torch._debug_has_internal_overlap(x) == 1):
+            raise ValueError(f"{name} has elements that share memory (a stride of 0, as expand() makes, or "
+                             f"overlapping strides): the cache is written in place, so each row needs its own memory")
+    pairs = [("k_cache", k_cache, "v_cache", v_cache, True)]
+    if k is not None:
+        pairs += [(n, x, c, cache, False) for n, x in (("k", k), ("v", v))
+                  for c, cache in (("k_cache", k_cache), ("v_cache", v_cache))]
+    storage = {name: x.untyped_storage().data_ptr() for name, x in given[1:]} if eager else {}
+    for a, x, b, y, dense_only in pairs if eager else ():
+        if storage[a] == storage[b] and _share_memory(x, y, dense_only):
+            raise ValueError(f"{a} and {b} share memory: the new tokens are written into the caches in place, so "
+                             f"they need memory apart from each other's")
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cache_seqlens must be an int or an int32/int64 tensor, got dtype {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (B,):
+            raise ValueError(f"cache_seqlens must have shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device and cache_seqlens.device.type != "cpu":
+            raise ValueError(f"cache_seqlens must be on q's device ({q.device}) or the CPU, got {cache_seqlens.device}")
+    elif not _is_int(cache_seqlens):
+        raise TypeError(f"cache_seqlens must be an int or an integer tensor [B], got {type(cache_seqlens).__name__}")
+    lengths = None
+    longest = Nmax  # what dispatch decides on where the lengths stay on the device
+    if reads_cache_seqlens(cache_seqlens):
+        if isinstance(cache_seqlens, torch.Tensor):
+            lengths = tuple(int(n) for n in cache_seqlens.tolist())
+        else:
+            lengths = (cache_seqlens,) * B
+        for b, n in enumerate(lengths):
+            if n < 0:
+                raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch element {b}")
+            if n + Sq > Nmax:
+                raise ValueError(f"the cache is too short: cache_seqlens + Sq = {n} + {Sq} > Nmax = {Nmax} (batch "
+                                 f"element {b}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
+        # B = 0: no element, no length (no max(..., default=): torch.compile's fullgraph does not take it)
+        longest = (max(lengths) if lengths else 0) + Sq
+    # the problem of one batch element's longest attended prefix (batch 0 where there is no element)
+    p = validate(q[:1, :1].expand(min(B, 1), longest, Hq, D), k_cache[:1, :longest], v_cache[:1, :longest],
+                 segment_lengths, dilation_rates, causal=True, scale=scale, head_groups=head_groups,
+                 return_lse=return_lse, backend=backend)
+    return CacheProblem(p, lengths, Sq, cache_seqlens)
