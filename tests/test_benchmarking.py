@@ -1,5 +1,5 @@
 """dilated_attn.benchmarking, the library `dilated-attn bench` and the scripts in benchmarks/ measure with: timing,
-seeded inputs, the call to time, records, number formats. Its GPU timing runs in test_main.py's GPU test."""
+seeded inputs, the call to time, records, number formats. Its GPU timing runs in test_cli.py's GPU test."""
 
 import csv
 import json
