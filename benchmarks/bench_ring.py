@@ -78,16 +78,10 @@ def slowest_rank(times: list[float]) -> list[float]:
     return t.tolist()
 
 
-def timed(fn, warmup: int, repeats: int, group_sync: bool) -> float:
-    """Median milliseconds of fn() (with group_sync: all ranks start together, the slowest rank's time)."""
-    if group_sync:
-        return median_ms(fn, "cuda", warmup, repeats, before_run=synchronized, combine=slowest_rank)
-    return median_ms(fn, "cuda", warmup, repeats)
-
-
 def timed_ranks(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
-    """timed(fn, group_sync=True) and each rank's own median: where the slowest rank's time of a run exceeds
-    every rank's own, the ranks did not start together (a rank's time counts from its own start)."""
+    """Median milliseconds of fn() on P ranks (all ranks start each run together; a run's time is its slowest
+    rank's), and each rank's own median: where the slowest rank's time of a run exceeds every rank's own, the ranks
+    did not start together (a rank's time counts from its own start)."""
     own = []
 
     def combine(times):
@@ -147,7 +141,7 @@ def p2p_bandwidth(mib: int = 256) -> float:
         elif rank == 1:
             dist.recv(buf, 0)
 
-    return mib * 2**20 / timed(transfer, 2, 5, True) / 1e6
+    return mib * 2**20 / timed_ranks(transfer, 2, 5)[0] / 1e6
 
 
 ATTENTION_KERNELS = ("sdpa", "_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel", "dot_do_o", "convert_dq")
@@ -247,7 +241,8 @@ def single_gpu(name: str, cfg: dict, N: int, warmup: int, repeats: int) -> dict:
 
             backend = dilated_attn.explain(*inputs[:3], w, r, causal=cfg["causal"]).backend
         f, fb = calls(attention, inputs)
-        row = dict(t1_fwd_ms=timed(f, warmup, repeats, False), t1_fwd_bwd_ms=timed(fb, warmup, repeats, False),
+        row = dict(t1_fwd_ms=median_ms(f, "cuda", warmup, repeats),
+                   t1_fwd_bwd_ms=median_ms(fb, "cuda", warmup, repeats),
                    t1_backend=backend)
         row["t1_tflops_fwd_bwd"] = work(cfg, N, True) / row["t1_fwd_bwd_ms"] / 1e9
         row["t1_tflops_fwd"] = work(cfg, N, False) / row["t1_fwd_ms"] / 1e9

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .spec import Problem, _check_tensor, _is_int, validate
+from .spec import Problem, check_tensor, is_int, validate
 
 __all__ = ["CacheProblem", "reads_cache_seqlens", "validate_kvcache"]
 
@@ -83,7 +83,7 @@ def validate_kvcache(
     given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     given += [(name, x) for name, x in (("k", k), ("v", v)) if x is not None]
     for name, x in given:
-        _check_tensor(name, x)
+        check_tensor(name, x)
         if x.requires_grad:
             raise ValueError(f"{name} requires grad: dilated_attention_with_kvcache is inference only (call it "
                              f"under torch.no_grad(), or detach {name})")
@@ -130,7 +130,7 @@ def validate_kvcache(
             raise ValueError(f"cache_seqlens must have shape [B] = ({B},), got {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device and cache_seqlens.device.type != "cpu":
             raise ValueError(f"cache_seqlens must be on q's device ({q.device}) or the CPU, got {cache_seqlens.device}")
-    elif not _is_int(cache_seqlens):
+    elif not is_int(cache_seqlens):
         raise TypeError(f"cache_seqlens must be an int or an integer tensor [B], got {type(cache_seqlens).__name__}")
     lengths = None
     longest = Nmax  # what dispatch decides on where the lengths stay on the device

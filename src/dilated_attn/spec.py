@@ -25,7 +25,7 @@ BACKEND_NAMES = ("cuda", "triton", "cudnn", "fa4", "cpu", "reference")  # dilate
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # what the `backend` argument accepts
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -59,7 +59,7 @@ def _int_list(name: str, value) -> list[int]:
             raise TypeError(f"{name} must be a sequence of positive ints, got {type(value).__name__}")
     out = []
     for j, x in enumerate(value):
-        if not _is_int(x):
+        if not is_int(x):
             raise TypeError(f"{name}[{j}] must be an int, got {type(x).__name__} ({x!r})")
         if x <= 0:
             raise ValueError(f"{name}[{j}] must be a positive integer, got {x}")
@@ -165,7 +165,7 @@ class Problem:
 LIKELY_MAX_HEADS = 256
 
 
-def _check_tensor(name: str, x) -> None:
+def check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 4:
@@ -188,7 +188,7 @@ def validate(
     backend="auto",
 ) -> Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
+        check_tensor(name, x)
     for name, x in (("k", k), ("v", v)):
         if x.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
@@ -330,7 +330,7 @@ def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, max_seqlen) -
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens must be on q's device ({device}), got {cu_seqlens.device}")
     if max_seqlen is not None:
-        if not _is_int(max_seqlen):
+        if not is_int(max_seqlen):
             raise TypeError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
         if max_seqlen < 0:
             raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")

@@ -107,15 +107,16 @@ def _read_config(table: torch.Tensor):
     return None
 
 
-def _check_same_config(groups, q, fields, error: Exception | None) -> None:
-    """_gather_config over each group of the call in turn (the 2-D mode's inner and outer groups), carrying any
+def _check_same_config(groups, q, fields, error: Exception | None, first: Optional[Callable] = None) -> None:
+    """_post_config over each group of the call in turn (the 2-D mode's inner and outer groups), carrying any
     invalid arguments into the next gather so that every rank of every group learns them, then raise on every rank:
     the rank with invalid arguments its own error as `ring_attention: rank j: ...` (its own type), every other a
-    ValueError `ring_attention: rank j's arguments are invalid: ...` (j: the index of that rank's shard)."""
+    ValueError `ring_attention: rank j's arguments are invalid: ...` (j: the index of that rank's shard).
+    `first`: the first group's gather where it is posted already (_deferred_check)."""
     invalid = None if error is None else (groups.rank, str(error))
     mismatch = None
-    for group in groups.all:
-        seen = _post_config(group, q, fields, invalid)()
+    for i, group in enumerate(groups.all):
+        seen = (first if i == 0 and first is not None else _post_config(group, q, fields, invalid))()
         if isinstance(seen, tuple):
             invalid = seen if invalid is None else min(invalid, seen)
         elif seen is not None and mismatch is None:
@@ -133,21 +134,9 @@ def _check_same_config(groups, q, fields, error: Exception | None) -> None:
 
 
 def _deferred_check(groups, q, fields) -> Callable[[], None]:
-    """_check_same_config of valid arguments, as a call that raises what it would: on one group the gather is
-    posted now (on the current stream) and read by the call, so that work which needs no peer can be queued in
-    between; the 2-D mode's two groups, each gather carrying what the one before it learnt, are checked now."""
-    if len(groups.all) > 1:
-        _check_same_config(groups, q, fields, None)
-        return lambda: None
-    read = _post_config(groups.all[0], q, fields, None)
-
-    def check():
-        seen = read()
-        if isinstance(seen, tuple):
-            raise ValueError(f"ring_attention: rank {seen[0]}'s arguments are invalid: {seen[1]}")
-        if seen is not None:
-            raise seen
-    return check
+    """_check_same_config of valid arguments as a call: the first group's gather is posted now (on the current
+    stream) and read by the call, so that work which needs no peer can be queued in between."""
+    return functools.partial(_check_same_config, groups, q, fields, None, _post_config(groups.all[0], q, fields, None))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,

@@ -217,17 +217,13 @@ class RingConfig:
 
 @dataclass
 class Exchanged:
-    """The K/V rows a forward keeps for its backward: its own compacted rows, the joined blocks and their buffers,
-    and received rows: every step's where it posted every step at once (eager: at most the bytes of the shard's q,
-    k, v and output, RingComm.eager), else the last step's, which the backward computes first while its first
-    step travels again."""
+    """What a forward keeps for its backward: its exchange (its own compacted rows, the joined blocks and their
+    buffers) and received rows: every step's where it posted every step at once (eager: at most the bytes of the
+    shard's q, k, v and output, RingComm.eager), else the last step's, which the backward computes first while its
+    first step travels again."""
 
-    kc: list
-    vc: list
-    joined: dict
-    buffers: dict
+    exchange: _Exchange
     received: dict  # step t >= 1 -> (keys, values) per stack
-    eager: bool
 
 
 class RingAttention(torch.autograd.Function):
@@ -349,7 +345,7 @@ def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False,
             cp.q.put(out, cur_out)
             cp.q.put_lse(lse, cur_lse)
     if keep:
-        return out, lse, Exchanged(kc, vc, joined, buffers, received, eager)
+        return out, lse, Exchanged(ex, received)
     return out, lse
 
 
@@ -365,17 +361,13 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
     B, L, H, D = q.shape
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
-    kept = {}  # step -> (keys, values) the forward kept
     if exchanged is None:
         ex = _prepare_exchange(cfg, q, k, v)
-        comm, rows, kc, vc, eager, joined, buffers = ex.comm, ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
-        step = ex.post()
-    else:
+        comm, step, kept = ex.comm, ex.post(), {}
+    else:  # the forward's rows; this backward's transfers wait for what is queued now (a comm of their own)
+        ex, step, kept = exchanged.exchange, None, exchanged.received
         comm = RingComm(plan, rank, cfg.group, B, D, q.device)
-        rows = compacted_rows(plan, rank, q.device)
-        kc, vc, joined, buffers, eager = (exchanged.kc, exchanged.vc, exchanged.joined, exchanged.buffers,
-                                          exchanged.eager)
-        kept, step = exchanged.received, None
+    rows, kc, vc, eager, joined, buffers = ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
     # the steps below `stop` travel again (stepwise: all but a kept last one)
     stop = plan.P - 1 if not eager and plan.P - 1 in kept else plan.P
     if exchanged is not None and not eager and stop > 1:
