@@ -278,7 +278,7 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
         breakdown = {}
         for part, fn in (("fwd", f), ("fwd_bwd", fb)):
             dist.barrier()
-            where = None if trace is None or rank else os.path.join(trace, f"trace_{name}_{mode}_{P}gpu_{part}.json")
+            where = None if trace is None else os.path.join(trace, f"trace_{name}_{mode}_{P}gpu_{part}_rank{rank}.json")
             mine = gpu_time_breakdown(fn, where)
             every = [None] * P
             dist.all_gather_object(every, mine)
@@ -340,7 +340,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="each rank's kernel-time breakdown of one call per mode")
     ap.add_argument("--trace", metavar="DIR", default=None,
-                    help="with --profile: rank 0's host and GPU timeline of each profiled call, as Chrome traces")
+                    help="with --profile: each rank's host and GPU timeline of each profiled call, as Chrome traces")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_<device>_<P>gpu.json)")
     args = ap.parse_args()
     if args.trace:

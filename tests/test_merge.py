@@ -134,6 +134,37 @@ def test_merge_into_kernel_is_the_merge(dtype, vectors):
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=2e-6, atol=2e-6, equal_nan=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("sums, grads", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                         (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("vectors", [True, False])
+@pytest.mark.parametrize("store", [False, True])
+def test_addition_kernel_adds_each_gradient_once(sums, grads, vectors, store):
+    """The gradient-addition kernel (csrc/cuda/merge.cu, op cudnn_accumulate): targets[t] += parts[t] (= with
+    `store`) for three pairs in one launch, the targets strided views (rows of a wider tensor, as the ring's sums of
+    a block's rows are) of the parts' dtype or float32 sums of 16-bit parts, with 16-byte vectors or (views one
+    element past them) element by element; rows beside the views stay as they were. Exact for float32 sums (one
+    float32 addition of two numbers each exact in float32), the sums' rounding otherwise."""
+    from dilated_attn.backends import CUDNN
+
+    if CUDNN.unavailable() is not None:
+        pytest.skip(CUDNN.unavailable())
+    g = torch.Generator().manual_seed(3)
+    start = 0 if vectors else 1
+    wide = [torch.randn(2 * 37 * 3 * 24 + start, generator=g).to(sums) for _ in range(3)]
+    parts = [torch.randn(2, 24, 3, 16, generator=g).to(grads) for _ in range(3)]
+    want = []
+    for w, p in zip(wide, parts):
+        x = w[start:].double().view(2, 37, 3, 24)
+        x[:, 5:29, :, :16] = p.double() if store else x[:, 5:29, :, :16] + p.double()
+        want.append(x.to(sums))
+    on_gpu = [w.cuda() for w in wide]
+    targets = [w[start:].view(2, 37, 3, 24)[:, 5:29, :, :16].transpose(1, 2) for w in on_gpu]  # [b, h, s, d]
+    torch.ops.dilated_attn.cudnn_accumulate(targets, [p.cuda().transpose(1, 2) for p in parts], store)
+    for w, x in zip(on_gpu, want):
+        torch.testing.assert_close(w[start:].view(2, 37, 3, 24).cpu(), x, rtol=0, atol=0)
+
+
 def test_merge_of_equal_huge_lses_weighs_them_equally():
     o1, o2 = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
     lse = torch.full((3, 5), 1e8)

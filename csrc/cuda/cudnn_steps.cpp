@@ -173,15 +173,17 @@ std::tuple<at::Tensor, at::Tensor> cudnn_forward_steps(const at::Tensor& q, cons
   return {out, lse};
 }
 
-// dst[t] (+)= grads[t] for t < count, views of the packed `shape`: one launch.
+// dst[t] (+)= grads[t] for t < count, views of the packed `shape`: one launch. The sums are of the gradients' kind and
+// element_size, or float32 with `float_sums`.
 void accumulate(const at::Tensor* grads, const RowsView* dst, int count, const int64_t* shape, bool store,
-                ScalarKind kind, int64_t element_size, cudaStream_t stream) {
-  AccumulateParams p{{}, {}, shape[0], shape[1], shape[2], shape[3], store, count};
+                ScalarKind kind, int64_t element_size, cudaStream_t stream, bool float_sums = false) {
+  AccumulateParams p{{}, {}, shape[0], shape[1], shape[2], shape[3], store, count, float_sums};
+  const int64_t sum_size = float_sums ? 4 : element_size;
   bool vectorized = p.d * element_size % 16 == 0;
   for (int t = 0; t < count; ++t) {
     p.dst[t] = dst[t];
     p.src[t] = rows_of(grads[t]);
-    vectorized = vectorized && whole_vectors(p.dst[t], element_size) && whole_vectors(p.src[t], element_size);
+    vectorized = vectorized && whole_vectors(p.dst[t], sum_size) && whole_vectors(p.src[t], element_size);
   }
   check_launch(launch_accumulate(p, kind, vectorized, stream), "gradient addition");
 }
@@ -265,7 +267,8 @@ void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& 
 }
 
 // Their gradient-addition kernel on whole [b, h, s, d] views: targets[t] += parts[t] (or = with `store`), up to three
-// pairs of one shape in one launch (the fa4 backend adds FlashAttention's gradients with it).
+// pairs of one shape in one launch; the targets of the parts' dtype, or float32 sums of float16/bfloat16 parts (the
+// fa4 backend adds FlashAttention's gradients with it, the ring its blocks' into their float32 sums).
 void cudnn_accumulate(at::TensorList targets, at::TensorList parts, bool store) {
   const int count = static_cast<int>(targets.size());
   TORCH_CHECK_VALUE(count >= 1 && count <= 3 && parts.size() == targets.size(),
@@ -273,6 +276,7 @@ void cudnn_accumulate(at::TensorList targets, at::TensorList parts, bool store) 
                     parts.size());
   const at::Tensor& first = targets[0];
   TORCH_CHECK_VALUE(first.is_cuda() && first.dim() == 4, "cudnn_accumulate's targets are 4-D CUDA tensors");
+  const bool float_sums = first.scalar_type() == at::kFloat && parts[0].scalar_type() != at::kFloat;
   at::Tensor grads[3];
   RowsView dst[3];
   for (int t = 0; t < count; ++t) {
@@ -281,15 +285,16 @@ void cudnn_accumulate(at::TensorList targets, at::TensorList parts, bool store) 
                           parts[t].device() == first.device(),
                       "cudnn_accumulate takes targets and parts of one [b, h, s, d] shape on one device, the targets "
                       "with unit-stride rows");
-    TORCH_CHECK_TYPE(targets[t].scalar_type() == first.scalar_type() && parts[t].scalar_type() == first.scalar_type(),
-                     "cudnn_accumulate's targets and parts must share one dtype");
+    TORCH_CHECK_TYPE(targets[t].scalar_type() == first.scalar_type() && parts[t].scalar_type() == parts[0].scalar_type()
+                         && (parts[t].scalar_type() == first.scalar_type() || float_sums),
+                     "cudnn_accumulate's targets and parts must share one dtype, or the targets be float32");
     grads[t] = unit_stride_rows(parts[t]);
     dst[t] = rows_of(targets[t]);
   }
   const c10::cuda::CUDAGuard guard(first.device());
   const int64_t shape[4] = {first.size(0), first.size(1), first.size(2), first.size(3)};
-  accumulate(grads, dst, count, shape, store, scalar_kind(first), first.element_size(),
-             c10::cuda::getCurrentCUDAStream());
+  accumulate(grads, dst, count, shape, store, scalar_kind(parts[0]), parts[0].element_size(),
+             c10::cuda::getCurrentCUDAStream(), float_sums);
 }
 
 }  // namespace

@@ -99,15 +99,16 @@ struct MergeParams {
 };
 
 // dst[i] += src[i] (dst[i] = src[i] with `store`) for the first `tensors` (1 to 3) gradients of one cuDNN call,
-// views of one shape, rounded once to their dtype.
+// views of one shape, rounded once to the sums' dtype: the gradients' (ScalarKind), or float32 with `float_sums`.
 struct AccumulateParams {
   RowsView dst[3], src[3];
   int64_t b, h, s, d;
   bool store;
   int tensors;
+  bool float_sums;
 };
 
-// `vectorized`: every view's first element and strides, and d, are whole 16-byte vectors.
+// `vectorized`: every view's first element and strides, and d, are whole 16-byte vectors (d: of the ScalarKind).
 cudaError_t launch_merge(const MergeParams& p, ScalarKind kind, bool vectorized, cudaStream_t stream);
 cudaError_t launch_accumulate(const AccumulateParams& p, ScalarKind kind, bool vectorized, cudaStream_t stream);
 

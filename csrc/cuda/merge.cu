@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "launch.h"
@@ -19,8 +20,8 @@ namespace {
 constexpr int kMergeThreads = 128;
 constexpr int kRows = 32;
 
-// kWidth elements of one row: one 16-byte load or store where the view allows it (kWidth = 16 / sizeof(T)), else
-// element by element.
+// kWidth elements of one row: 16-byte loads and stores where the view allows them (kWidth * sizeof(T) = 16, or 32 for
+// a float32 sum of eight 16-bit gradients), else element by element.
 template <typename T, int kWidth>
 struct Chunk {
   T x[kWidth];
@@ -28,6 +29,9 @@ struct Chunk {
   __device__ __forceinline__ void load(const T* p) {
     if constexpr (kWidth * sizeof(T) == 16) {
       *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(p);
+    } else if constexpr (kWidth * sizeof(T) == 32) {
+      reinterpret_cast<uint4*>(x)[0] = reinterpret_cast<const uint4*>(p)[0];
+      reinterpret_cast<uint4*>(x)[1] = reinterpret_cast<const uint4*>(p)[1];
     } else {
 #pragma unroll
       for (int i = 0; i < kWidth; ++i) x[i] = p[i];
@@ -36,6 +40,9 @@ struct Chunk {
   __device__ __forceinline__ void store(T* p) const {
     if constexpr (kWidth * sizeof(T) == 16) {
       *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(x);
+    } else if constexpr (kWidth * sizeof(T) == 32) {
+      reinterpret_cast<uint4*>(p)[0] = reinterpret_cast<const uint4*>(x)[0];
+      reinterpret_cast<uint4*>(p)[1] = reinterpret_cast<const uint4*>(x)[1];
     } else {
 #pragma unroll
       for (int i = 0; i < kWidth; ++i) p[i] = x[i];
@@ -109,7 +116,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   }
 }
 
-template <typename T, int kWidth>
+// T: the gradients' type; Acc: the sums' (T, or float32 for the float32 sums of 16-bit gradients).
+template <typename T, typename Acc, int kWidth>
 __global__ void __launch_bounds__(kMergeThreads) accumulate_kernel(const AccumulateParams p) {
   const int64_t b = blockIdx.x / p.h, h = blockIdx.x % p.h;
   const int chunks = static_cast<int>(p.d / kWidth);
@@ -120,14 +128,14 @@ __global__ void __launch_bounds__(kMergeThreads) accumulate_kernel(const Accumul
 #pragma unroll
       for (int t = 0; t < 3; ++t) {
         if (t >= p.tensors) break;
-        T* dst = row_of<T>(p.dst[t], b, h, row0 + r) + col;
-        Chunk<T, kWidth> sum;
-        sum.load(row_of<T>(p.src[t], b, h, row0 + r) + col);
-        if (!p.store) {
-          Chunk<T, kWidth> old;
-          old.load(dst);
+        Acc* dst = row_of<Acc>(p.dst[t], b, h, row0 + r) + col;
+        Chunk<T, kWidth> part;
+        part.load(row_of<T>(p.src[t], b, h, row0 + r) + col);
+        Chunk<Acc, kWidth> sum;
+        if (!p.store) sum.load(dst);
 #pragma unroll
-          for (int j = 0; j < kWidth; ++j) sum.x[j] = from_float<T>(to_float(old.x[j]) + to_float(sum.x[j]));
+        for (int j = 0; j < kWidth; ++j) {
+          sum.x[j] = from_float<Acc>((p.store ? 0.f : to_float(sum.x[j])) + to_float(part.x[j]));
         }
         sum.store(dst);
       }
@@ -169,7 +177,13 @@ struct Merge {
 template <typename T, int kWidth>
 struct Accumulate {
   static void launch(dim3 grid, const AccumulateParams& p, cudaStream_t stream) {
-    accumulate_kernel<T, kWidth><<<grid, kMergeThreads, 0, stream>>>(p);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (p.float_sums) {
+        accumulate_kernel<T, float, kWidth><<<grid, kMergeThreads, 0, stream>>>(p);
+        return;
+      }
+    }
+    accumulate_kernel<T, T, kWidth><<<grid, kMergeThreads, 0, stream>>>(p);
   }
 };
 

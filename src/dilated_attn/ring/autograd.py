@@ -20,7 +20,7 @@ import torch
 
 from .. import dispatch
 from ..spec import Problem, lse_dtype
-from .blocks import block_backward, block_forward, block_gradients, block_ops, merge_block
+from .blocks import accumulate, block_backward, block_forward, block_gradients, block_ops, merge_block
 from .comm import RingComm
 from .plan import HeadStack, RingPlan
 
@@ -438,8 +438,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
             gk, gv = _zeros_like([keys, values], acc_dtype)
             block_backward(ops, *args, False, scale, dqc[s][:, j.q], gk, gv)
         for t, (a, b) in spans.items():
-            held[t][0][s].add_(gk[:, a:b])
-            held[t][1][s].add_(gv[:, a:b])
+            accumulate([held[t][0][s], held[t][1][s]], [gk[:, a:b], gv[:, a:b]])
     if eager:  # every step's dK/dV in one batch (one transfer kernel, which the local branches' hide)
         returning = comm.post_all_grads({t: held[t][2] for t in range(1, plan.P)})
     if eager:

@@ -18,7 +18,8 @@ from .. import backends
 from ..backends import compiled
 from ..merge import merge_into
 
-__all__ = ["BlockOps", "block_ops", "block_forward", "block_backward", "block_gradients", "merge_block"]
+__all__ = ["BlockOps", "accumulate", "block_ops", "block_forward", "block_backward", "block_gradients",
+           "merge_block"]
 
 
 class BlockOps(NamedTuple):
@@ -64,6 +65,23 @@ def _merge_kernel_runs(acc_out, acc_lse, out, lse) -> bool:
             and acc_out.stride(-1) == 1 and out.stride(-1) == 1 and compiled.has_kernel("cuda"))
 
 
+def accumulate(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """sums[i] += grads[i] ([B, n, H, D] each; the sums float32, float64 or the gradients' dtype): with the CUDA
+    addition kernel where it runs (one launch for the pairs of one shape, 16-byte loads of both dtypes; PyTorch
+    adds a float32 sum and a 16-bit gradient element by element), else in place."""
+    if (sums[0].is_cuda and grads[0].dtype in (torch.float16, torch.bfloat16)
+            and all(x.dtype in (torch.float32, g.dtype) and x.stride(-1) == 1 for x, g in zip(sums, grads))
+            and compiled.has_kernel("cuda")):
+        shapes = {}
+        for x, g in zip(sums, grads):
+            shapes.setdefault((x.shape, x.dtype), []).append((x.transpose(1, 2), g.transpose(1, 2)))
+        for pairs in shapes.values():
+            torch.ops.dilated_attn.cudnn_accumulate([x for x, _ in pairs], [g for _, g in pairs], False)
+        return
+    for x, g in zip(sums, grads):
+        x += g
+
+
 def merge_block(acc_out, acc_lse, out, lse) -> None:
     """acc_out [B, n, H, D], acc_lse [B, H, n] <- their merge with (out, lse) of the same shapes, in place."""
     if _merge_kernel_runs(acc_out, acc_lse, out, lse):
@@ -96,10 +114,7 @@ def block_backward(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, causal, scale
     """Add one block's exact gradients (merged out/LSE of its query rows, and the LSE's gradient d_lse, or None
     where it has none) into dq, dk, dv (accumulators)."""
     if d_lse is None and _one_call(ops, causal, q.shape[1], k.shape[1]):
-        gq, gk, gv = ops.dense[1](d_out, q, k, v, out, lse, scale)
-        dq += gq
-        dk += gk
-        dv += gv
+        accumulate([dq, dk, dv], list(ops.dense[1](d_out, q, k, v, out, lse, scale)))
         return
     squares = [(0, q.shape[1], 0, k.shape[1])] if causal else _squares(q.shape[1], k.shape[1])
     for q0, q1, k0, k1 in squares:
@@ -109,9 +124,7 @@ def block_backward(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, causal, scale
                  for x in (lse, d_lse)]
         gq, gk, gv = ops.backward(rows[2], pad_l[1], rows[0], k[:, k0:k1], v[:, k0:k1], rows[1], pad_l[0],
                                  **_dense(n, causal, scale))
-        dq[:, q0:q1] += gq[:, : q1 - q0]
-        dk[:, k0:k1] += gk
-        dv[:, k0:k1] += gv
+        accumulate([dq[:, q0:q1], dk[:, k0:k1], dv[:, k0:k1]], [gq[:, : q1 - q0], gk, gv])
 
 
 def block_gradients(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, scale):

@@ -1,11 +1,13 @@
-"""The ring's communication: per-stack tensors `[B, n, Hk, D]` travel as one flat buffer per step and direction.
+"""The ring's communication: per-stack tensors `[B, n, Hk, D]` travel as one message per stack and tensor, sent from
+the tensor's own memory where the rows are one contiguous range of it, received into one flat buffer per step; dK/dV
+go back as one buffer per step.
 
 At step `t = 1 .. P-1` rank `j` sends its compacted K/V rows to `j + t` and receives from `j - t`, only where the
 receiver reads rows (RingPlan.needed); the caller posts step `t + 1` before it computes step `t`. Where local
 branches compute while the rows travel and every step's rows together are few (`eager`: at most the bytes of the
 local q, k, v and output, as for LongNet's dilated branches), all steps are posted at once instead, in one batch:
-the ranks then wait on no peer's step, and memory stays within a constant of the shard's; each stack's rows then
-travel as messages of their own, received straight into the buffers of the blocks that read them. In the backward
+the ranks then wait on no peer's step, and memory stays within a constant of the shard's; each stack's rows are then
+received straight into the buffers of the blocks that read them. In the backward
 the dK/dV of received rows go back to their owner in float32 (float64 for float64), all steps' in one batch where
 the K/V came in one.
 """
@@ -24,18 +26,20 @@ from .plan import RingPlan
 __all__ = ["RingComm", "Step"]
 
 
-def _pack(parts: list[torch.Tensor], ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
-    """The given row ranges of each stack's tensor `[B, n, Hk, D]`, stack after stack, copied into one flat send
-    buffer. A stack's ranges are joined along the rows, so that the receiver reads `[B, sum, Hk, D]` (flattening
-    each range apart would put batch element 1 of the first range before the second range)."""
-    shapes = [(x.shape[0], sum(b - a for a, b in rng), *x.shape[2:]) for x, rng in zip(parts, ranges)]
-    buf = torch.empty(sum(math.prod(shape) for shape in shapes), dtype=parts[0].dtype, device=parts[0].device)
-    for x, rng, view in zip(parts, ranges, _unpack(buf, shapes)):
-        row = 0
-        for a, b in rng:
-            view[:, row:row + b - a].copy_(x[:, a:b])
-            row += b - a
-    return buf
+def _pack(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The given row ranges of x `[B, n, Hk, D]` as one flat send buffer the receiver reads as `[B, sum, Hk, D]`:
+    x's own memory where that is one contiguous range of it (no copy), else the ranges joined along the rows
+    (flattening each range apart would put batch element 1 of the first range before the second range)."""
+    if len(ranges) == 1:
+        rows = x[:, ranges[0][0]: ranges[0][1]]
+        if rows.is_contiguous():
+            return rows.view(-1)
+    buf = x.new_empty((x.shape[0], sum(b - a for a, b in ranges), *x.shape[2:]))
+    row = 0
+    for a, b in ranges:
+        buf[:, row:row + b - a].copy_(x[:, a:b])
+        row += b - a
+    return buf.view(-1)
 
 
 def _unpack(buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -53,22 +57,21 @@ def _global(group, rank: int) -> int:
 
 
 class Step:
-    """Point-to-point transfers posted at once (batch_isend_irecv) and waited on later: one step's (one receive,
-    `recv`), or every step's (`recvs`: any number per source)."""
+    """Point-to-point transfers posted at once (batch_isend_irecv) and waited on later: one step's, or every
+    step's (any number of messages per peer); waiting returns `result` (the buffer the receives fill, or None)."""
 
-    def __init__(self, group, sends, recv=None, recvs=()):
-        recvs = list(recvs) + ([recv] if recv is not None else [])
+    def __init__(self, group, sends, recvs=(), result: Optional[torch.Tensor] = None):
         ops = [dist.P2POp(dist.isend, buf, _global(group, peer), group) for peer, buf in sends]
         ops += [dist.P2POp(dist.irecv, buf, _global(group, peer), group) for peer, buf in recvs]
         self.works = dist.batch_isend_irecv(ops) if ops else []
-        self.recv = recv
+        self.result = result
         self.sends = sends  # the send buffers must live until the transfer is done
 
     def wait(self) -> Optional[torch.Tensor]:
         for w in self.works:
             w.wait()
         self.works, self.sends = [], []
-        return None if self.recv is None else self.recv[1]
+        return self.result
 
 
 _exchange_streams: dict = {}  # device -> the stream the step-by-step exchange posts from (RingComm.post_kv)
@@ -130,7 +133,7 @@ class RingComm:
     def post_kv(self, t: int, kc, vc) -> Optional[Step]:
         """Step t of the K/V exchange: my rows that rank+t reads go there; the rows I read from rank-t come.
 
-        On a GPU the send is packed and posted from a stream of the exchange's own, which waits only for what
+        On a GPU the send (_sends) is posted from a stream of the exchange's own, which waits only for what
         was queued before the first step (hold_inputs): posted while step t-1 computes, its transfer kernel is
         queued before step t's attention and takes its SMs first. (Posted after the attention on the same stream,
         it waits for a kernel that fills every SM and runs only at its tail: the ring then computes and transfers
@@ -142,13 +145,24 @@ class RingComm:
         dst, src = (me + t) % P, (me - t) % P
         rows = self.plan.rows_needed(me, src)
         with self.exchange_stream():
-            recv = (src, torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=kc[0].device)) \
-                if rows else None
-            send = []
-            if self.plan.rows_needed(dst, me):
-                rng = self.plan.needed[dst][me]
-                send = [(dst, _pack(kc + vc, rng + rng))]
-            return Step(self.group, send, recv)
+            buf = torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=self.device) if rows else None
+            recvs = [] if buf is None else self._receives(src, _unpack(buf, self.shapes(me, src) * 2))
+            return Step(self.group, self._sends(dst, kc, vc), recvs, buf)
+
+    def _sends(self, dst: int, kc, vc) -> list:
+        """My rows that dst reads: one message per stack and tensor (every stack's K, then every stack's V), each
+        the tensor's own memory where its rows are one contiguous range of it (_pack), so that most transfers wait
+        for no copy."""
+        if not self.plan.rows_needed(dst, self.rank):
+            return []
+        rng = self.plan.needed[dst][self.rank]
+        chunks = [_pack(x, ranges) for x, ranges in zip(kc + vc, rng + rng) if ranges]
+        return [(dst, chunk) for chunk in chunks if chunk.numel()]  # as _receives: empty parts travel in no message
+
+    @staticmethod
+    def _receives(src: int, parts: list[torch.Tensor]) -> list:
+        """The receives of _sends' messages from src, into the receiver's per-stack parts (K then V)."""
+        return [(src, part.view(-1)) for part in parts if part.numel()]
 
     def prepare_all_kv(self, dtype: torch.dtype, into: Optional[dict] = None) -> None:
         """The receive buffers of post_all_kv, allocated before the transfers' wait point (hold_inputs), so that no
@@ -172,30 +186,16 @@ class RingComm:
                     parts[i] = part = target
                 elif target is not None:
                     copies.append((target, part))
-                if part.numel():
-                    self._recvs.append((src, part.view(-1)))
+            self._recvs += self._receives(src, parts)
             self._arrived[t] = (parts, copies)
 
     def post_all_kv(self, kc, vc) -> Step:
         """Every step's K/V exchange in one batch (eager), into prepare_all_kv's buffers: one message per stack
         and tensor, so that a receiver can take each where it reads it."""
         P, me = self.plan.P, self.rank
-        sends = []
         with self.exchange_stream():
-            for t in range(1, P):
-                dst = (me + t) % P
-                if not self.plan.rows_needed(dst, me):
-                    continue
-                rng = self.plan.needed[dst][me]
-                for x, ranges in zip(kc + vc, rng + rng):
-                    if not ranges:
-                        continue
-                    # all of a contiguous tensor leaves as it is, else its ranges are copied into one buffer
-                    whole = ranges == [(0, x.shape[1])] and x.is_contiguous()
-                    chunk = (x if whole else _pack([x], [ranges])).view(-1)
-                    if chunk.numel():  # as the receiver's parts (empty ones travel in no message)
-                        sends.append((dst, chunk))
-            return Step(self.group, sends, recvs=self._recvs)
+            sends = [send for t in range(1, P) for send in self._sends((me + t) % P, kc, vc)]
+            return Step(self.group, sends, self._recvs)
 
     def received_kv(self, step: Step, t: int):
         """(keys, values) per stack received at step t (None for a stack with nothing received); `step` is that
@@ -236,8 +236,8 @@ class RingComm:
             sends.append((src, grads))
         rows = self.plan.rows_needed(dst, me)
         if rows:
-            recv = (dst, torch.empty(2 * rows * self.B * self.D, dtype=grads.dtype, device=self.device))
-        return Step(self.group, sends, recv), dst
+            recv = torch.empty(2 * rows * self.B * self.D, dtype=grads.dtype, device=self.device)
+        return Step(self.group, sends, [] if recv is None else [(dst, recv)], recv), dst
 
     def post_all_grads(self, grads: dict) -> list:
         """post_grads of every step t (grads[t], grad_buffer's buffer) in one batch: [(arrival, dst)] for
@@ -252,7 +252,7 @@ class RingComm:
             recv = torch.empty(2 * rows * self.B * self.D, dtype=buf.dtype, device=self.device) if rows else None
             recvs += [(dst, recv)] if rows else []
             arrivals.append((recv, dst))
-        step = Step(self.group, sends, recvs=recvs)
+        step = Step(self.group, sends, recvs)
         return [(_Arrival(step, recv), dst) for recv, dst in arrivals]
 
     def add_returned_grads(self, step: Step, dst: int, dkc, dvc) -> None:
