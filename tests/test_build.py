@@ -20,6 +20,45 @@ def test_ops_are_registered_with_a_cpu_kernel():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attn::backward", "CPU")
 
 
+def _arguments(schema) -> list[tuple]:
+    """(name, type, default) of each argument of an op schema (SymInt read as int: Python ops infer SymInt)."""
+    return [(a.name, str(a.type).replace("SymInt", "int"), a.default_value) for a in schema.arguments]
+
+
+def _declared(signature) -> list[tuple]:
+    def op():
+        pass
+
+    op.__signature__ = signature
+    return _arguments(torch._C.parse_schema("dilated_attn::op" + torch.library.infer_schema(op, mutates_args=())))
+
+
+def test_every_attention_op_takes_the_one_signature():
+    """backends/signature.py is the ops' signature: the compiled ops' C++ declarations (csrc/registration.cpp)
+    match it argument by argument, as does every registered backend op (the packed ones with cu_seqlens and
+    max_seqlen first in the configuration)."""
+    from dilated_attn.backends import REGISTRY, signature
+
+    for backend in REGISTRY.values():
+        backend.unavailable()  # imports the backend's ops where it can run here
+
+    want = {(kind, packed): _declared(getattr(signature, f"{kind}_signature")(packed))
+            for kind in ("forward", "backward") for packed in (False, True)}
+    assert [a[0] for a in want[("forward", False)][:4]] == ["q", "k", "v", "segment_lengths"]
+    assert [a[0] for a in want[("backward", True)][7:9]] == ["cu_seqlens", "max_seqlen"]
+    ops = [("forward", False, "forward"), ("backward", False, "backward")] + [
+        (kind, "varlen" in name, name) for name in ("cudnn", "triton", "triton_varlen", "fa4", "fa4_varlen")
+        for kind in ("forward", "backward")
+        for name in [f"{name}_{kind}"]]
+    checked = 0
+    for kind, packed, name in ops:
+        if not hasattr(torch.ops.dilated_attn, name):  # a backend that cannot run here (cudnn, fa4 without a GPU)
+            continue
+        assert _arguments(getattr(torch.ops.dilated_attn, name).default._schema) == want[(kind, packed)], name
+        checked += 1
+    assert checked >= 2  # the compiled ops at least
+
+
 def test_a_cpu_only_build_has_no_cuda_kernel():
     if not dilated_attn.build_info()["with_cuda"]:
         assert not compiled.has_kernel("cuda")

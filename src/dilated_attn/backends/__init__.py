@@ -5,7 +5,8 @@
     triton/       `triton`: Triton kernels, imported on first use
     cudnn/        `cudnn`: cuDNN's fused attention on strided views of each branch, merged by a CUDA kernel
     fa4/          `fa4`: FlashAttention-4 (the optional flash-attn-4 package) on the same views, imported on first use
-    reference.py  `reference`: pure PyTorch, any device
+    reference_backend.py  `reference`: pure PyTorch, any device
+    signature.py  the ops' one signature, and the registration of a Python backend's ops under it
 
 dispatch.py ranks them for `backend="auto"`; the ring and the benchmarks look them up here by name.
 """

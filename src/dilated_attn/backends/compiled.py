@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from ..spec import lse_dtype
 from .autograd import register_attention_autograd
 from .base import Backend
+from .signature import fake_backward, fake_forward
 
 __all__ = ["build_info", "has_kernel", "LOAD_ERROR", "CPU", "CUDA"]
 
@@ -65,19 +65,8 @@ def has_kernel(device_type: str) -> bool:
 
 if _C is not None:
 
-    @torch.library.register_fake("dilated_attn::forward")
-    def _forward_fake(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0,
-                      global_heads=0):
-        B, N, H, _ = q.shape
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty((B, H, N), dtype=lse_dtype(q.dtype), device=q.device)
-        return out, lse
-
-    @torch.library.register_fake("dilated_attn::backward")
-    def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads,
-                       causal, scale, head_start=0, global_heads=0):
-        return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-
+    torch.library.register_fake("dilated_attn::forward")(fake_forward)
+    torch.library.register_fake("dilated_attn::backward")(fake_backward)
     register_attention_autograd("dilated_attn::forward", "backward")
 
 

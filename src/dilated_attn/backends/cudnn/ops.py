@@ -29,6 +29,7 @@ import torch
 from ...branches import Branch, branch_table, covers_everything
 from ...spec import lse_dtype
 from ..autograd import register_attention_autograd
+from ..signature import backward_op, forward_op
 
 __all__ = ["Call", "CallPlan", "Schedule", "branch_calls", "plan", "cudnn_forward", "cudnn_backward", "dense_forward",
            "dense_backward"]
@@ -272,19 +273,8 @@ def _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, glo
                 head_start, global_heads)
 
 
-@torch.library.custom_op("dilated_attn::cudnn_forward", mutates_args=())
-def cudnn_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@forward_op("cudnn_forward")
+def cudnn_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     q, k, v = _cudnn_layout(q), _cudnn_layout(k), _cudnn_layout(v)
     B, N, H, D = q.shape
     p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
@@ -293,29 +283,9 @@ def cudnn_forward(
     return out, lse_rows.transpose(1, 2).contiguous()
 
 
-@cudnn_forward.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
-    B, N, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, N), dtype=lse_dtype(q.dtype))
-
-
-@torch.library.custom_op("dilated_attn::cudnn_backward", mutates_args=())
-def cudnn_backward(
-    grad_out: torch.Tensor,
-    grad_lse: Optional[torch.Tensor],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@backward_op("cudnn_backward")
+def cudnn_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal,
+                   scale, head_start=0, global_heads=0):
     if grad_lse is not None:
         raise ValueError("the cudnn backward takes no LSE gradient (grad_lse must be None): cuDNN computes "
                          "delta = rowsum(dO * out) itself; dispatch.backward_backend names a backend that takes one")
@@ -326,12 +296,6 @@ def cudnn_backward(
     s = p.schedule(layouts, BACKWARD_KV, MAX_BACKWARD_CALL_ELEMENTS)
     return torch.ops.dilated_attn.cudnn_backward_steps(grad_out, q, k, v, out, lse_rows, s.steps, s.stored, causal,
                                                        scale)
-
-
-@cudnn_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale,
-      head_start=0, global_heads=0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 register_attention_autograd("dilated_attn::cudnn_forward", "cudnn_backward", takes_lse_gradient=False,

@@ -120,9 +120,7 @@ class Fa4Backend(Backend):
         self.ops()
         if p.head_dim % VARLEN_HEAD_DIM_STEP:
             return super().forward_varlen(q, k, v, p)  # one sequence at a time
-        return torch.ops.dilated_attn.fa4_varlen_forward(q, k, v, p.cu_seqlens, p.max_seqlen, *p.op_branches(),
-                                                         p.split_heads, p.causal, p.scale, p.head_start,
-                                                         p.global_heads)
+        return torch.ops.dilated_attn.fa4_varlen_forward(q, k, v, p.cu_seqlens, p.max_seqlen, **p.op_arguments())
 
     def dense_ops(self):
         self.ops()  # loaded, or why not

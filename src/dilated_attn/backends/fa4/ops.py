@@ -30,6 +30,7 @@ from ..autograd import register_attention_autograd
 # dimensions): the same copy where a tensor is not so
 from ..cudnn.ops import _cudnn_layout as _aligned
 from ..cudnn.ops import _layouts, _plan_of
+from ..signature import backward_op, forward_op
 from .packs import PackCall, PackPlan, plan_pack
 
 __all__ = ["fa4_forward", "fa4_backward", "fa4_varlen_forward", "fa4_varlen_backward", "dense_forward",
@@ -100,19 +101,8 @@ def _gradients(q: torch.Tensor, k: torch.Tensor, stores: bool):
             make(k.shape, dtype=q.dtype, device=q.device))
 
 
-@torch.library.custom_op("dilated_attn::fa4_forward", mutates_args=())
-def fa4_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@forward_op("fa4_forward")
+def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     B, N, H, D = q.shape
     p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
@@ -134,29 +124,9 @@ def fa4_forward(
     return out, lse
 
 
-@fa4_forward.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
-    B, N, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, N), dtype=lse_dtype(q.dtype))
-
-
-@torch.library.custom_op("dilated_attn::fa4_backward", mutates_args=())
-def fa4_backward(
-    grad_out: torch.Tensor,
-    grad_lse: Optional[torch.Tensor],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@backward_op("fa4_backward")
+def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal,
+                 scale, head_start=0, global_heads=0):
     q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse = lse.to(lse_dtype(q.dtype))
     p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
@@ -180,12 +150,6 @@ def fa4_backward(
         if not direct:
             _accumulate((dqs, dks, dvs), [_bshd(g) for g in grads], stored)
     return grad_q, grad_k, grad_v
-
-
-@fa4_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal, scale,
-      head_start=0, global_heads=0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 register_attention_autograd("dilated_attn::fa4_forward", "fa4_backward")
@@ -274,21 +238,9 @@ def _lengths(call: PackCall, metadata: torch.Tensor) -> dict:
     return given
 
 
-@torch.library.custom_op("dilated_attn::fa4_varlen_forward", mutates_args=())
-def fa4_varlen_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@forward_op("fa4_varlen_forward", packed=True)
+def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, causal, scale,
+                       head_start=0, global_heads=0):
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, head_start,
                     global_heads)
@@ -313,32 +265,9 @@ def fa4_varlen_forward(
     return pack.gather(out), pack.gather(lse, 1)
 
 
-@fa4_varlen_forward.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0,
-      global_heads=0):
-    T, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((H, T), dtype=lse_dtype(q.dtype))
-
-
-@torch.library.custom_op("dilated_attn::fa4_varlen_backward", mutates_args=())
-def fa4_varlen_backward(
-    grad_out: torch.Tensor,
-    grad_lse: Optional[torch.Tensor],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@backward_op("fa4_varlen_backward", packed=True)
+def fa4_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_seqlen, segment_lengths,
+                        dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse = lse.to(lse_dtype(q.dtype))
     grad_lse = None if grad_lse is None else grad_lse.to(lse.dtype)
@@ -369,12 +298,6 @@ def fa4_varlen_backward(
             if not direct:
                 _accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads], stored)
     return pack.gather(grad_q), pack.gather(grad_k), pack.gather(grad_v)
-
-
-@fa4_varlen_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads,
-      causal, scale, head_start=0, global_heads=0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 register_attention_autograd("dilated_attn::fa4_varlen_forward", "fa4_varlen_backward")

@@ -136,9 +136,7 @@ class TritonBackend(Backend):
     def forward_varlen(self, q, k, v, p):
         # the whole pack in each launch: a program per (sequence, head, segment, block), no padding copies
         self.ops()
-        return torch.ops.dilated_attn.triton_varlen_forward(q, k, v, p.cu_seqlens, p.max_seqlen, *p.op_branches(),
-                                                           p.split_heads, p.causal, p.scale, p.head_start,
-                                                           p.global_heads)
+        return torch.ops.dilated_attn.triton_varlen_forward(q, k, v, p.cu_seqlens, p.max_seqlen, **p.op_arguments())
 
 
 TRITON = TritonBackend()

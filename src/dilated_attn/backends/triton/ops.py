@@ -18,6 +18,7 @@ from torch.library import triton_op, wrap_triton
 from ...branches import branch_table, covers_everything
 from ...hilbert import hilbert_index
 from ..autograd import register_attention_autograd
+from ..signature import backward_op, forward_op
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel
 from .configs import launch, launch_plain, make_key
@@ -106,38 +107,15 @@ def _branch_geometry(br, N):
     return math.ceil(N / br.seg_len), max_members, configs.members_bucket(max_members)
 
 
-@triton_op("dilated_attn::triton_forward", mutates_args=())
-def triton_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@forward_op("triton_forward", triton=True)
+def triton_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     return _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale,
                     head_start=head_start, global_heads=global_heads)
 
 
-@triton_op("dilated_attn::triton_varlen_forward", mutates_args=())
-def triton_varlen_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@forward_op("triton_varlen_forward", packed=True, triton=True)
+def triton_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, causal, scale,
+                          head_start=0, global_heads=0):
     """Packed sequences: q `[T, Hq, D]` -> out `[T, Hq, D]`, lse `[Hq, T]`; one launch per branch for the pack."""
     if q.shape[0] == 0 or max_seqlen == 0:  # no token, or only empty sequences: nothing to launch
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
@@ -191,46 +169,16 @@ def _forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scal
     return out, lse
 
 
-@triton_op("dilated_attn::triton_backward", mutates_args=())
-def triton_backward(
-    grad_out: torch.Tensor,
-    grad_lse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@backward_op("triton_backward", triton=True)
+def triton_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal,
+                    scale, head_start=0, global_heads=0):
     return _backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal,
                      scale, head_start=head_start, global_heads=global_heads)
 
 
-@triton_op("dilated_attn::triton_varlen_backward", mutates_args=())
-def triton_varlen_backward(
-    grad_out: torch.Tensor,
-    grad_lse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    split_heads: bool,
-    causal: bool,
-    scale: float,
-    head_start: int = 0,
-    global_heads: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@backward_op("triton_varlen_backward", packed=True, triton=True)
+def triton_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_seqlen, segment_lengths,
+                           dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     if q.shape[0] == 0 or max_seqlen == 0:
         return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     dq, dk, dv = _backward(grad_out.unsqueeze(0), None if grad_lse is None else grad_lse.unsqueeze(0), q.unsqueeze(0),
