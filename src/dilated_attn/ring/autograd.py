@@ -363,15 +363,25 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
     if exchanged is None:
         ex = _prepare_exchange(cfg, q, k, v)
-        comm, step, kept = ex.comm, ex.post(), {}
+        comm, first, kept = ex.comm, ex.post(), {}
     else:  # the forward's rows; this backward's transfers wait for what is queued now (a comm of their own)
-        ex, step, kept = exchanged.exchange, None, exchanged.received
+        ex, first, kept = exchanged.exchange, None, exchanged.received
         comm = RingComm(plan, rank, cfg.group, B, D, q.device)
     rows, kc, vc, eager, joined, buffers = ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
     # the steps below `stop` travel again (stepwise: all but a kept last one)
     stop = plan.P - 1 if not eager and plan.P - 1 in kept else plan.P
-    if exchanged is not None and not eager and stop > 1:
-        step = comm.post_kv(1, kc, vc)
+    order = ([0, *range(1, plan.P)] if eager else [*range(1, plan.P), 0] if stop == plan.P
+             else [plan.P - 1, *range(1, plan.P - 1), 0])
+    # Stepwise, a step's K/V travel while the step before it computes: step 1's are posted now (and step 2's where
+    # step 1 computes first), each later step's in one batch with the dK/dV that a computed step returns
+    # (RingComm.post_grads says why).
+    travelling = [] if eager else [t for t in order if 0 < t < stop]  # in the order they compute
+    arrivals = {}  # step -> the arrival of its K/V (received_kv)
+    if travelling:
+        arrivals[1] = first if first is not None else comm.post_kv(1, kc, vc)
+        if order[0] == 1 and len(travelling) > 1:
+            arrivals[travelling[1]] = comm.post_kv(travelling[1], kc, vc)
+    unposted = travelling[len(arrivals):]
     # Without local branches, a gradient that one head stack's rows cover whole is that stack's sums: it starts
     # empty and takes them with one rounding, where it would start as zeros and add them
     whole = [not plan.local_branches and len(rows) == 1 and rowset.covers(x)
@@ -385,7 +395,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
 
     # Stepwise: the local branches' gradients (the kernel's, as on one device) and the kept last block while the
     # first K/V block travels again; then the received blocks, each one's dK/dV sent back as soon as they are
-    # complete; the own rows last, while the last of them travel. Eager (the forward's K/V kept, or every step
+    # complete (with the K/V of the step after next); the own rows last, while the last of them travel. Eager (the forward's K/V kept, or every step
     # posted at once): the own rows, the received blocks and the joined ones, then every step's dK/dV sent back in
     # one batch while the local branches compute. Each head stack's float32 sums are added to their rows with one
     # rounding.
@@ -399,8 +409,6 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
     dkc, dvc = _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
     returning = []  # the dK/dV of my rows coming back from the ranks that read them
     held = {}  # step -> (dK, dV, send buffer) of the received rows, where joined blocks read them
-    order = ([0, *range(1, plan.P)] if eager else [*range(1, plan.P), 0] if stop == plan.P
-             else [plan.P - 1, *range(1, plan.P - 1), 0])
     for t in order:
         src = (rank - t) % plan.P
         grads = None
@@ -410,9 +418,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
             if t in kept:
                 keys, values = kept[t]
             else:
-                keys, values = comm.received_kv(step, t)
-                if not eager:
-                    step = comm.post_kv(t + 1, kc, vc) if t + 1 < stop else None
+                keys, values = comm.received_kv(first if eager else arrivals.pop(t), t)
             grads, gk, gv = comm.grad_buffer(t, acc_dtype)
         for task in plan.tasks[rank][src]:
             if task.stack in joined and not task.causal:
@@ -424,7 +430,12 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
         if eager:
             held[t] = (gk, gv, grads)
         elif t > 0:
-            returning.append(comm.post_grads(t, grads))
+            del keys, values  # the received rows' memory serves the next ones (in stream order)
+            nxt = unposted.pop(0) if unposted else None
+            ret, arrival = comm.post_grads(t, grads, None if nxt is None else (nxt, kc, vc))
+            returning.append(ret)
+            if nxt is not None:
+                arrivals[nxt] = arrival
     for s, j in joined.items():
         # The joined block's gradients of each buffer's rows are those rows' whole share: the own rows' go to
         # their float32 sums, the received rows' into the buffers sent back; and where the block is all of the

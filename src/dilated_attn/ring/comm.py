@@ -78,7 +78,7 @@ _exchange_streams: dict = {}  # device -> the stream the step-by-step exchange p
 
 
 class _Arrival:
-    """One receive of a batch (post_all_grads): waiting on it waits on the batch."""
+    """One receive of a batch (post_grads, post_all_grads): waiting on it waits on the batch."""
 
     def __init__(self, step: Step, buf: Optional[torch.Tensor]):
         self.step, self.buf = step, buf
@@ -141,13 +141,17 @@ class RingComm:
         queued kernels still use; received_kv records the caller's stream on it."""
         if t >= self.plan.P:
             return None
+        with self.exchange_stream():
+            return Step(self.group, *self._kv_messages(t, kc, vc))
+
+    def _kv_messages(self, t: int, kc, vc) -> tuple[list, list, Optional[torch.Tensor]]:
+        """Step t's K/V messages: (sends, receives, the flat buffer the receives fill, or None)."""
         P, me = self.plan.P, self.rank
         dst, src = (me + t) % P, (me - t) % P
         rows = self.plan.rows_needed(me, src)
-        with self.exchange_stream():
-            buf = torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=self.device) if rows else None
-            recvs = [] if buf is None else self._receives(src, _unpack(buf, self.shapes(me, src) * 2))
-            return Step(self.group, self._sends(dst, kc, vc), recvs, buf)
+        buf = torch.empty(2 * rows * self.B * self.D, dtype=kc[0].dtype, device=self.device) if rows else None
+        recvs = [] if buf is None else self._receives(src, _unpack(buf, self.shapes(me, src) * 2))
+        return self._sends(dst, kc, vc), recvs, buf
 
     def _sends(self, dst: int, kc, vc) -> list:
         """My rows that dst reads: one message per stack and tensor (every stack's K, then every stack's V), each
@@ -199,7 +203,7 @@ class RingComm:
 
     def received_kv(self, step: Step, t: int):
         """(keys, values) per stack received at step t (None for a stack with nothing received); `step` is that
-        step's, or the one of post_all_kv."""
+        step's (post_kv's, or the arrival post_grads returns), or the one of post_all_kv."""
         src = (self.rank - t) % self.plan.P
         shapes = self.shapes(self.rank, src)
         if self._arrived is not None:  # every step at once (post_all_kv): waited on once
@@ -213,7 +217,7 @@ class RingComm:
             buf = step.wait()
             if buf is None:
                 return [None] * len(shapes), [None] * len(shapes)
-            if buf.is_cuda:  # allocated on the exchange stream (post_kv), read on the caller's
+            if buf.is_cuda:  # allocated on the exchange stream (post_kv) and read on the caller's
                 buf.record_stream(torch.cuda.current_stream(buf.device))
             parts = _unpack(buf, shapes + shapes)
         return parts[: len(shapes)], parts[len(shapes):]
@@ -226,18 +230,27 @@ class RingComm:
         parts = _unpack(buf, shapes + shapes)
         return buf, parts[: len(shapes)], parts[len(shapes):]
 
-    def post_grads(self, t: int, grads: torch.Tensor) -> tuple[Step, int]:
+    def post_grads(self, t: int, grads: torch.Tensor, kv: Optional[tuple] = None):
         """Send dK/dV of the rows received at step t (grad_buffer's buffer) back to their owner rank-t; receive
-        those of my rows from rank+t."""
+        those of my rows from rank+t. Returns (the gradients' arrival, rank+t) for add_returned_grads, and with
+        `kv` = (t2, kc, vc) step t2's K/V exchange, posted in the same batch, as an arrival for received_kv.
+
+        Posted on the caller's stream after step t's kernels, the batch's one transfer kernel is ready when the next
+        step's attention is and, queued before it, runs beside it. A K/V exchange posted alone after these
+        gradients would wait behind them on the transfers' stream, and then behind the next attention kernel, which
+        holds every SM: it would run only at that kernel's tail."""
         P, me = self.plan.P, self.rank
         src, dst = (me - t) % P, (me + t) % P
-        sends, recv = [], None
-        if self.plan.rows_needed(me, src):
-            sends.append((src, grads))
+        sends = [(src, grads)] if self.plan.rows_needed(me, src) else []
         rows = self.plan.rows_needed(dst, me)
-        if rows:
-            recv = torch.empty(2 * rows * self.B * self.D, dtype=grads.dtype, device=self.device)
-        return Step(self.group, sends, [] if recv is None else [(dst, recv)], recv), dst
+        recv = torch.empty(2 * rows * self.B * self.D, dtype=grads.dtype, device=self.device) if rows else None
+        recvs = [] if recv is None else [(dst, recv)]
+        kv_buf = None
+        if kv is not None:  # after the gradients on both sides of a pair, so that their messages match in order
+            kv_sends, kv_recvs, kv_buf = self._kv_messages(*kv)
+            sends, recvs = sends + kv_sends, recvs + kv_recvs
+        step = Step(self.group, sends, recvs)
+        return (_Arrival(step, recv), dst), None if kv is None else _Arrival(step, kv_buf)
 
     def post_all_grads(self, grads: dict) -> list:
         """post_grads of every step t (grads[t], grad_buffer's buffer) in one batch: [(arrival, dst)] for
