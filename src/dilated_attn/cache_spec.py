@@ -63,21 +63,8 @@ def reads_cache_seqlens(cache_seqlens) -> bool:
     return cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def validate_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    segment_lengths,
-    dilation_rates,
-    *,
-    k=None,
-    v=None,
-    scale=None,
-    head_groups="all",
-    return_lse=False,
-    backend="auto",
-) -> CacheProblem:
+def validate_kvcache(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilation_rates, *, k=None, v=None,
+                     scale=None, head_groups="all", return_lse=False, backend="auto") -> CacheProblem:
     """The KV-cache call's checks (docs/SPEC.md, "Decoding with a KV cache"). A cache too short for the new tokens
     is a ValueError where `cache_seqlens` is read on the host (reads_cache_seqlens)."""
     given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]

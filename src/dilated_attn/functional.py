@@ -14,19 +14,9 @@ from .spec import lse_dtype, validate, validate_varlen
 Attention = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-def dilated_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    causal: bool = False,
-    scale: Optional[float] = None,
-    head_groups: str = "all",
-    return_lse: bool = False,
-    backend: str = "auto",
-) -> Attention:
+def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Sequence[int],
+                      dilation_rates: Sequence[int], *, causal: bool = False, scale: Optional[float] = None,
+                      head_groups: str = "all", return_lse: bool = False, backend: str = "auto") -> Attention:
     """LongNet dilated attention, exactly as the spec (docs/SPEC.md in the
     repository) defines it.
 
@@ -59,37 +49,16 @@ def dilated_attention(
             q, k, v, segment_lengths=[2048, 4096, 8192],
             dilation_rates=[1, 2, 4], causal=True)
     """
-    p = validate(
-        q,
-        k,
-        v,
-        segment_lengths,
-        dilation_rates,
-        causal=causal,
-        scale=scale,
-        head_groups=head_groups,
-        return_lse=return_lse,
-        backend=backend,
-    )
+    p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups,
+                 return_lse=return_lse, backend=backend)
     out, lse = dispatch.select(p, backend).forward(q, k, v, p)
     return (out, lse) if return_lse else out
 
 
-def dilated_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    max_seqlen: Optional[int] = None,
-    causal: bool = False,
-    scale: Optional[float] = None,
-    head_groups: str = "all",
-    return_lse: bool = False,
-    backend: str = "auto",
-) -> Attention:
+def dilated_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                             segment_lengths: Sequence[int], dilation_rates: Sequence[int], *,
+                             max_seqlen: Optional[int] = None, causal: bool = False, scale: Optional[float] = None,
+                             head_groups: str = "all", return_lse: bool = False, backend: str = "auto") -> Attention:
     """Dilated attention over packed sequences of different lengths, the layout of flash-attn's varlen functions
     (docs/SPEC.md, "Packed variable-length sequences (varlen)").
 
@@ -105,39 +74,18 @@ def dilated_attention_varlen(
         `out` `[T, Hq, D]`, or `(out, lse)` with `lse` `[Hq, T]`: each sequence's rows equal `dilated_attention`
         on that sequence alone, and so do the gradients. No key is shared between sequences.
     """
-    p = validate_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        segment_lengths,
-        dilation_rates,
-        max_seqlen=max_seqlen,
-        causal=causal,
-        scale=scale,
-        head_groups=head_groups,
-        return_lse=return_lse,
-        backend=backend,
-    )
+    p = validate_varlen(q, k, v, cu_seqlens, segment_lengths, dilation_rates, max_seqlen=max_seqlen, causal=causal,
+                        scale=scale, head_groups=head_groups, return_lse=return_lse, backend=backend)
     out, lse = dispatch.select(p, backend).forward_varlen(q, k, v, p)
     return (out, lse) if return_lse else out
 
 
-def dilated_attention_with_kvcache(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: Union[int, torch.Tensor],
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    k: Optional[torch.Tensor] = None,
-    v: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    head_groups: str = "all",
-    return_lse: bool = False,
-    backend: str = "auto",
-) -> Attention:
+def dilated_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   cache_seqlens: Union[int, torch.Tensor], segment_lengths: Sequence[int],
+                                   dilation_rates: Sequence[int], *, k: Optional[torch.Tensor] = None,
+                                   v: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                                   head_groups: str = "all", return_lse: bool = False,
+                                   backend: str = "auto") -> Attention:
     """Dilated attention for decoding with a KV cache, like flash-attn's `flash_attn_with_kvcache` (docs/SPEC.md,
     "Decoding with a KV cache"). Inference only.
 

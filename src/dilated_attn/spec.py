@@ -174,19 +174,8 @@ def check_tensor(name: str, x) -> None:
         raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
 
 
-def validate(
-    q,
-    k,
-    v,
-    segment_lengths,
-    dilation_rates,
-    *,
-    causal=False,
-    scale=None,
-    head_groups="all",
-    return_lse=False,
-    backend="auto",
-) -> Problem:
+def validate(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, head_groups="all",
+             return_lse=False, backend="auto") -> Problem:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
     for name, x in (("k", k), ("v", v)):
@@ -345,21 +334,8 @@ def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, max_seqlen) -
     return int(max_seqlen)
 
 
-def validate_varlen(
-    q,
-    k,
-    v,
-    cu_seqlens,
-    segment_lengths,
-    dilation_rates,
-    *,
-    max_seqlen=None,
-    causal=False,
-    scale=None,
-    head_groups="all",
-    return_lse=False,
-    backend="auto",
-) -> Problem:
+def validate_varlen(q, k, v, cu_seqlens, segment_lengths, dilation_rates, *, max_seqlen=None, causal=False, scale=None,
+                    head_groups="all", return_lse=False, backend="auto") -> Problem:
     """validate() for packed sequences: q `[T, Hq, D]`, k and v `[T, Hkv, D]`, `cu_seqlens` `[S + 1]` offsets.
 
     The offsets' values (0 first, T last, non-decreasing, the longest sequence <= max_seqlen) are read back to

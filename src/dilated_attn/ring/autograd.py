@@ -395,10 +395,10 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
 
     # Stepwise: the local branches' gradients (the kernel's, as on one device) and the kept last block while the
     # first K/V block travels again; then the received blocks, each one's dK/dV sent back as soon as they are
-    # complete (with the K/V of the step after next); the own rows last, while the last of them travel. Eager (the forward's K/V kept, or every step
-    # posted at once): the own rows, the received blocks and the joined ones, then every step's dK/dV sent back in
-    # one batch while the local branches compute. Each head stack's float32 sums are added to their rows with one
-    # rounding.
+    # complete (with the K/V of the step after next); the own rows last, while the last of them travel. Eager (the
+    # forward's K/V kept, or every step posted at once): the own rows, the received blocks and the joined ones,
+    # then every step's dK/dV sent back in one batch while the local branches compute. Each head stack's float32
+    # sums are added to their rows with one rounding.
     if not eager:
         dq, dk, dv = local_branches()
     qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
