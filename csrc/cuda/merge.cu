@@ -20,31 +20,29 @@ namespace {
 constexpr int kMergeThreads = 128;
 constexpr int kRows = 32;
 
-// kBytes bytes from `src` to `dst` as 16-byte vectors (both 16-byte aligned, kBytes a multiple of 16).
-template <int kBytes>
-__device__ __forceinline__ void copy_vectors(void* dst, const void* src) {
-#pragma unroll
-  for (int i = 0; i < kBytes / 16; ++i) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-}
-
 // kWidth elements of one row: 16-byte loads and stores where the view allows them (kWidth * sizeof(T) = 16, or 32 for
 // a float32 sum of eight 16-bit gradients), else element by element.
 template <typename T, int kWidth>
 struct Chunk {
-  static constexpr bool kVectors = kWidth * sizeof(T) % 16 == 0;
-  alignas(16) T x[kWidth];
+  T x[kWidth];
 
   __device__ __forceinline__ void load(const T* p) {
-    if constexpr (kVectors) {
-      copy_vectors<kWidth * sizeof(T)>(x, p);
+    if constexpr (kWidth * sizeof(T) == 16) {
+      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(p);
+    } else if constexpr (kWidth * sizeof(T) == 32) {
+      reinterpret_cast<uint4*>(x)[0] = reinterpret_cast<const uint4*>(p)[0];
+      reinterpret_cast<uint4*>(x)[1] = reinterpret_cast<const uint4*>(p)[1];
     } else {
 #pragma unroll
       for (int i = 0; i < kWidth; ++i) x[i] = p[i];
     }
   }
   __device__ __forceinline__ void store(T* p) const {
-    if constexpr (kVectors) {
-      copy_vectors<kWidth * sizeof(T)>(p, x);
+    if constexpr (kWidth * sizeof(T) == 16) {
+      *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(x);
+    } else if constexpr (kWidth * sizeof(T) == 32) {
+      reinterpret_cast<uint4*>(p)[0] = reinterpret_cast<const uint4*>(x)[0];
+      reinterpret_cast<uint4*>(p)[1] = reinterpret_cast<const uint4*>(x)[1];
     } else {
 #pragma unroll
       for (int i = 0; i < kWidth; ++i) p[i] = x[i];
