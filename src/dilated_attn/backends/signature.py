@@ -1,11 +1,11 @@
 """The one signature of the attention ops.
 
 Every backend's forward and backward op takes the same arguments: the compiled extension's `dilated_attn::forward`
-and `backward` (csrc/registration.cpp declares them in C++, where they must be; tests/test_build.py pins that text to
-the signatures here), the cudnn, triton and fa4 ops, and their packed-sequence forms, whose configuration starts
-with `cu_seqlens, max_seqlen`. `forward_op` and `backward_op` register a Python backend's op with them (torch.library
-reads its schema from the signature), with the shapes torch.compile traces with; `Problem.op_arguments` makes the
-configuration's keyword arguments.
+and `backward` (csrc/registration.cpp declares them in C++, where they must be; tests/test_build.py pins those
+declarations to the signatures here, argument by argument), the cudnn, triton and fa4 ops, and their packed-sequence
+forms, whose configuration starts with `cu_seqlens, max_seqlen`. `forward_op` and `backward_op` register a Python
+backend's op with them (torch.library reads its schema from the signature), with the shapes torch.compile traces
+with; `Problem.op_arguments` makes the configuration's keyword arguments.
 
     forward(q, k, v, [cu_seqlens, max_seqlen,] *config) -> (out, lse)
     backward(grad_out, grad_lse, q, k, v, out, lse, [cu_seqlens, max_seqlen,] *config) -> (grad_q, grad_k, grad_v)
