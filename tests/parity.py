@@ -99,3 +99,46 @@ def poison_allocator():
     free, _ = torch.cuda.mem_get_info()
     blob = torch.full((min(free // 8, 1 << 30) // 4,), math.nan, device="cuda")
     del blob
+
+
+def assert_forward_allocates_only_out_and_lse(backend: str) -> None:
+    """A no-grad forward of a LongNet-like call on the GPU allocates at its peak no more than its out and lse
+    (plus 1 MiB), after a first call that compiles and tunes what it needs."""
+    B, N, H, D = 1, 16384, 8, 128
+    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    segs, dils = [2048, 4096, 8192], [1, 2, 4]
+    dilated_attn.dilated_attention(q, k, v, segs, dils, backend=backend)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out, lse = dilated_attn.dilated_attention(q, k, v, segs, dils, backend=backend, return_lse=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra <= out.numel() * out.element_size() + lse.numel() * lse.element_size() + (1 << 20)
+
+
+def case_inputs(case: dict, index: int, dtype, device="cuda"):
+    """(q, k, v, generator) of a parity case given as sizes (B, N, H, optional Hkv, D): standard normal, drawn on
+    the CPU from a generator seeded with `index` (which then draws the output gradient); odd cases store q
+    heads-first, so that the backend reads a non-contiguous layout."""
+    g = torch.Generator().manual_seed(index)
+    q, k, v = (torch.randn(case["B"], case["N"], h, case["D"], generator=g).to(device, dtype)
+               for h in (case["H"], case.get("Hkv", case["H"]), case.get("Hkv", case["H"])))
+    if index % 2:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    return q, k, v, g
+
+
+def assert_bitwise_repeatable(backend: str, calls: int = 2) -> None:
+    """The last two of `calls` forward+backward calls on the same inputs give the same bits (no atomics; the
+    earlier calls let an autotuner settle)."""
+    case = GPU_CASES[0]
+    q, k, v = make_qkv(case, dtype=torch.bfloat16, seed=1, device="cuda")
+    runs = []
+    for _ in range(calls):
+        out = dilated_attn.dilated_attention(q, k, v, case.segment_lengths, case.dilation_rates, backend=backend,
+                                             **case.kwargs())
+        runs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+    for a, b in zip(runs[-2], runs[-1]):
+        assert torch.equal(a, b)

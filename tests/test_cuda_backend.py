@@ -2,8 +2,14 @@
 
 import pytest
 import torch
-from cases import Case, make_qkv
-from parity import GPU_CASES, check_against_reference, poison_allocator
+from cases import Case
+from parity import (
+    GPU_CASES,
+    assert_bitwise_repeatable,
+    assert_forward_allocates_only_out_and_lse,
+    check_against_reference,
+    poison_allocator,
+)
 
 import dilated_attn
 from dilated_attn.backends import compiled
@@ -65,30 +71,12 @@ def test_poisoned_memory(index):
 
 
 def test_forward_allocates_only_out_and_lse():
-    B, N, H, D = 1, 16384, 8, 128
-    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    segs, dils = [2048, 4096, 8192], [1, 2, 4]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    with torch.no_grad():
-        out, lse = dilated_attn.dilated_attention(q, k, v, segs, dils, backend="cuda", return_lse=True)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
-    assert extra <= out.numel() * out.element_size() + lse.numel() * lse.element_size() + (1 << 20)
+    assert_forward_allocates_only_out_and_lse("cuda")
 
 
 def test_bitwise_repeatable():
     """No atomics: the same inputs give the same bits, forward and backward."""
-    case = GPU_CASES[0]
-    q, k, v = make_qkv(case, dtype=torch.bfloat16, seed=1, device="cuda")
-    runs = []
-    for _ in range(2):
-        out = dilated_attn.dilated_attention(q, k, v, case.segment_lengths, case.dilation_rates, backend="cuda",
-                                             **case.kwargs())
-        runs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    assert_bitwise_repeatable("cuda")
 
 
 def test_opcheck():

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from cases import make_qkv, random_case
-from parity import math_attend, math_attend_backward, poison_allocator
+from parity import case_inputs, math_attend, math_attend_backward, poison_allocator
 
 import dilated_attn
 from dilated_attn.backends.cudnn import ops
@@ -329,11 +329,7 @@ def test_gpu_parity(index, causal, dtype):
     c = GPU_CASES[index]
     if dilated_attn.backends.CUDNN.unavailable() is not None:
         pytest.skip(dilated_attn.backends.CUDNN.unavailable())
-    g = torch.Generator().manual_seed(index)
-    q, k, v = (torch.randn(c["B"], c["N"], h, c["D"], generator=g).to("cuda", dtype)
-               for h in (c["H"], c.get("Hkv", c["H"]), c.get("Hkv", c["H"])))
-    if index % 2:  # heads-first storage: the views of a non-contiguous layout
-        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    q, k, v, g = case_inputs(c, index, dtype)
     kw = dict(causal=causal, head_groups=c["groups"])
     poison_allocator()  # an element left unwritten shows up as NaN
     inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]

@@ -5,8 +5,14 @@ import random
 
 import pytest
 import torch
-from cases import make_qkv, random_case
-from parity import GPU_CASES, check_against_reference, poison_allocator
+from cases import random_case
+from parity import (
+    GPU_CASES,
+    assert_bitwise_repeatable,
+    assert_forward_allocates_only_out_and_lse,
+    check_against_reference,
+    poison_allocator,
+)
 
 import dilated_attn
 
@@ -176,18 +182,7 @@ def test_gpu_poisoned_memory(index):
 
 @pytest.mark.gpu
 def test_gpu_forward_allocates_only_out_and_lse():
-    B, N, H, D = 1, 16384, 8, 128
-    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    segs, dils = [2048, 4096, 8192], [1, 2, 4]
-    dilated_attn.dilated_attention(q, k, v, segs, dils, backend="triton")  # compile and autotune first
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    with torch.no_grad():
-        out, lse = dilated_attn.dilated_attention(q, k, v, segs, dils, backend="triton", return_lse=True)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
-    assert extra <= out.numel() * out.element_size() + lse.numel() * lse.element_size() + (1 << 20)
+    assert_forward_allocates_only_out_and_lse("triton")
 
 
 @pytest.mark.gpu
@@ -244,15 +239,7 @@ def test_gpu_auto_picks_triton():
 def test_gpu_bitwise_repeatable():
     """No atomics (positions written by two programs of one launch never coincide): the same inputs give the
     same bits, forward and backward, once the autotuner has settled."""
-    case = GPU_CASES[0]
-    q, k, v = make_qkv(case, dtype=torch.bfloat16, seed=1, device="cuda")
-    runs = []
-    for _ in range(3):
-        out = dilated_attn.dilated_attention(q, k, v, case.segment_lengths, case.dilation_rates, backend="triton",
-                                             **case.kwargs())
-        runs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
-    for a, b in zip(runs[1], runs[2]):
-        assert torch.equal(a, b)
+    assert_bitwise_repeatable("triton", calls=3)
 
 
 FIRST_CALL_FROM_TWO_THREADS = r"""
