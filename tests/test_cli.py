@@ -243,30 +243,21 @@ def test_invalid_configuration_exits_2_with_the_package_message(flags, message, 
     assert message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--heads", "0"], "argument --heads: must be a positive integer, got 0"),
-    (["--seq-len", "x"], "argument --seq-len: must be a positive integer, got 'x'"),
-    (["--mode", "back"], "argument --mode: invalid choice"),
-    (["--dtype", "int8"], "argument --dtype: invalid choice"),
-    (["--segment-lengths", "16"], "--segment-lengths and --dilation-rates go together"),
-    (["--device", "tpu"], "argument --device: must be cpu or cuda[:index]"),
+@pytest.mark.parametrize("command, flags, message", [
+    ("bench", ["--heads", "0"], "argument --heads: must be a positive integer, got 0"),
+    ("bench", ["--seq-len", "x"], "argument --seq-len: must be a positive integer, got 'x'"),
+    ("bench", ["--mode", "back"], "argument --mode: invalid choice"),
+    ("bench", ["--dtype", "int8"], "argument --dtype: invalid choice"),
+    ("bench", ["--segment-lengths", "16"], "--segment-lengths and --dilation-rates go together"),
+    ("bench", ["--device", "tpu"], "argument --device: must be cpu or cuda[:index]"),
+    ("warmup", ["--head-dim", "512"], "argument --head-dim: must be at most 256"),
+    ("warmup", ["--dtype", "float64"], "argument --dtype: invalid choice"),
+    ("warmup", ["--jobs", "0"], "argument --jobs: must be a positive integer, got 0"),
+    ("warmup", ["--causal", "maybe"], "argument --causal: invalid choice"),
 ])
-def test_bad_flags_are_argparse_errors(flags, message, capsys):
+def test_bad_flags_are_argparse_errors(command, flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", *flags])
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--head-dim", "512"], "argument --head-dim: must be at most 256"),
-    (["--dtype", "float64"], "argument --dtype: invalid choice"),
-    (["--jobs", "0"], "argument --jobs: must be a positive integer, got 0"),
-    (["--causal", "maybe"], "argument --causal: invalid choice"),
-])
-def test_warmup_bad_flags_are_argparse_errors(flags, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["warmup", *flags])
+        cli.main([command, *flags])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 

@@ -18,7 +18,7 @@ from .autograd import register_attention_autograd
 from .base import Backend
 from .signature import fake_backward, fake_forward
 
-__all__ = ["build_info", "has_kernel", "LOAD_ERROR", "CPU", "CUDA"]
+__all__ = ["accumulate", "build_info", "has_kernel", "LOAD_ERROR", "CPU", "CUDA"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,6 +61,23 @@ _KERNELS = {
 def has_kernel(device_type: str) -> bool:
     """True if the compiled forward op has a kernel for `device_type` ("cpu", "cuda")."""
     return _KERNELS.get(device_type, False)
+
+
+def accumulate(targets, parts, store: bool = False) -> None:
+    """targets[i] += parts[i] (= with `store`): `[b, h, s, d]` views, the targets of one dtype with unit-stride rows,
+    the parts of theirs or float16/bfloat16 parts of float32 targets. On a GPU, the extension's addition kernel: one
+    launch for the pairs of one shape (up to three; dq apart from dk and dv with grouped-query heads), 16-byte loads
+    of both dtypes, where PyTorch adds a float32 sum and a 16-bit part element by element; elsewhere PyTorch."""
+    if (targets[0].is_cuda and has_kernel("cuda") and parts[0].dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and targets[0].dtype in (parts[0].dtype, torch.float32) and all(t.stride(-1) == 1 for t in targets)):
+        shapes = {}
+        for target, part in zip(targets, parts):
+            shapes.setdefault(tuple(target.shape), []).append((target, part))
+        for pairs in shapes.values():
+            torch.ops.dilated_attn.cudnn_accumulate([t for t, _ in pairs], [p for _, p in pairs], store)
+        return
+    for target, part in zip(targets, parts):
+        target.copy_(part) if store else target.add_(part)
 
 
 if _C is not None:

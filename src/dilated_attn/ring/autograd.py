@@ -349,9 +349,9 @@ def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False,
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: Optional[Exchanged] = None):
+def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: Exchanged):
     """(dq, dk, dv) of this rank's shards, from the merged out and lse (d_out or d_lse may be None); `exchanged`:
-    the forward's K/V rows (ring_forward's `keep`), else they travel again."""
+    what the forward kept (ring_forward's `keep`)."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
     # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
     # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
@@ -361,27 +361,17 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
     B, L, H, D = q.shape
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
-    if exchanged is None:
-        ex = _prepare_exchange(cfg, q, k, v)
-        comm, first, kept = ex.comm, ex.post(), {}
-    else:  # the forward's rows; this backward's transfers wait for what is queued now (a comm of their own)
-        ex, first, kept = exchanged.exchange, None, exchanged.received
-        comm = RingComm(plan, rank, cfg.group, B, D, q.device)
+    # the forward's rows; this backward's transfers wait for what is queued now (a comm of their own)
+    ex, kept = exchanged.exchange, exchanged.received
+    comm = RingComm(plan, rank, cfg.group, B, D, q.device)
     rows, kc, vc, eager, joined, buffers = ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
-    # the steps below `stop` travel again (stepwise: all but a kept last one)
-    stop = plan.P - 1 if not eager and plan.P - 1 in kept else plan.P
-    order = ([0, *range(1, plan.P)] if eager else [*range(1, plan.P), 0] if stop == plan.P
-             else [plan.P - 1, *range(1, plan.P - 1), 0])
-    # Stepwise, a step's K/V travel while the step before it computes: step 1's are posted now (and step 2's where
-    # step 1 computes first), each later step's in one batch with the dK/dV that a computed step returns
-    # (RingComm.post_grads says why).
-    travelling = [] if eager else [t for t in order if 0 < t < stop]  # in the order they compute
-    arrivals = {}  # step -> the arrival of its K/V (received_kv)
-    if travelling:
-        arrivals[1] = first if first is not None else comm.post_kv(1, kc, vc)
-        if order[0] == 1 and len(travelling) > 1:
-            arrivals[travelling[1]] = comm.post_kv(travelling[1], kc, vc)
-    unposted = travelling[len(arrivals):]
+    # Eager: every step's K/V are kept. Stepwise: the last step's are kept and computed first; the others travel
+    # again, each while the step before it computes: step 1's are posted now, each later step's in one batch with
+    # the dK/dV that a computed step returns (RingComm.post_grads says why).
+    order = [0, *range(1, plan.P)] if eager else [plan.P - 1, *range(1, plan.P - 1), 0]
+    travelling = [] if eager else list(range(1, plan.P - 1))
+    arrivals = {1: comm.post_kv(1, kc, vc)} if travelling else {}  # step -> the arrival of its K/V (received_kv)
+    unposted = travelling[1:]
     # Without local branches, a gradient that one head stack's rows cover whole is that stack's sums: it starts
     # empty and takes them with one rounding, where it would start as zeros and add them
     whole = [not plan.local_branches and len(rows) == 1 and rowset.covers(x)
@@ -415,10 +405,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: O
         if t == 0:
             keys, values, gk, gv = kc, vc, dkc, dvc
         else:
-            if t in kept:
-                keys, values = kept[t]
-            else:
-                keys, values = comm.received_kv(first if eager else arrivals.pop(t), t)
+            keys, values = kept[t] if t in kept else comm.received_kv(arrivals.pop(t), t)
             grads, gk, gv = comm.grad_buffer(t, acc_dtype)
         for task in plan.tasks[rank][src]:
             if task.stack in joined and not task.causal:

@@ -66,20 +66,8 @@ def _merge_kernel_runs(acc_out, acc_lse, out, lse) -> bool:
 
 
 def accumulate(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """sums[i] += grads[i] ([B, n, H, D] each; the sums float32, float64 or the gradients' dtype): with the CUDA
-    addition kernel where it runs (one launch for the pairs of one shape, 16-byte loads of both dtypes; PyTorch
-    adds a float32 sum and a 16-bit gradient element by element), else in place."""
-    if (sums[0].is_cuda and grads[0].dtype in (torch.float16, torch.bfloat16)
-            and all(x.dtype in (torch.float32, g.dtype) and x.stride(-1) == 1 for x, g in zip(sums, grads))
-            and compiled.has_kernel("cuda")):
-        shapes = {}
-        for x, g in zip(sums, grads):
-            shapes.setdefault((x.shape, x.dtype), []).append((x.transpose(1, 2), g.transpose(1, 2)))
-        for pairs in shapes.values():
-            torch.ops.dilated_attn.cudnn_accumulate([x for x, _ in pairs], [g for _, g in pairs], False)
-        return
-    for x, g in zip(sums, grads):
-        x += g
+    """sums[i] += grads[i], `[B, n, H, D]` each (compiled.accumulate on their `[B, H, n, D]` views)."""
+    compiled.accumulate([x.transpose(1, 2) for x in sums], [g.transpose(1, 2) for g in grads])
 
 
 def merge_block(acc_out, acc_lse, out, lse) -> None:

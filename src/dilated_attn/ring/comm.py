@@ -230,21 +230,25 @@ class RingComm:
         parts = _unpack(buf, shapes + shapes)
         return buf, parts[: len(shapes)], parts[len(shapes):]
 
+    def _grad_messages(self, t: int, grads: torch.Tensor) -> tuple[list, list, Optional[torch.Tensor], int]:
+        """Step t's dK/dV return: (sends, receives, the buffer the receive fills or None, rank+t): the dK/dV of the
+        rows received at step t (grad_buffer's buffer) go back to rank-t; those of my rows come from rank+t."""
+        P, me = self.plan.P, self.rank
+        src, dst = (me - t) % P, (me + t) % P
+        sends = [(src, grads)] if self.plan.rows_needed(me, src) else []
+        rows = self.plan.rows_needed(dst, me)
+        recv = torch.empty(2 * rows * self.B * self.D, dtype=grads.dtype, device=self.device) if rows else None
+        return sends, [] if recv is None else [(dst, recv)], recv, dst
+
     def post_grads(self, t: int, grads: torch.Tensor, kv: Optional[tuple] = None):
-        """Send dK/dV of the rows received at step t (grad_buffer's buffer) back to their owner rank-t; receive
-        those of my rows from rank+t. Returns (the gradients' arrival, rank+t) for add_returned_grads, and with
+        """Step t's dK/dV return (_grad_messages). Returns (its arrival, rank+t) for add_returned_grads, and with
         `kv` = (t2, kc, vc) step t2's K/V exchange, posted in the same batch, as an arrival for received_kv.
 
         Posted on the caller's stream after step t's kernels, the batch's one transfer kernel is ready when the next
         step's attention is and, queued before it, runs beside it. A K/V exchange posted alone after these
         gradients would wait behind them on the transfers' stream, and then behind the next attention kernel, which
         holds every SM: it would run only at that kernel's tail."""
-        P, me = self.plan.P, self.rank
-        src, dst = (me - t) % P, (me + t) % P
-        sends = [(src, grads)] if self.plan.rows_needed(me, src) else []
-        rows = self.plan.rows_needed(dst, me)
-        recv = torch.empty(2 * rows * self.B * self.D, dtype=grads.dtype, device=self.device) if rows else None
-        recvs = [] if recv is None else [(dst, recv)]
+        sends, recvs, recv, dst = self._grad_messages(t, grads)
         kv_buf = None
         if kv is not None:  # after the gradients on both sides of a pair, so that their messages match in order
             kv_sends, kv_recvs, kv_buf = self._kv_messages(*kv)
@@ -253,20 +257,11 @@ class RingComm:
         return (_Arrival(step, recv), dst), None if kv is None else _Arrival(step, kv_buf)
 
     def post_all_grads(self, grads: dict) -> list:
-        """post_grads of every step t (grads[t], grad_buffer's buffer) in one batch: [(arrival, dst)] for
+        """Every step t's dK/dV return (grads[t], grad_buffer's buffer) in one batch: [(arrival, rank+t)] for
         add_returned_grads."""
-        P, me = self.plan.P, self.rank
-        sends, recvs, arrivals = [], [], []
-        for t, buf in grads.items():
-            src, dst = (me - t) % P, (me + t) % P
-            if self.plan.rows_needed(me, src):
-                sends.append((src, buf))
-            rows = self.plan.rows_needed(dst, me)
-            recv = torch.empty(2 * rows * self.B * self.D, dtype=buf.dtype, device=self.device) if rows else None
-            recvs += [(dst, recv)] if rows else []
-            arrivals.append((recv, dst))
-        step = Step(self.group, sends, recvs)
-        return [(_Arrival(step, recv), dst) for recv, dst in arrivals]
+        messages = [self._grad_messages(t, buf) for t, buf in grads.items()]
+        step = Step(self.group, [x for m in messages for x in m[0]], [x for m in messages for x in m[1]])
+        return [(_Arrival(step, recv), dst) for _, _, recv, dst in messages]
 
     def add_returned_grads(self, step: Step, dst: int, dkc, dvc) -> None:
         """Wait for the dK/dV that `dst` returns (posted by post_grads) and add them into my rows' accumulators."""

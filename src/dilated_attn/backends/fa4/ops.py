@@ -60,20 +60,6 @@ def _bshd(view: torch.Tensor) -> torch.Tensor:
     return view.transpose(1, 2)
 
 
-def _accumulate(targets, grads, store: bool) -> None:
-    """targets (the steps' `[segments, heads, members, D]` views of dq, dk, dv) += grads (= with `store`), in one
-    launch where the query and kv views agree (no grouped-query heads), else two."""
-    if targets[0].is_cuda and compiled.has_kernel("cuda"):
-        if targets[0].shape == targets[1].shape:
-            torch.ops.dilated_attn.cudnn_accumulate(list(targets), grads, store)
-        else:
-            torch.ops.dilated_attn.cudnn_accumulate([targets[0]], grads[:1], store)
-            torch.ops.dilated_attn.cudnn_accumulate(list(targets[1:]), grads[1:], store)
-        return
-    for target, grad in zip(targets, grads):  # an extension built without CUDA
-        target.copy_(grad) if store else target.add_(grad)
-
-
 def _merge(out_view, lse_view, part_out, part_lse) -> None:
     """(out_view, lse_view) <- their merge with (part_out, part_lse); rows whose part_lse is -inf keep their values
     and part_out is not read there (the kernel skips it: a packed call's rows between its runs hold no result)."""
@@ -148,7 +134,7 @@ def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilatio
                                    softmax_scale=scale, causal=causal, deterministic=deterministic, dlse=dlse,
                                    **given)[:3]
         if not direct:
-            _accumulate((dqs, dks, dvs), [_bshd(g) for g in grads], stored)
+            compiled.accumulate((dqs, dks, dvs), [_bshd(g) for g in grads], stored)
     return grad_q, grad_k, grad_v
 
 
@@ -296,7 +282,7 @@ def fa4_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_s
                                        softmax_scale=scale, causal=causal, deterministic=deterministic, dlse=dlse,
                                        **_lengths(call, metadata), **given)[:3]
             if not direct:
-                _accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads], stored)
+                compiled.accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads], stored)
     return pack.gather(grad_q), pack.gather(grad_k), pack.gather(grad_v)
 
 
