@@ -16,7 +16,9 @@ GPU (rank 0 alone, the others wait) for the global tensors (auto's backend: the 
 ring_attention on P GPUs (each iteration starts after a barrier; the slowest rank's time counts), forward+backward
 and forward apart. Weak scaling (--tokens-per-gpu, default 131072 tokens a GPU for longnet, 32768 for dense): N = P
 times that, the preset's branches; per-GPU TFLOP/s = benchmarking.flops(N) / (P * TP), against one GPU's on the
-same tokens per GPU (N = tokens, measured in the same run): weak efficiency = their ratio. Times are medians over
+same tokens per GPU (N = tokens, measured in the same run): weak efficiency = their ratio; one GPU's time on the
+whole N is measured too (one_gpu_same_n_*: the kernels' own rate at that N) and gives the same_n_efficiency_* of
+strong scaling. Times are medians over
 --repeats after --warmup calls (dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run).
 Each row also holds each rank's own median (tp_rank_median_ms: above TP where the ranks start apart) and the time
 per call of --repeats calls in a row with no barrier between them, as a training loop runs (tp_back_to_back_ms).
@@ -315,6 +317,9 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
     elif "t1_fwd_ms" in t1:  # weak scaling: per-GPU rates against one GPU's on the same tokens per GPU
         row.update(efficiency_fwd_bwd=row["tflops_per_gpu_fwd_bwd"] / t1["t1_tflops_fwd_bwd"],
                    efficiency_fwd=row["tflops_per_gpu_fwd"] / t1["t1_tflops_fwd"])
+        if "one_gpu_same_n_fwd_ms" in t1:  # and the strong-scaling figure of the same N
+            row.update(same_n_efficiency_fwd_bwd=t1["one_gpu_same_n_fwd_bwd_ms"] / (P * tp["fwd_bwd_ms"]),
+                       same_n_efficiency_fwd=t1["one_gpu_same_n_fwd_ms"] / (P * tp["fwd_ms"]))
     if rank == 0:
         mib = [f"{b / 2**20:.1f}" for b in sent if b is not None]
         say(f"[{name}/{mode}] {P} GPUs, N={N}: fwd {tp['fwd_ms']:.2f} ms, fwd+bwd {tp['fwd_bwd_ms']:.2f} ms; "
@@ -373,6 +378,9 @@ def main():
         N = tokens * P
         t1 = single_gpu(name, cfg, tokens if weak else N, args.warmup, args.repeats)
         t1["t1_N"] = tokens if weak else N
+        if weak:  # one GPU's rate on the whole problem too: what the kernels reach at this N without a ring
+            whole = single_gpu(name, cfg, N, args.warmup, args.repeats)
+            t1.update({f"one_gpu_same_n_{k.removeprefix('t1_')}": x for k, x in whole.items()})
         for mode in modes:
             try:
                 row = run(name, cfg, mode, pair if mode == "2d" else None, N, t1, args.warmup, args.repeats,

@@ -623,6 +623,35 @@ def test_shard_round_trip_single_process():
     assert torch.equal(dilated_attn.shard(x, dim=-3), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+def test_head_exchange_copies_are_exact(dtype):
+    """The heads mode's strided copies (heads._copy: 8-byte words where the views allow) equal copy_ bit for bit,
+    and leave what is beside the destination view untouched: the exchange's own views (a share of the heads of
+    every rank, the zigzag halves, the chunks reversed), views whose last dim holds no whole word or is strided
+    (copied element by element), and a copy that converts."""
+    from dilated_attn.ring.heads import _copy
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randint(0, 255, (2, 6, 12, 8), generator=g).to(dtype) if dtype == torch.uint8
+         else torch.randn(2, 6, 12, 8, generator=g).to(dtype))
+    cases = [
+        (lambda d: d, lambda s: s[:, :, 4:12].unflatten(2, (2, 4)).permute(2, 0, 1, 3, 4), (2, 2, 6, 4, 8)),
+        (lambda d: d[:, 1:3], lambda s: s.view(2, 2, 3, 12, 8)[:, :, 1].flip(0).transpose(0, 1), (2, 4, 12, 8)),
+        (lambda d: d[..., :3], lambda s: s[..., 2:5], (2, 6, 12, 5)),  # 3 elements: no whole word
+        (lambda d: d[..., ::2], lambda s: s[..., 1::2], (2, 6, 12, 8)),  # strided last dim
+        (lambda d: d.transpose(1, 2), lambda s: s.transpose(1, 2).contiguous().transpose(1, 2), (2, 12, 6, 8)),
+    ]
+    for dst_view, src_view, shape in cases:
+        want = torch.full(shape, 3, dtype=dtype)
+        got = want.clone()
+        dst_view(want).copy_(src_view(x))
+        _copy(dst_view(got), src_view(x))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    converted = torch.empty(2, 6, 12, 8, dtype=torch.float64)
+    _copy(converted.transpose(1, 2), x.transpose(1, 2))
+    assert torch.equal(converted, x.to(torch.float64))
+
+
 @pytest.mark.parametrize("dim, error", [(7, ValueError), (-5, ValueError), (1.0, TypeError), (True, TypeError)])
 @pytest.mark.parametrize("fn", [dilated_attn.shard, dilated_attn.unshard])
 def test_shard_dim_outside_the_tensor_is_refused(fn, dim, error):

@@ -244,10 +244,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     if call.mode == "ring":  # checked before its first transfer, after its local branches are queued
         out, lse = RingAttention.apply(q, k, v, call.ring, functools.partial(_deferred_check, groups, q, fields))
         return (out, lse) if return_lse else out
-    _check_same_config(groups, q, fields, None)
+    # read after the copies into the first exchange's send buffer are queued
+    check = _deferred_check(groups, q, fields)
     if packed:  # the shards [L, H, D] as the heads mode's [1, L, H, D]
-        out, lse = HeadParallelFunction.apply(q[None], k[None], v[None], call.head_parallel)
+        out, lse = HeadParallelFunction.apply(q[None], k[None], v[None], call.head_parallel, check)
         out, lse = out[0], lse[0]
     else:
-        out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel)
+        out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel, check)
     return (out, lse) if return_lse else out

@@ -101,6 +101,18 @@ def head_share(P: int, rank: int, num_heads: int, num_kv_heads: int, layout: str
 # The exchange: [B, L, H, E] shards of the sequence <-> [B, P*L, h, E] shares of the heads, in position order.
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), moved in 8-byte words where both last dims allow it. The exchange's copies are strided
+    (a share of the heads, a permutation of the shards), and a strided copy moves one element per step of its
+    index arithmetic: 8-byte elements move four times the bytes of 2-byte ones per step."""
+    if dst.dtype == src.dtype and dst.element_size() < 8:
+        try:
+            dst, src = dst.view(torch.int64), src.view(torch.int64)
+        except RuntimeError:  # a last dim not of whole words, or not of unit stride: element by element
+            pass
+    dst.copy_(src)
+
+
 def _positions(x: torch.Tensor, P: int, layout: str) -> torch.Tensor:
     """The P shards of `x` [P, B, L, h, E] (shard j from rank j) as one sequence [B, P*L, h, E] in position order:
     contiguous, the shards one after another; zigzag, their first halves in rank order, then their second halves
@@ -110,8 +122,9 @@ def _positions(x: torch.Tensor, P: int, layout: str) -> torch.Tensor:
         return x.transpose(0, 1).reshape(B, P * L, h, E)  # a view for B = 1
     halves = x.view(P, B, 2, L // 2, h, E)
     y = torch.empty((B, 2 * P, L // 2, h, E), dtype=x.dtype, device=x.device)
-    y[:, :P] = halves[:, :, 0].transpose(0, 1)
-    y[:, P:] = halves[:, :, 1].flip(0).transpose(0, 1)
+    _copy(y[:, :P], halves[:, :, 0].transpose(0, 1))
+    for j in range(P):  # one copy a rank: flip() would copy them all once more first
+        _copy(y[:, 2 * P - 1 - j], halves[j, :, 1])
     return y.view(B, P * L, h, E)
 
 
@@ -120,12 +133,13 @@ def _shards(y: torch.Tensor, P: int, layout: str, out: torch.Tensor) -> None:
     over the data."""
     B, N, h, E = y.shape
     if layout == "contiguous":
-        out.copy_(y.reshape(B, P, N // P, h, E).transpose(0, 1))
+        _copy(out, y.reshape(B, P, N // P, h, E).transpose(0, 1))
         return
     chunks = y.reshape(B, 2 * P, N // (2 * P), h, E)
     x = out.unflatten(2, (2, N // (2 * P)))
-    x[:, :, 0] = chunks[:, :P].transpose(0, 1)
-    x[:, :, 1] = chunks[:, P:].flip(1).transpose(0, 1)
+    _copy(x[:, :, 0], chunks[:, :P].transpose(0, 1))
+    for j in range(P):
+        _copy(x[j, :, 1], chunks[:, 2 * P - 1 - j])
 
 
 class _Exchange:
@@ -148,10 +162,12 @@ def _split(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
     return [y[..., a:a + w, :] for a, w in zip(starts, widths)]
 
 
-def to_heads(parts: list[tuple[torch.Tensor, list[slice]]], share: HeadShare, group) -> _Exchange:
+def to_heads(parts: list[tuple[torch.Tensor, list[slice]]], share: HeadShare, group,
+             check: Optional[Callable[[], None]] = None) -> _Exchange:
     """Post one exchange of tensors x [B, L, H_x, E] (one dtype) that gives this rank, of each, [B, P*L, h_x, E] of
     its heads: rank j receives the heads `heads[j]` of every rank's positions, for each (x, heads) of `parts`. One
-    all-to-all for them all: one transfer kernel, whose latency counts once."""
+    all-to-all for them all: one transfer kernel, whose latency counts once. `check()` runs between the copies into
+    the send buffer and the transfer (ring_attention's configuration check, read while the GPU copies)."""
     x0 = parts[0][0]
     B, L, _, E = x0.shape
     widths = [heads[0].stop - heads[0].start for _, heads in parts]
@@ -159,10 +175,12 @@ def to_heads(parts: list[tuple[torch.Tensor, list[slice]]], share: HeadShare, gr
     for (x, heads), view in zip(parts, _split(send, widths)):
         w = heads[0].stop - heads[0].start
         if all(s.start == heads[0].start + j * w for j, s in enumerate(heads)):  # every rank's heads in turn
-            view.copy_(x[:, :, heads[0].start:heads[-1].stop].unflatten(2, (share.P, w)).permute(2, 0, 1, 3, 4))
+            _copy(view, x[:, :, heads[0].start:heads[-1].stop].unflatten(2, (share.P, w)).permute(2, 0, 1, 3, 4))
         else:
             for j, s in enumerate(heads):
-                view[j].copy_(x[:, :, s])
+                _copy(view[j], x[:, :, s])
+    if check is not None:
+        check()
     return _Exchange(send, group, lambda recv: _split(_positions(recv, share.P, share.layout), widths))
 
 
@@ -202,8 +220,9 @@ class HeadParallelAttention:
     attend: Callable
     attend_backward: Callable
 
-    def forward(self, q, k, v):
-        """(out [B, L, Hq, D], lse [B, Hq, L], what the backward keeps)."""
+    def forward(self, q, k, v, check: Optional[Callable[[], None]] = None):
+        """(out [B, L, Hq, D], lse [B, Hq, L], what the backward keeps). `check()`: ring_attention's configuration
+        check, read before the first transfer."""
         share, group = self.share, self.group
         B, L, H, D = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -216,7 +235,7 @@ class HeadParallelAttention:
             parts = [(q, _query_heads(share, qs))]
             if kv and k.dtype == q.dtype == v.dtype:
                 parts += [(k, _kv_heads(share, ks)), (v, _kv_heads(share, ks))]
-            pending = [to_heads(parts, share, group)]
+            pending = [to_heads(parts, share, group, check if g == 0 else None)]
             if kv and len(parts) == 1:
                 pending += [to_heads([(x, _kv_heads(share, ks))], share, group) for x in (k, v)]
             return pending
@@ -236,7 +255,7 @@ class HeadParallelAttention:
         out_heads = out.view(B, L, share.P, share.hq, D)
         lse_heads = lse.view(B, share.P, share.hq, L)
         for qs, outs, lses in returning:
-            out_heads[:, :, :, qs] = outs.wait()[0].permute(1, 2, 0, 3, 4)
+            _copy(out_heads[:, :, :, qs], outs.wait()[0].permute(1, 2, 0, 3, 4))
             lse_heads[:, :, qs] = lses.wait()[0][..., 0].permute(1, 0, 3, 2)
         return out, lse, kept
 
@@ -257,9 +276,11 @@ class HeadParallelAttention:
 
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dq_heads = dq.view(B, L, share.P, share.hq, D)
-        # key/value gradients come back from every rank that read a head: summed in float32 (float64)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        # A key/value head that several ranks read (Hkv < P) gets a gradient back from each: they are summed in
+        # float32 (float64). Otherwise each head's comes from one rank and is written as it arrives.
+        shared = share.P * share.hkv > share.num_kv_heads
+        dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) if shared else
+                  torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
         returning, pending = [], post(0)
         dk_h = dv_h = None
         for g, (qs, ks) in enumerate(groups):
@@ -283,19 +304,21 @@ class HeadParallelAttention:
         for qs, ks, exchange in returning:
             arrived = exchange.wait()
             if qs is not None:
-                dq_heads[:, :, :, qs] = arrived.pop(0).permute(1, 2, 0, 3, 4)
+                _copy(dq_heads[:, :, :, qs], arrived.pop(0).permute(1, 2, 0, 3, 4))
             if ks is not None:
-                gk, gv = arrived
                 for j, s in enumerate(_kv_heads(share, ks)):
-                    dk[:, :, s] += gk[j]
-                    dv[:, :, s] += gv[j]
+                    for sums, grads in zip((dk, dv), arrived):
+                        if shared:
+                            sums[:, :, s] += grads[j]
+                        else:
+                            _copy(sums[:, :, s], grads[j])
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 class HeadParallelFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attention: HeadParallelAttention):
-        out, lse, kept = attention.forward(q, k, v)
+    def forward(ctx, q, k, v, attention: HeadParallelAttention, check: Optional[Callable[[], None]] = None):
+        out, lse, kept = attention.forward(q, k, v, check)
         ctx.save_for_backward(q, k, v)
         ctx.attention, ctx.kept = attention, kept
         ctx.set_materialize_grads(False)
@@ -305,4 +328,4 @@ class HeadParallelFunction(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         q, k, v = ctx.saved_tensors
         kept, ctx.kept = ctx.kept, None
-        return (*ctx.attention.backward(kept, d_out, d_lse, q, k, v), None)
+        return (*ctx.attention.backward(kept, d_out, d_lse, q, k, v), None, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -154,26 +155,36 @@ def heads_share(p: Problem, seq_len: int, P: int, rank: int, layout: str) -> Hea
         raise ValueError("mode='heads' and '2d' run head_groups='all' (LongNet's); head_groups='split' runs in "
                          "mode='ring'")
     w, r = p.op_branches(seq_len)
-    Hq, Hkv = p.num_heads, p.num_kv_heads
+    return _heads_share(p.batch, seq_len, p.num_heads, p.num_kv_heads, p.head_dim, tuple(w), tuple(r), p.dtype,
+                        p.device, p.causal, p.scale, P, rank, layout)
 
+
+# A pure function of its arguments, asked on every call (and by "auto" where the ring runs): kept, so that the
+# host, which the GPU waits for before the first exchange, spends no time on it again.
+@functools.lru_cache(maxsize=256)
+def _heads_share(batch, seq_len, Hq, Hkv, head_dim, w, r, dtype, device, causal, scale, P, rank,
+                 layout) -> HeadShare:
     def check(h0: int, n: int) -> None:
-        Problem.from_sizes(p.batch, seq_len, n, max(n * Hkv // Hq, 1), p.head_dim, w, r, dtype=p.dtype,
-                           device=p.device, causal=p.causal, scale=p.scale).with_heads(h0, Hq)
+        Problem.from_sizes(batch, seq_len, n, max(n * Hkv // Hq, 1), head_dim, w, r, dtype=dtype, device=device,
+                           causal=causal, scale=scale).with_heads(h0, Hq)
 
     return head_share(P, rank, Hq, Hkv, layout, check=check)
 
 
-def _group_problem(p: Problem, share: HeadShare, g: int, seq_len: int, gw, gr, head_start: int) -> Problem:
-    qs, ks = share.groups[g]
-    return Problem.from_sizes(p.batch, seq_len, qs.stop - qs.start, ks.stop - ks.start, p.head_dim, gw, gr,
-                              dtype=p.dtype, device=p.device, causal=p.causal, scale=p.scale,
-                              records_backward=p.records_backward).with_heads(head_start + qs.start, p.num_heads)
+@functools.lru_cache(maxsize=256)
+def _group_problem(p: Problem, heads: int, kv_heads: int, seq_len: int, gw, gr, head_start: int) -> Problem:
+    """The problem of one head group: `heads` query heads from `head_start` on, all seq_len positions (kept, as
+    _heads_share)."""
+    return Problem.from_sizes(p.batch, seq_len, heads, kv_heads, p.head_dim, gw, gr, dtype=p.dtype, device=p.device,
+                              causal=p.causal, scale=p.scale,
+                              records_backward=p.records_backward).with_heads(head_start, p.num_heads)
 
 
 def _heads(p: Problem, share: HeadShare, group, N: int, gw, gr, backend: str, packed=None):
     """The heads mode: the single-device ops on each head group's gathered [B, N, h, D] tensors; with `packed`
     (cu_seqlens, max_seqlen), the backends' packed path on them (_packed_heads)."""
-    problems = [_group_problem(p, share, g, N, gw, gr, share.head_start) for g in range(len(share.groups))]
+    problems = [_group_problem(p, qs.stop - qs.start, ks.stop - ks.start, N, gw, gr, share.head_start + qs.start)
+                for qs, ks in share.groups]
     if packed is not None:
         problems = [dataclasses.replace(x, cu_seqlens=packed[0], max_seqlen=packed[1]) for x in problems]
         return _packed_heads(p, share, group, problems, backend)
