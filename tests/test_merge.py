@@ -33,7 +33,8 @@ def _single_branch_merge(q, k, v, segments, dilations, backend, scale):
 
 
 def _inputs(case, dtype, device):
-    B, N, H, D = 2, 37, 4, 8
+    # one batch element: the merge is row by row, and the interpreter's time grows with the rows
+    B, N, H, D = 1, 37, 4, 8
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(B, N, H, D, generator=g, dtype=torch.float64) for _ in range(3))
     scale = None
@@ -42,7 +43,7 @@ def _inputs(case, dtype, device):
     elif case == "nan_score":
         q[0, 5, 1, 0] = math.nan
     elif case == "nan_value":
-        v[1, 12, 2, 3] = math.nan
+        v[0, 12, 2, 3] = math.nan
     return [x.to(device, dtype) for x in (q, k, v)], scale
 
 
