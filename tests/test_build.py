@@ -87,3 +87,18 @@ def test_one_version_number():
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert re.search(r'^version\s*=\s*"', pyproject, re.M) is None and 'dynamic = ["version"]' in pyproject
     assert importlib.metadata.version("dilated_attn") == dilated_attn.__version__
+
+
+def test_a_tile_table_this_build_lacks_is_refused_before_the_launch():
+    """DILATED_ATTN_CUDA_TILES asks for a tile table by hand: the cuda backend refuses one whose code the build does
+    not hold for the GPU (compiled.tile_table_refusal, the launcher's own rule), so that the call raises its
+    ValueError; Pascal's tables run on newer GPUs only in a DILATED_ATTN_PASCAL_PROXY=1 build."""
+    refusal = compiled.tile_table_refusal
+    for requested in ("pascal", "gp100"):
+        assert "no code of that tile table for compute capability 9.x" in refusal(requested, (9, 0), False)
+        assert refusal(requested, (9, 0), True) is None  # the proxy build
+        assert refusal(requested, (6, 1), False) is None
+    assert "capability 6.x" in refusal("volta", (6, 0), True)
+    assert refusal("volta", (7, 0), False) is None
+    for left_to_the_launcher in ("", "61", "Pascal"):
+        assert refusal(left_to_the_launcher, (9, 0), False) is None

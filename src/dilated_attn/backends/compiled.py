@@ -111,6 +111,23 @@ class CpuBackend(CompiledBackend):
     varlen = "per_sequence"  # a CPU call per sequence costs microseconds beside its work
 
 
+def tile_table_refusal(requested: str, capability: tuple[int, int], pascal_on_newer: bool) -> Optional[str]:
+    """Why the tile table `requested` by hand (DILATED_ATTN_CUDA_TILES: "pascal", "gp100" or "volta";
+    csrc/cuda/launch.h) cannot run on a GPU of compute `capability` in this build, or None. Each architecture's code
+    holds its own tables, and newer GPUs' code Pascal's too only in a build with DILATED_ATTN_PASCAL_PROXY=1
+    (`pascal_on_newer`). The launcher refuses the same (csrc/cuda/attention_cuda.cpp: tile_table()); the backend
+    refuses it first, so that a call raises this ValueError and explain() says it. Other values are the launcher's
+    to refuse."""
+    if requested not in ("pascal", "gp100", "volta"):
+        return None
+    wants_pascal, is_pascal = requested != "volta", capability[0] < 7
+    if wants_pascal == is_pascal or (wants_pascal and pascal_on_newer):
+        return None
+    return (f"DILATED_ATTN_CUDA_TILES={requested}: this build holds no code of that tile table for compute capability "
+            f"{capability[0]}.x (each architecture's code holds its own table; Pascal's runs on newer GPUs in a build "
+            f"made with DILATED_ATTN_PASCAL_PROXY=1)")
+
+
 class CudaBackend(CompiledBackend):
     """Hand-written CUDA kernels (csrc/cuda/): fp32 FMA, no tensor cores, so they run from Pascal up."""
 
@@ -120,6 +137,14 @@ class CudaBackend(CompiledBackend):
     max_head_dim = 256  # csrc/cuda/launch.h: kMaxHeadDim
     min_capability = (6, 0)
     capability_rule = "the CUDA kernels need Pascal or newer"
+
+    def why_not(self, p) -> Optional[str]:
+        reason = super().why_not(p)
+        requested = os.environ.get("DILATED_ATTN_CUDA_TILES", "")
+        if reason is None and requested:
+            reason = tile_table_refusal(requested, torch.cuda.get_device_capability(p.device),
+                                        bool(build_info().get("pascal_tiles_on_newer_gpus")))
+        return reason
 
 
 CPU = CpuBackend()
