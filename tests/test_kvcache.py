@@ -19,12 +19,14 @@ def sequence(B, N, Hq, Hkv, D, dtype, device, seed=0):
 
 
 def decode_matches_full(backend, dtype, device, Sq, write, per_batch, head_groups, atol,
-                        call=dilated_attn.dilated_attention_with_kvcache):
+                        call=dilated_attn.dilated_attention_with_kvcache, B=2):
     """Decode N tokens Sq at a time (into an empty cache with `write`, else over a prefilled one), each step
     against the rows of one causal call over the whole sequence; the cache rows past the written ones, NaN
     from the start, must stay NaN and not reach any result. N = 37 reaches the second segment of the longest branch
-    (w = 32) and ends inside it (clipped); each step's time, in Triton's interpreter above all, grows with N."""
-    B, N, Hq, Hkv, D, Nmax = 2, 37, 4, 2, 16, 64
+    (w = 32) and ends inside it (clipped); each step's time, in Triton's interpreter above all, grows with N and B
+    (B = 2 is needed with `per_batch`)."""
+    N, Hq, Hkv, D, Nmax = 37, 4, 2, 16, 64
+    assert B == 2 or not per_batch
     q, k, v = sequence(B, N, Hq, Hkv, D, dtype, device)
     full, full_lse = dilated_attn.dilated_attention(q, k, v, SEGS, DILS, causal=True, head_groups=head_groups,
                                                     return_lse=True, backend=backend)
@@ -70,12 +72,13 @@ def test_decode_equals_full_causal_rows(backend, Sq, write, per_batch, head_grou
 
 
 @pytest.mark.skipif(not INTERPRETED_TRITON, reason="Triton's interpreter, where there is no GPU")
-# one of CPU_CASES (15-30 s each in the interpreter): five tokens over a prefilled cache with split heads; writing
-# the new tokens and per-batch lengths are test_decode_with_lengths_left_on_the_device's triton case, and every
-# case runs on the GPU (test_gpu_triton_decode)
+# one of CPU_CASES (15-30 s each in the interpreter): five tokens over a prefilled cache with split heads, on one
+# batch element (its length is one int for the batch); writing the new tokens, per-batch lengths and a second batch
+# element are test_decode_with_lengths_left_on_the_device's triton case, and every case runs on the GPU
+# (test_gpu_triton_decode)
 @pytest.mark.parametrize("Sq, write, per_batch, head_groups", [CPU_CASES[2]])
 def test_interpreter_triton_decode(Sq, write, per_batch, head_groups):
-    decode_matches_full("triton", torch.float32, "cpu", Sq, write, per_batch, head_groups, atol=1e-5)
+    decode_matches_full("triton", torch.float32, "cpu", Sq, write, per_batch, head_groups, atol=1e-5, B=1)
 
 
 @pytest.mark.gpu
