@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -170,9 +171,15 @@ def _worker(rank, world, port, backend, job, cases, outdir):
         os._exit(0)
 
 
+# gloo's ranks are forked from a server process that has imported torch, the package and this module once (not
+# spawned afresh, each importing them again: 2-5 s a world, most of this file's time). NCCL's are spawned: a rank
+# forked after anything in the server touched CUDA could not use it.
+multiprocessing.set_forkserver_preload(["torch", "dilated_attn", __name__])
+
+
 def _spawn(world, backend, job, cases, tmp_path):
     ctx = mp.start_processes(_worker, args=(world, _free_port(), backend, job, cases, str(tmp_path)), nprocs=world,
-                             join=False)
+                             join=False, start_method="forkserver" if backend == "gloo" else "spawn")
     deadline = time.monotonic() + WORLD_DEADLINE_S
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
