@@ -229,7 +229,7 @@ class Exchanged:
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Callable[[], None]]] = None):
-        out, lse, ctx.exchanged = ring_forward(q, k, v, cfg, keep=True, post_check=post_check)
+        out, lse, ctx.exchanged = ring_forward(q, k, v, cfg, post_check=post_check)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
         # An output without a gradient arrives as None, not as zeros: the blocks then get no LSE gradient, which
@@ -285,10 +285,9 @@ def _prepare_exchange(cfg: RingConfig, q, k, v) -> _Exchange:
     return _Exchange(comm, rows, kc, vc, True, joined, buffers, (send_k, send_v), copies)
 
 
-def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False,
-                 post_check: Optional[Callable[[], Callable[[], None]]] = None):
-    """(out, lse) of this rank's shard: the local branches, then every head stack's blocks. With `keep`, also the
-    Exchanged rows for ring_backward.
+def ring_forward(q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Callable[[], None]]] = None):
+    """(out, lse, the Exchanged rows for ring_backward) of this rank's shard: the local branches, then every head
+    stack's blocks.
 
     post_check(): posts ring_attention's configuration check and returns the call that waits for it and raises
     where the ranks' calls differ, which runs before the first transfer is posted. The local branches read no
@@ -327,7 +326,7 @@ def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False,
             keys, values = received[t] = comm.received_kv(step, t)
             if not eager:
                 step = comm.post_kv(t + 1, kc, vc)
-                if not (keep and t == plan.P - 1):
+                if t < plan.P - 1:
                     del received[t]
         for task in plan.tasks[rank][src]:
             if task.stack in joined and not task.causal:
@@ -344,14 +343,12 @@ def ring_forward(q, k, v, cfg: RingConfig, keep: bool = False,
             merge_block(cur_out, cur_lse, acc_out, acc_lse)
             cp.q.put(out, cur_out)
             cp.q.put_lse(lse, cur_lse)
-    if keep:
-        return out, lse, Exchanged(ex, received)
-    return out, lse
+    return out, lse, Exchanged(ex, received)
 
 
 def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: Exchanged):
     """(dq, dk, dv) of this rank's shards, from the merged out and lse (d_out or d_lse may be None); `exchanged`:
-    what the forward kept (ring_forward's `keep`)."""
+    what the forward kept (ring_forward's)."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
     # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
     # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot

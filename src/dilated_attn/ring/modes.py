@@ -241,7 +241,7 @@ def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int,
         configs.append(_ring_config(local, plan, outer_rank, outer, gw, gr, "all", backend, h0, p.num_heads))
 
     def attend(g, q_h, k_h, v_h):
-        out, lse, exchanged = ring_forward(q_h, k_h, v_h, configs[g], keep=True)
+        out, lse, exchanged = ring_forward(q_h, k_h, v_h, configs[g])
         return out, lse, (q_h, k_h, v_h, out, lse, exchanged)
 
     def attend_backward(g, kept, d_out, d_lse):
