@@ -800,58 +800,6 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
     _check(_spawn(world, "nccl", "compare_gpu", cases, tmp_path), cases)
 
 
-def _copy_engine(case, rank):
-    """The head-parallel modes' exchanges on the copy engines (ring/copy_engine.py) give the bits of NCCL's
-    all-to-all: one call with the engines off, then three with them on (the first grows the workspace at its
-    backward, the later ones move every exchange on the engines)."""
-    global _GROUP
-    from dilated_attn.ring import copy_engine
-
-    _GROUP = _mesh_pair(case["inner"]) if case.get("mode") == "2d" else None
-    device = torch.device("cuda", rank)
-    try:
-        q, k, v, go, gl = _global_inputs(case, torch.float64, device)
-        shards = [_local(x.to(torch.bfloat16), case) for x in (q, k, v, go)] + [_local(gl.float(), case, dim=2)]
-        runs = []
-        for on in (False, True, True, True):
-            copy_engine.ENABLED = on
-            runs.append(_run(case, *shards, ring=True))
-        engines = copy_engine.copy_engines(_GROUP[1] if _GROUP else dist.group.WORLD, device)
-        errors = {}
-        if engines is None or not engines.usable or engines.demand > engines.capacity:
-            errors["engines"] = "the exchanges did not all run on the copy engines" + (
-                "" if engines is None else f" (usable {engines.usable}, demand {engines.demand}, capacity "
-                                           f"{engines.capacity})")
-        for name, first, *later in zip(("out", "lse", "dq", "dk", "dv"), *runs):
-            for x in later:
-                if not torch.equal(torch.nan_to_num(x), torch.nan_to_num(first)):
-                    errors[name] = (x.double() - first.double()).abs().max().item()
-        return errors
-    finally:
-        _GROUP = None
-        copy_engine.ENABLED = True
-
-
-JOBS["copy_engine"] = _copy_engine
-
-
-@pytest.mark.gpu
-@pytest.mark.multigpu
-def test_copy_engine_exchanges_give_nccls_bits(tmp_path, monkeypatch):
-    monkeypatch.setenv("DILATED_ATTN_HEAD_GROUPS", "2")  # the spawned ranks: two head groups, both exchanges
-    world = min(torch.cuda.device_count(), 4)
-    N = world * 256
-    cases = [  # triton's backward gives the same bits on every run (cudnn's need not)
-        dict(name="dense causal zigzag, GQA", shape=(2, N, 8, 2, 64), causal=True, layout="zigzag", mode="heads",
-             backend="triton"),
-        dict(name="LongNet", shape=(1, N, 8, 8, 128), w=[128, N // 2, N], r=[1, 2, 4], mode="heads",
-             backend="triton"),
-    ]
-    if world == 4:
-        cases.append(dict(cases[0], name="dense causal zigzag, 2 x 2", mode="2d", inner=2))
-    _check(_spawn(world, "nccl", "copy_engine", cases, tmp_path), cases)
-
-
 def _module(case, rank):
     """MultiheadDilatedAttention with process_group: this rank's output and input gradients equal the
     single-process module's on the full sequence (same weights), at this rank's positions."""

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ..spec import lse_dtype
-from .copy_engine import CopyEngines, copy_engines, nbytes
 
 __all__ = ["HeadShare", "head_share", "HeadParallelAttention"]
 
@@ -144,7 +143,7 @@ def _shards(y: torch.Tensor, P: int, layout: str, out: torch.Tensor) -> None:
 
 
 class _Exchange:
-    """One all-to-all in flight through NCCL: `wait()` gives what arrived."""
+    """One all-to-all in flight: `wait()` gives what arrived."""
 
     def __init__(self, send: torch.Tensor, group, finish: Callable[[torch.Tensor], object]):
         self.recv = torch.empty_like(send)
@@ -157,31 +156,6 @@ class _Exchange:
         return self.finish(self.recv)
 
 
-class _Pulled:
-    """A to_heads exchange in flight on the copy engines (copy_engine.py): `wait()` gives what arrived."""
-
-    def __init__(self, recv: torch.Tensor, events: list, finish: Callable[[torch.Tensor], object]):
-        self.recv, self.events, self.finish = recv, events, finish
-
-    def wait(self):
-        current = torch.cuda.current_stream(self.recv.device)
-        for event in self.events:
-            current.wait_event(event)
-        return self.finish(self.recv)
-
-
-class _Pushed:
-    """A to_positions exchange in flight on the copy engines: `wait()` (after the phase's last push is posted)
-    settles the phase and gives what landed in this rank's region of the workspace, to be read at once."""
-
-    def __init__(self, engines: CopyEngines, start: int, shape, dtype, finish: Callable[[torch.Tensor], object]):
-        self.engines, self.start, self.shape, self.dtype, self.finish = engines, start, shape, dtype, finish
-
-    def wait(self):
-        self.engines.settle()
-        return self.finish(self.engines.region(self.start, self.shape, self.dtype))
-
-
 def _split(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
     """Views of y [..., sum(widths), E] along its heads, `widths` heads each."""
     starts = [sum(widths[:i]) for i in range(len(widths))]
@@ -189,19 +163,15 @@ def _split(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
 
 
 def to_heads(parts: list[tuple[torch.Tensor, list[slice]]], share: HeadShare, group,
-             check: Optional[Callable[[], None]] = None, engines: Optional[CopyEngines] = None):
+             check: Optional[Callable[[], None]] = None) -> _Exchange:
     """Post one exchange of tensors x [B, L, H_x, E] (one dtype) that gives this rank, of each, [B, P*L, h_x, E] of
     its heads: rank j receives the heads `heads[j]` of every rank's positions, for each (x, heads) of `parts`. One
-    exchange for them all: one transfer, whose latency counts once. `check()` runs between the copies into the send
-    buffer and the transfer (ring_attention's configuration check, read while the GPU copies). With `engines`, the
-    copy engines move it where their workspace holds it, else NCCL's all-to-all."""
+    all-to-all for them all: one transfer kernel, whose latency counts once. `check()` runs between the copies into
+    the send buffer and the transfer (ring_attention's configuration check, read while the GPU copies)."""
     x0 = parts[0][0]
     B, L, _, E = x0.shape
     widths = [heads[0].stop - heads[0].start for _, heads in parts]
-    shape = (share.P, B, L, sum(widths), E)
-    start = None if engines is None else engines.reserve(nbytes(shape, x0.dtype))
-    send = (torch.empty(shape, dtype=x0.dtype, device=x0.device) if start is None else
-            engines.region(start, shape, x0.dtype))
+    send = torch.empty((share.P, B, L, sum(widths), E), dtype=x0.dtype, device=x0.device)
     for (x, heads), view in zip(parts, _split(send, widths)):
         w = heads[0].stop - heads[0].start
         if all(s.start == heads[0].start + j * w for j, s in enumerate(heads)):  # every rank's heads in turn
@@ -211,30 +181,18 @@ def to_heads(parts: list[tuple[torch.Tensor, list[slice]]], share: HeadShare, gr
                 _copy(view[j], x[:, :, s])
     if check is not None:
         check()
-
-    def finish(recv):
-        return _split(_positions(recv, share.P, share.layout), widths)
-
-    if start is None:
-        return _Exchange(send, group, finish)
-    return _Pulled(*engines.pull(start, shape, x0.dtype), finish)
+    return _Exchange(send, group, lambda recv: _split(_positions(recv, share.P, share.layout), widths))
 
 
-def to_positions(ys: list[torch.Tensor], share: HeadShare, group, engines: Optional[CopyEngines] = None):
+def to_positions(ys: list[torch.Tensor], share: HeadShare, group) -> _Exchange:
     """Post one exchange of tensors y [B, P*L, h_y, E] (this rank's heads, every position; one dtype) that gives
-    back, of each, [P, B, L, h_y, E]: entry j holds rank j's heads at this rank's positions. With `engines`, as
-    to_heads."""
+    back, of each, [P, B, L, h_y, E]: entry j holds rank j's heads at this rank's positions."""
     B, N, _, E = ys[0].shape
     widths = [y.shape[2] for y in ys]
-    shape = (share.P, B, N // share.P, sum(widths), E)
-    send = torch.empty(shape, dtype=ys[0].dtype, device=ys[0].device)
+    send = torch.empty((share.P, B, N // share.P, sum(widths), E), dtype=ys[0].dtype, device=ys[0].device)
     for y, view in zip(ys, _split(send, widths)):
         _shards(y, share.P, share.layout, view)
-    start = None if engines is None else engines.reserve(nbytes(shape, send.dtype))
-    if start is None:
-        return _Exchange(send, group, lambda recv: _split(recv, widths))
-    engines.push(start, send)
-    return _Pushed(engines, start, shape, send.dtype, lambda recv: _split(recv, widths))
+    return _Exchange(send, group, lambda recv: _split(recv, widths))
 
 
 def _query_heads(share: HeadShare, qs: slice) -> list[slice]:
@@ -271,41 +229,34 @@ class HeadParallelAttention:
         lse = torch.empty((B, H, L), dtype=lse_dtype(q.dtype), device=q.device)
         groups = share.groups
 
-        engines = copy_engines(group, q.device)
-        if engines is not None:
-            check = engines.begin(check)
-
         def post(g):
             qs, ks = groups[g]
             kv = g == 0 or share.hkv > 1  # a single key/value head serves every group: it travels once
             parts = [(q, _query_heads(share, qs))]
             if kv and k.dtype == q.dtype == v.dtype:
                 parts += [(k, _kv_heads(share, ks)), (v, _kv_heads(share, ks))]
-            pending = [to_heads(parts, share, group, check if g == 0 else None, engines)]
+            pending = [to_heads(parts, share, group, check if g == 0 else None)]
             if kv and len(parts) == 1:
-                pending += [to_heads([(x, _kv_heads(share, ks))], share, group, engines=engines) for x in (k, v)]
+                pending += [to_heads([(x, _kv_heads(share, ks))], share, group) for x in (k, v)]
             return pending
 
-        # every group's inputs are posted before the first attention: they travel while the groups before compute
-        kept, returning, pending = [], [], [post(g) for g in range(len(groups))]
+        kept, returning, pending = [], [], post(0)
         k_h = v_h = None
         for g, (qs, _) in enumerate(groups):
-            arrived = [t for x in pending[g] for t in x.wait()]
-            pending[g] = None
+            arrived = [t for x in pending for t in x.wait()]
             q_h = arrived[0]
             if len(arrived) == 3:
                 k_h, v_h = arrived[1], arrived[2]
+            if g + 1 < len(groups):
+                pending = post(g + 1)
             o_h, l_h, keep = self.attend(g, q_h, k_h, v_h)
             kept.append(keep)
-            returning.append((qs, to_positions([o_h], share, group, engines),
-                              to_positions([_lse_rows(l_h)], share, group, engines)))
+            returning.append((qs, to_positions([o_h], share, group), to_positions([_lse_rows(l_h)], share, group)))
         out_heads = out.view(B, L, share.P, share.hq, D)
         lse_heads = lse.view(B, share.P, share.hq, L)
         for qs, outs, lses in returning:
             _copy(out_heads[:, :, :, qs], outs.wait()[0].permute(1, 2, 0, 3, 4))
             lse_heads[:, :, qs] = lses.wait()[0][..., 0].permute(1, 0, 3, 2)
-        if engines is not None:
-            engines.end()
         return out, lse, kept
 
     def backward(self, kept, d_out, d_lse, q, k, v):
@@ -318,14 +269,10 @@ class HeadParallelAttention:
             d_out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         d_out = d_out.to(q.dtype)
 
-        engines = copy_engines(group, q.device)
-        if engines is not None:
-            engines.begin()
-
         def post(g):
             heads = _query_heads(share, groups[g][0])
-            return (to_heads([(d_out, heads)], share, group, engines=engines),
-                    None if d_lse is None else to_heads([(_lse_rows(d_lse), heads)], share, group, engines=engines))
+            return (to_heads([(d_out, heads)], share, group),
+                    None if d_lse is None else to_heads([(_lse_rows(d_lse), heads)], share, group))
 
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dq_heads = dq.view(B, L, share.P, share.hq, D)
@@ -334,25 +281,26 @@ class HeadParallelAttention:
         shared = share.P * share.hkv > share.num_kv_heads
         dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) if shared else
                   torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
-        returning, pending = [], [post(g) for g in range(len(groups))]
+        returning, pending = [], post(0)
         dk_h = dv_h = None
         for g, (qs, ks) in enumerate(groups):
-            do_h = pending[g][0].wait()[0]
-            dl_h = None if pending[g][1] is None else pending[g][1].wait()[0][..., 0].transpose(1, 2)
-            pending[g] = None
+            do_h = pending[0].wait()[0]
+            dl_h = None if pending[1] is None else pending[1].wait()[0][..., 0].transpose(1, 2)
+            if g + 1 < len(groups):
+                pending = post(g + 1)
             gq, gk, gv = self.attend_backward(g, kept[g], do_h, dl_h)
             kept[g] = None
             if (share.hkv > 1 or len(groups) == 1) and gq.dtype == gk.dtype == gv.dtype:  # one exchange of all
-                returning.append((qs, ks, to_positions([gq, gk, gv], share, group, engines)))
+                returning.append((qs, ks, to_positions([gq, gk, gv], share, group)))
                 continue
-            returning.append((qs, None, to_positions([gq], share, group, engines)))
+            returning.append((qs, None, to_positions([gq], share, group)))
             if share.hkv > 1 or len(groups) == 1:
-                returning.append((None, ks, to_positions([gk, gv], share, group, engines)))
+                returning.append((None, ks, to_positions([gk, gv], share, group)))
             else:  # one key/value head for every group: summed here, sent once
                 dk_h = gk.to(acc) if dk_h is None else dk_h + gk
                 dv_h = gv.to(acc) if dv_h is None else dv_h + gv
         if dk_h is not None:
-            returning.append((None, groups[0][1], to_positions([dk_h, dv_h], share, group, engines)))
+            returning.append((None, groups[0][1], to_positions([dk_h, dv_h], share, group)))
         for qs, ks, exchange in returning:
             arrived = exchange.wait()
             if qs is not None:
@@ -364,8 +312,6 @@ class HeadParallelAttention:
                             sums[:, :, s] += grads[j]
                         else:
                             _copy(sums[:, :, s], grads[j])
-        if engines is not None:
-            engines.end()
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
