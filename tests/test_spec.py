@@ -1,6 +1,9 @@
 """Every invalid input of the spec's Errors section raises ValueError/TypeError naming the argument."""
 
 import math
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -116,6 +119,38 @@ def test_direct_op_calls_are_checked_too():
         op(q, k, v, [1] * 5, [1] * 5, True, False, 1.0)
     with pytest.raises(ValueError, match="4-D"):
         op(q[0], k, v, [4], [1], False, False, 1.0)
+
+
+_NUMBERED_MESSAGES = textwrap.dedent("""
+    import sys
+    import torch, dilated_attn
+    op = torch.ops.dilated_attn.forward
+    for device in sys.argv[1:]:
+        q = torch.randn(1, 8, 3, 4, device=device)
+        wide = torch.randn(1, 8, 2, 1024, device=device)
+        cases = [(q[0], q, q, [4], [1]), (q, q, q, [4], [1, 2]), (q, q[:, :, :2], q[:, :, :2], [4], [1])]
+        for args in cases + [(wide, wide, wide, [8], [1])] * (device == "cuda"):
+            try:
+                op(*args, False, False, 1.0)
+                print("no error")
+            except ValueError as exc:
+                print("ValueError:", exc)
+    """)
+
+
+@pytest.mark.parametrize("devices", [("cpu",), pytest.param(("cpu", "cuda"), marks=pytest.mark.gpu)])
+def test_messages_with_numbers_raise(devices):
+    """The extension's messages that carry numbers raise ValueError, checked in a process of their own: a build by
+    a compiler that links libstdc++ into the extension statically segfaulted formatting them (csrc/checks.h)."""
+    r = subprocess.run([sys.executable, "-c", _NUMBERED_MESSAGES, *devices], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 * len(devices) + ("cuda" in devices) and all(x.startswith("ValueError") for x in lines), lines
+    for text in ("got 3-D", "got 1 and 2", "got 3 and 2"):
+        assert sum(text in x for x in lines) == len(devices), (text, lines)
+    if "cuda" in devices:
+        assert any("head_dim must be <= " in x and "got 1024" in x for x in lines), lines
 
 
 def test_heads_first_layout_is_warned_about():

@@ -23,10 +23,10 @@ namespace {
 void check_cuda_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_qkv(q, k, v);
   TORCH_CHECK_VALUE(q.is_cuda(), "q, k and v must be CUDA tensors");
-  TORCH_CHECK_VALUE(q.size(1) < kMaxSeqLen, "the CUDA kernels take sequences of fewer than 2^31 positions, got ",
-                    q.size(1));
-  TORCH_CHECK_VALUE(q.size(3) <= kMaxHeadDim, "head_dim must be <= ", kMaxHeadDim, " for the CUDA kernels, got ",
-                    q.size(3));
+  TORCH_CHECK_VALUE(q.size(1) < kMaxSeqLen,
+                    message("the CUDA kernels take sequences of fewer than 2^31 positions, got ", q.size(1)));
+  TORCH_CHECK_VALUE(q.size(3) <= kMaxHeadDim,
+                    message("head_dim must be <= ", kMaxHeadDim, " for the CUDA kernels, got ", q.size(3)));
   scalar_kind(q);
 }
 
@@ -47,9 +47,9 @@ TileTable tile_table() {
   const TileTable table =
       name == "pascal" ? TileTable::kPascal : (name == "gp100" ? TileTable::kGp100 : TileTable::kVolta);
   TORCH_CHECK_VALUE(is_pascal(table) == is_pascal(own) || (is_pascal(table) && kPascalProxy),
-                    "DILATED_ATTN_CUDA_TILES=", name, ": this build holds no code of that tile table for compute ",
-                    "capability ", major, ".x (each architecture's code holds its own table; Pascal's runs on newer ",
-                    "GPUs in a build made with DILATED_ATTN_PASCAL_PROXY=1)");
+                    message("DILATED_ATTN_CUDA_TILES=", name, ": this build holds no code of that tile table for ",
+                            "compute capability ", major, ".x (each architecture's code holds its own table; ",
+                            "Pascal's runs on newer GPUs in a build made with DILATED_ATTN_PASCAL_PROXY=1)"));
   return table;
 }
 

@@ -30,8 +30,8 @@ constexpr int64_t kBackwardViews = 8;  // grad_out, q, k, v, out, lse, grad_q's 
 void check_steps(const at::Tensor& steps, int64_t views) {
   TORCH_CHECK_VALUE(steps.device().is_cpu() && steps.scalar_type() == at::kLong && steps.dim() == 2 &&
                         steps.size(1) == views * kViewInts && steps.is_contiguous(),
-                    "steps must be a contiguous int64 CPU tensor [steps, ", views * kViewInts, "], got ",
-                    steps.scalar_type(), " ", steps.sizes(), " on ", steps.device());
+                    message("steps must be a contiguous int64 CPU tensor [steps, ", views * kViewInts, "], got ",
+                            steps.scalar_type(), " ", steps.sizes(), " on ", steps.device()));
 }
 
 at::Tensor view_of(const at::Tensor& t, const int64_t* view, int64_t dims) {
@@ -105,7 +105,8 @@ void check_running_result(const at::Tensor& q, const at::Tensor& out, const at::
   TORCH_CHECK_VALUE(q.is_cuda() && out.device() == q.device() && lse.device() == q.device(),
                     "q, out and lse must be on one CUDA device");
   TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type() && lse.scalar_type() == at::kFloat,
-                   "out must have q's dtype and lse float32, got ", out.scalar_type(), " and ", lse.scalar_type());
+                   message("out must have q's dtype and lse float32, got ", out.scalar_type(), " and ",
+                           lse.scalar_type()));
 }
 
 // A step's result `part` [segments, heads, members, D] where the step's packed `view` is all of a contiguous
@@ -250,8 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward_steps(
   return {grad_q, grad_k, grad_v};
 }
 
-// The merge kernel of cudnn_forward_steps on whole tensors, the one every path merges with: out, part_out [b, h, s, d], lse, part_lse [b, h, s]
-// (tests/test_merge.py pins it to dilated_attn.merge).
+// The merge kernel of cudnn_forward_steps on whole tensors, the one every path merges with: out, part_out
+// [b, h, s, d], lse, part_lse [b, h, s] (tests/test_merge.py pins it to dilated_attn.merge).
 void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                  const at::Tensor& part_lse) {
   TORCH_CHECK_VALUE(out.dim() == 4 && lse.dim() == 3 && part_out.sizes() == out.sizes() &&
@@ -272,8 +273,8 @@ void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& 
 void cudnn_accumulate(at::TensorList targets, at::TensorList parts, bool store) {
   const int count = static_cast<int>(targets.size());
   TORCH_CHECK_VALUE(count >= 1 && count <= 3 && parts.size() == targets.size(),
-                    "cudnn_accumulate takes 1 to 3 targets and as many parts, got ", targets.size(), " and ",
-                    parts.size());
+                    message("cudnn_accumulate takes 1 to 3 targets and as many parts, got ", targets.size(), " and ",
+                            parts.size()));
   const at::Tensor& first = targets[0];
   TORCH_CHECK_VALUE(first.is_cuda() && first.dim() == 4, "cudnn_accumulate's targets are 4-D CUDA tensors");
   const bool float_sums = first.scalar_type() == at::kFloat && parts[0].scalar_type() != at::kFloat;

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
+#include "../checks.h"
 #include "launch.h"
 
 namespace dilated_attn {
@@ -13,7 +14,7 @@ namespace cuda {
 inline ScalarKind scalar_kind(const at::Tensor& t) {
   const at::ScalarType st = t.scalar_type();
   TORCH_CHECK_TYPE(st == at::kHalf || st == at::kBFloat16 || st == at::kFloat,
-                   "the CUDA kernels take float16, bfloat16 or float32 q/k/v, got ", st);
+                   message("the CUDA kernels take float16, bfloat16 or float32 q/k/v, got ", st));
   return st == at::kHalf ? ScalarKind::kHalf : st == at::kBFloat16 ? ScalarKind::kBFloat16 : ScalarKind::kFloat;
 }
 
