@@ -579,3 +579,28 @@ def test_gpu_torch_compile_fullgraph(backend):
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     for a, b in zip(grads, torch.autograd.grad(out_eager, (q, k, v), grad_out)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_with_a_dynamic_sequence_length():
+    """A sequence length that changes between calls (which torch.compile then traces as dynamic) compiles without
+    graph breaks and gives eager's results, also where it clips a segment: the ops were handed the clipped segment
+    as a symbolic expression, and raised."""
+    why = dilated_attn.backends.get("cudnn").unavailable()
+    if why is not None:
+        pytest.skip(why)
+
+    def f(q, k, v):
+        return dilated_attn.dilated_attention(q, k, v, [256, 512], [1, 2], backend="cudnn")
+
+    compiled = torch.compile(f, fullgraph=True)
+    # the second length makes the compiler mark it dynamic; the third clips the segment of 512 (a guard on it)
+    for n in (1024, 1536, 384):
+        q, k, v = (torch.randn(1, n, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        out, out_eager = compiled(q, k, v), f(q, k, v)
+        torch.testing.assert_close(out, out_eager)
+        grad_out = torch.randn_like(out)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), grad_out),
+                        torch.autograd.grad(out_eager, (q, k, v), grad_out)):
+            torch.testing.assert_close(a, b)

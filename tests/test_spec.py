@@ -1,5 +1,6 @@
 """Every invalid input of the spec's Errors section raises ValueError/TypeError naming the argument."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -151,6 +152,24 @@ def test_messages_with_numbers_raise(devices):
         assert sum(text in x for x in lines) == len(devices), (text, lines)
     if "cuda" in devices:
         assert any("head_dim must be <= " in x and "got 1024" in x for x in lines), lines
+
+
+def test_op_branches_for_a_symbolic_length():
+    """Under torch.compile a sequence length marked dynamic is symbolic: a segment within it reaches the ops as its
+    int, one longer than it as the length itself, never as an expression such as Min(512, n)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    n = env.create_symintnode(env.create_symbol(384, ConstantSource("n")), hint=384)
+    p = dilated_attn.spec.Problem.from_sizes(1, 1024, 8, 8, 16, [256, 512, 4096], [1, 2, 8], dtype=torch.float32,
+                                             device=torch.device("cpu"))
+    w, r = p.op_branches(n)
+    assert w == [256, 384, 384] and r == [1, 2, 8]
+    assert type(w[0]) is int and w[1] is n and w[2] is n and all(type(x) is int for x in r), (w, r)
+    # a dilation the clipped segment caps is that length too
+    w, r = dataclasses.replace(p, dilation_rates=(1, 2, 4096)).op_branches(n)
+    assert r[:2] == [1, 2] and r[2] is n, r
 
 
 def test_heads_first_layout_is_warned_about():

@@ -176,6 +176,8 @@ def lse_gradient_backward_op(q, k, v, segment_lengths, dilation_rates, split_hea
     concrete = all(isinstance(n, int) for n in key[0] + key[1])  # not symbolic sizes of a traced graph
     name = _LSE_GRADIENT_BACKWARDS.get(key) if concrete else None
     if name is None:
+        # traced with a dynamic length, a branch it clips holds that symbolic length: specialized here (a guard)
+        segment_lengths, dilation_rates = ([int(x) for x in xs] for xs in (segment_lengths, dilation_rates))
         p = validate(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
                      head_groups="split" if split_heads else "all")
         if global_heads:

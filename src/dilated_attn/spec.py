@@ -149,8 +149,12 @@ class Problem:
         if seq_len is None:
             seq_len = self.max_seqlen if self.varlen else self.seq_len
         length = max(seq_len, 1)
-        w = [min(x, length) for x in self.segment_lengths]
-        return w, [min(r, max(s, self.global_heads or self.num_heads)) for s, r in zip(w, self.dilation_rates)]
+        # min(), except that under torch.compile, where a length marked dynamic is symbolic, a segment within it stays
+        # its int (a guard on the length) and only a clipped one is the length itself, never an expression of it
+        w = [x if x <= length else length for x in self.segment_lengths]
+        heads = self.global_heads or self.num_heads
+        caps = [s if s >= heads else heads for s in w]  # max(s, heads), as above
+        return w, [r if r <= cap else cap for r, cap in zip(self.dilation_rates, caps)]
 
     def op_arguments(self) -> dict:
         """The keyword arguments of the backends' ops after the tensors (segment_lengths, dilation_rates,
