@@ -193,7 +193,7 @@ set_lse_gradient_chooser(lse_gradient_backward_op)
 
 @trace_constant
 def _env_backend() -> str:
-    # read on every eager call; under torch.compile once, when traced (see dilated_attn.trace)
+    # read on every eager call; under torch.compile once, when traced (see dilated_attn.compile_hints)
     return os.environ.get(ENV_VAR, "")
 
 
