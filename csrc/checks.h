@@ -4,9 +4,9 @@
 // ValueError / TypeError.
 //
 // Messages with numbers, shapes, dtypes or devices are assembled as one string by message() before they reach
-// TORCH_CHECK. c10::str would stream the numbers through this library's std::ostream, and a compiler that links
-// libstdc++ into the extension statically (one configured so as CXX on a GPU host) leaves that stream's number
-// facets unset in a process whose libstdc++ is the shared one: formatting an int there segfaults instead of raising.
+// TORCH_CHECK. c10::str would stream the numbers through this library's std::ostream, and a toolchain that links
+// libstdc++ into the extension statically (a private GCC set as CXX can) leaves that stream's number facets unset
+// in a process whose libstdc++ is the shared one: formatting an int there segfaults instead of raising.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -80,10 +80,10 @@ inline std::vector<Branch> make_branch_table(at::IntArrayRef segment_lengths, at
     TORCH_CHECK_VALUE(dilation_rates[i] > 0, message("dilation_rates[", i, "] must be positive"));
     Branch br = make_branch(segment_lengths[i], dilation_rates[i], i, m, total, seq_len, split_heads);
     if (total != num_heads || head_start != 0) {
-      TORCH_CHECK_VALUE(localize_branch(br, head_start, num_heads), message("heads [", head_start, ", ",
-                        head_start + num_heads, ") of ", total, " cannot run as one problem: branch ", i,
-                        " gives runs of ", br.offset_div, " heads one offset, and the range starts inside a run "
-                        "and leaves it"));
+      TORCH_CHECK_VALUE(localize_branch(br, head_start, num_heads),
+                        message("heads [", head_start, ", ", head_start + num_heads, ") of ", total,
+                                " cannot run as one problem: branch ", i, " gives runs of ", br.offset_div,
+                                " heads one offset, and the range starts inside a run and leaves it"));
       if (br.head_hi <= br.head_lo) continue;
     }
     table.push_back(br);
