@@ -16,7 +16,8 @@
 #   ring: the multi-GPU tests, then ring_bench
 #   ring_bench: bench_ring.py in every mode with each rank's kernel-time profile (--profile ${RING_ARGS}) and its weak
 #         scaling (--tokens-per-gpu), on each GPU count of RING_GPUS (default "4 2") the machine has; then
-#         `python benchmarks/ring_model.py` on the JSON here (ring_4gpu.json ring_2gpu.json)
+#         `python benchmarks/ring_model.py` on the JSON here (ring_4gpu.json ring_2gpu.json); with RING_TRACE=1 each
+#         profiled call's host and GPU timeline too (--trace), every rank's, packed as ring_traces_<P>gpu.tgz
 #   tune: benchmarks/tune.py ${TUNE_ARGS} (the full sweep, merged into the source tree's tuned_configs.json when run
 #         with SKIP_BUILD=1 on a fresh machine, else into the installed package's; copied to $OUT either way)
 #   decode: benchmarks/bench_decode.py ${DECODE_ARGS} (KV-cache decoding against the copy bandwidth)
@@ -103,8 +104,12 @@ for stage in $stages; do
       gpus=$(nvidia-smi -L | wc -l)
       for p in ${RING_GPUS:-4 2}; do
         [ "$p" -le "$gpus" ] || continue
-        torchrun --standalone --nproc_per_node="$p" benchmarks/bench_ring.py --profile ${RING_ARGS:-} \
+        trace=${RING_TRACE:+--trace $OUT/ring_traces_${p}gpu}
+        torchrun --standalone --nproc_per_node="$p" benchmarks/bench_ring.py --profile $trace ${RING_ARGS:-} \
           --out "$OUT/ring_${p}gpu.json" 2>&1 | tee -a "$OUT/ring.log"
+        if [ -d "$OUT/ring_traces_${p}gpu" ]; then  # one file for the many traces (Chrome's JSON, compressed)
+          tar czf "$OUT/ring_traces_${p}gpu.tgz" -C "$OUT" "ring_traces_${p}gpu" && rm -rf "$OUT/ring_traces_${p}gpu"
+        fi
         torchrun --standalone --nproc_per_node="$p" benchmarks/bench_ring.py --tokens-per-gpu ${RING_ARGS:-} \
           --out "$OUT/ring_${p}gpu_weak.json" 2>&1 | tee -a "$OUT/ring.log"
       done
