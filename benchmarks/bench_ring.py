@@ -178,11 +178,11 @@ def _overlap(xs, ys) -> float:
 
 def gpu_time_breakdown(fn, trace: Optional[str] = None) -> dict:
     """Milliseconds of one call of fn by kind of kernel, from torch.profiler's timeline of this rank's GPU (with
-    `trace`, the host's too, written there as a Chrome trace)."""
+    `trace`, the host's too, its Python calls among them, written there as a Chrome trace)."""
     torch.cuda.synchronize()
     marker = torch.empty(1, device="cuda")
     activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, with_stack=trace is not None) as prof:
         marker.fill_(0)  # the call starts here (as TP's start event): the host's time before its first kernel shows
         fn()
         torch.cuda.synchronize()

@@ -622,6 +622,41 @@ def test_one_process_is_dilated_attention():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_a_repeated_call_is_planned_once(monkeypatch):
+    """ring_attention keeps a call's plan under everything the plan reads: the same call again is not validated and
+    planned again; a call that differs in any of those is, and one with invalid arguments still raises."""
+    import dilated_attn.ring as ring
+
+    planned = []
+    plan_call = ring.plan_call
+    monkeypatch.setattr(ring, "plan_call", lambda *a, **kw: planned.append(1) or plan_call(*a, **kw))
+    monkeypatch.setattr(ring, "_PLANS", {})
+    monkeypatch.delenv("DILATED_ATTN_BACKEND", raising=False)
+    q = torch.randn(1, 16, 2, 4, dtype=torch.float64)
+    leaf = q.clone().requires_grad_()
+
+    def count(x=q, w=(8,), r=(2,), **kw):
+        dilated_attn.ring_attention(x, x, x, w, r, **kw)
+        return len(planned)
+
+    count()  # loads the backends it runs: a finished load is part of the key (dispatch.state)
+    planned.clear()
+    ring._PLANS.clear()
+    assert count() == 1 and count() == 1
+    assert count(causal=True) == 2 and count(causal=True) == 2 and count() == 2
+    assert count(x=q[:, :8]) == 3  # another length
+    assert count(x=leaf) == 4  # records its backward
+    with torch.no_grad():
+        assert count(x=leaf) == 5
+    monkeypatch.setenv("DILATED_ATTN_BACKEND", "reference")  # what the dispatch reads
+    assert count() == 6 and count() == 6
+    assert count(w=torch.tensor([8])) == 7 and count(w=torch.tensor([8])) == 8  # not plain data: never kept
+    for _ in range(2):
+        with pytest.raises(ValueError, match="dilation_rates"):
+            count(r=(0,))
+    assert len(planned) == 10
+
+
 def test_shard_round_trip_single_process():
     x = torch.randn(2, 12, 3, 4)
     for layout in ("contiguous", "zigzag"):

@@ -26,6 +26,7 @@ from .backends import fa4 as fa4_backend
 from .backends import reference_backend
 from .backends import triton as triton_backend
 from .backends.autograd import set_lse_gradient_chooser
+from .backends.base import OnceLoader
 from .compile_hints import trace_constant, warn_once
 from .spec import BACKEND_NAMES, Problem, dtype_name, validate
 
@@ -189,6 +190,15 @@ def lse_gradient_backward_op(q, k, v, segment_lengths, dilation_rates, split_hea
 
 
 set_lse_gradient_chooser(lse_gradient_backward_op)
+
+
+def state() -> tuple:
+    """What decide() reads besides the problem and the backend argument, as far as it can change within a process:
+    the environment variables, torch's TF32 and determinism settings, and which backends have loaded. A decision
+    kept across calls (ring_attention's plans) holds while this stays the same."""
+    return (os.environ.get(ENV_VAR), os.environ.get("TRITON_INTERPRET"), os.environ.get("DILATED_ATTN_CUDA_TILES"),
+            torch.backends.cuda.matmul.allow_tf32, torch.are_deterministic_algorithms_enabled(),
+            OnceLoader.finished)
 
 
 @trace_constant

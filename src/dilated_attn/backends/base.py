@@ -19,6 +19,10 @@ class OnceLoader:
     remembered. Thread-safe: a second thread's first call waits until the first has finished (and the ops it
     registers exist)."""
 
+    # How many loads have finished in this process, of every backend: what can run changes only then, so that
+    # decisions kept across calls (dispatch.state) hold while it stays the same.
+    finished = 0
+
     def __init__(self, load: Callable[[], Optional[str]]):
         self._load = load
         self._lock = threading.Lock()
@@ -31,6 +35,7 @@ class OnceLoader:
                 if not self.done:
                     self.error = self._load()
                     self.done = True
+                    OnceLoader.finished += 1
         return self.error
 
 

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import dispatch
 from ..functional import Attention, dilated_attention, dilated_attention_varlen
 from ..spec import BACKEND_CHOICES, host_offsets
 from .autograd import RingAttention
@@ -68,27 +69,44 @@ def _post_config(group, q, fields: tuple[int, ...] | None, invalid: tuple[int, s
     origin, text = invalid if invalid is not None else (0, "")
     message = text.encode()[:_MESSAGE_BYTES]
     row = _HEADER.pack(int(invalid is not None), origin, *(fields or (0,) * len(_FIELDS)), len(message))
-    mine = torch.frombuffer(bytearray(row + message.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.uint8)
-    # from pinned memory, so that the copy waits for no kernel queued before it on this stream
-    mine = mine.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else mine
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    table = torch.stack(every)
-    if table.is_cuda:
+    row += message.ljust(_MESSAGE_BYTES, b"\0")
+    valid = row if invalid is None else None
+    mine = _to_device(row, dev) if valid is None else _descriptor(row, dev)
+    if dev.type == "cuda":
+        table = torch.empty((dist.get_world_size(group), mine.numel()), dtype=mine.dtype, device=dev)
+        dist.all_gather_into_tensor(table, mine, group=group)
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
         host.copy_(table, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(dev))
 
         def read():
             copied.synchronize()
-            return _read_config(host)
+            return _read_config(host, valid)
         return read
-    return functools.partial(_read_config, table)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return functools.partial(_read_config, torch.stack(every), valid)
 
 
-def _read_config(table: torch.Tensor):
-    """_post_config's result from the gathered rows (on the host)."""
+def _to_device(row: bytes, dev: torch.device) -> torch.Tensor:
+    """A descriptor row as a uint8 tensor on `dev`: on a GPU copied from pinned memory, so that the copy waits for no
+    kernel queued before it on this stream."""
+    mine = torch.frombuffer(bytearray(row), dtype=torch.uint8)
+    return mine.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else mine
+
+
+@functools.lru_cache(maxsize=64)
+def _descriptor(row: bytes, dev: torch.device) -> torch.Tensor:
+    """_to_device of a valid call's row, kept (it is the same on each call of one configuration, and read only)."""
+    return _to_device(row, dev)
+
+
+def _read_config(table: torch.Tensor, valid: Optional[bytes] = None):
+    """_post_config's result from the gathered rows (on the host). `valid`: this rank's row where its arguments are
+    valid; where every rank sent that row, the call goes ahead without the rows being decoded."""
+    if valid is not None and table.numpy().tobytes() == valid * table.shape[0]:
+        return None
     headers = [_HEADER.unpack(bytes(h)) for h in table[:, :_HEADER.size].tolist()]
     carried = sorted({(h[1], j) for j, h in enumerate(headers) if h[0]})
     if carried:
@@ -137,6 +155,49 @@ def _deferred_check(groups, q, fields) -> Callable[[], None]:
     """_check_same_config of valid arguments as a call: the first group's gather is posted now (on the current
     stream) and read by the call, so that work which needs no peer can be queued in between."""
     return functools.partial(_check_same_config, groups, q, fields, None, _post_config(groups.all[0], q, fields, None))
+
+
+def _config_fields(call, q, segment_lengths, causal, layout, head_groups, backend, cu_seqlens) -> tuple[int, ...]:
+    """The fields of a valid call's descriptor (_FIELDS)."""
+    # every rank's branches, and offsets where the sequences are packed, must agree
+    agreed = (("dense",) if segment_lengths is None else call.branches,
+              host_offsets(cu_seqlens) if cu_seqlens is not None else None)
+    digest = zlib.crc32(repr(agreed).encode())
+    scale_bits = struct.unpack("<q", struct.pack("<d", call.problem.scale))[0]
+    p = call.problem
+    return (
+        p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
+        ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(causal),
+        _CODES["layout"][layout], _CODES["head_groups"][head_groups], _CODES["backend"][backend], scale_bits,
+        digest, _CODES["mode"][call.mode])
+
+
+# A model calls ring_attention with the same sizes and arguments in every layer and step. Such a call is validated and
+# planned once: its plan (plan_call) and its descriptor's fields are kept under _plan_key, which holds everything they
+# read, so that the host, which the GPU waits for before the first exchange, spends no time on them again.
+_PLANS: dict = {}
+_PLANS_KEPT = 64
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plan_key(groups, q, k, v, segment_lengths, dilation_rates, options: dict) -> Optional[tuple]:
+    """The key of a call's kept plan, or None where some argument is not plain data (an int subclass, a tensor of
+    lengths, a tensor subclass, a call being compiled): such a call is planned afresh."""
+    if torch.compiler.is_compiling():
+        return None
+    tensors = []
+    for x in (q, k, v):
+        if type(x) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+        tensors.append((x.shape, x.dtype, x.device, x.requires_grad))
+    branches = []
+    for xs in (segment_lengths, dilation_rates):
+        if xs is not None and not (isinstance(xs, (list, tuple)) and all(type(x) is int for x in xs)):
+            return None
+        branches.append(None if xs is None else tuple(xs))
+    if not all(type(x) in _PLAIN for x in options.values()):
+        return None
+    return (groups, *tensors, *branches, *options.values(), torch.is_grad_enabled(), dispatch.state())
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
@@ -214,15 +275,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     """
     groups = resolve_groups(group, mode)  # raises alone: without valid groups there are no peers to tell
     P = groups.size
-    try:
-        call = plan_call(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
-                         head_groups=head_groups, layout=layout, return_lse=return_lse, backend=backend, mode=mode,
-                         groups=groups, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    except (ValueError, TypeError) as exc:
-        if P == 1:
-            raise
-        _check_same_config(groups, q, None, exc)  # raises on every rank
-        raise AssertionError("unreachable") from exc
+    options = dict(causal=causal, scale=scale, head_groups=head_groups, layout=layout, return_lse=return_lse,
+                   backend=backend, mode=mode)
+    key = _plan_key(groups, q, k, v, segment_lengths, dilation_rates, options) if cu_seqlens is None else None
+    planned = _PLANS.get(key) if key is not None else None
+    if planned is not None:
+        call, fields = planned
+    else:
+        try:
+            call = plan_call(q, k, v, segment_lengths, dilation_rates, **options, groups=groups,
+                             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        except (ValueError, TypeError) as exc:
+            if P == 1:
+                raise
+            _check_same_config(groups, q, None, exc)  # raises on every rank
+            raise AssertionError("unreachable") from exc
+        fields = None if P == 1 else _config_fields(call, q, segment_lengths, causal, layout, head_groups, backend,
+                                                    cu_seqlens)
+        if key is not None:  # kept under the state after the plan, which may have loaded a backend
+            if len(_PLANS) >= _PLANS_KEPT:
+                del _PLANS[next(iter(_PLANS))]
+            _PLANS[_plan_key(groups, q, k, v, segment_lengths, dilation_rates, options)] = call, fields
     packed = cu_seqlens is not None
     if P == 1:
         if packed:
@@ -231,24 +304,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
                                             backend=backend)
         return dilated_attention(q, k, v, *call.branches, causal=causal, scale=scale, head_groups=head_groups,
                                  return_lse=return_lse, backend=backend)
-    # every rank's branches, and offsets where the sequences are packed, must agree
-    agreed = (("dense",) if segment_lengths is None else call.branches, host_offsets(cu_seqlens) if packed else None)
-    digest = zlib.crc32(repr(agreed).encode())
-    scale_bits = struct.unpack("<q", struct.pack("<d", call.problem.scale))[0]
-    p = call.problem
-    fields = (
-        p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
-        ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(causal),
-        _CODES["layout"][layout], _CODES["head_groups"][head_groups], _CODES["backend"][backend], scale_bits,
-        digest, _CODES["mode"][call.mode])
     if call.mode == "ring":  # checked before its first transfer, after its local branches are queued
         out, lse = RingAttention.apply(q, k, v, call.ring, functools.partial(_deferred_check, groups, q, fields))
         return (out, lse) if return_lse else out
     # read after the copies into the first exchange's send buffer are queued
     check = _deferred_check(groups, q, fields)
     if packed:  # the shards [L, H, D] as the heads mode's [1, L, H, D]
-        out, lse = HeadParallelFunction.apply(q[None], k[None], v[None], call.head_parallel, check)
-        out, lse = out[0], lse[0]
+        out, lse = HeadParallelFunction.apply(q[None], k[None], v[None], call.head_parallel, check, return_lse)
+        out, lse = out[0], lse if lse is None else lse[0]
     else:
-        out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel, check)
+        out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel, check, return_lse)
     return (out, lse) if return_lse else out

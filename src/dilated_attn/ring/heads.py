@@ -220,13 +220,14 @@ class HeadParallelAttention:
     attend: Callable
     attend_backward: Callable
 
-    def forward(self, q, k, v, check: Optional[Callable[[], None]] = None):
-        """(out [B, L, Hq, D], lse [B, Hq, L], what the backward keeps). `check()`: ring_attention's configuration
-        check, read before the first transfer."""
+    def forward(self, q, k, v, check: Optional[Callable[[], None]] = None, with_lse: bool = True):
+        """(out [B, L, Hq, D], lse [B, Hq, L] or None without `with_lse`, what the backward keeps). `check()`:
+        ring_attention's configuration check, read before the first transfer. The backward needs only what it keeps
+        (each head group's LSE at every position), so the LSE travels back only where the caller returns it."""
         share, group = self.share, self.group
         B, L, H, D = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty((B, H, L), dtype=lse_dtype(q.dtype), device=q.device)
+        lse = torch.empty((B, H, L), dtype=lse_dtype(q.dtype), device=q.device) if with_lse else None
         groups = share.groups
 
         def post(g):
@@ -251,12 +252,13 @@ class HeadParallelAttention:
                 pending = post(g + 1)
             o_h, l_h, keep = self.attend(g, q_h, k_h, v_h)
             kept.append(keep)
-            returning.append((qs, to_positions([o_h], share, group), to_positions([_lse_rows(l_h)], share, group)))
+            returning.append((qs, to_positions([o_h], share, group),
+                              to_positions([_lse_rows(l_h)], share, group) if with_lse else None))
         out_heads = out.view(B, L, share.P, share.hq, D)
-        lse_heads = lse.view(B, share.P, share.hq, L)
         for qs, outs, lses in returning:
             _copy(out_heads[:, :, :, qs], outs.wait()[0].permute(1, 2, 0, 3, 4))
-            lse_heads[:, :, qs] = lses.wait()[0][..., 0].permute(1, 0, 3, 2)
+            if lses is not None:
+                lse.view(B, share.P, share.hq, L)[:, :, qs] = lses.wait()[0][..., 0].permute(1, 0, 3, 2)
         return out, lse, kept
 
     def backward(self, kept, d_out, d_lse, q, k, v):
@@ -317,8 +319,9 @@ class HeadParallelAttention:
 
 class HeadParallelFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attention: HeadParallelAttention, check: Optional[Callable[[], None]] = None):
-        out, lse, kept = attention.forward(q, k, v, check)
+    def forward(ctx, q, k, v, attention: HeadParallelAttention, check: Optional[Callable[[], None]] = None,
+                with_lse: bool = True):
+        out, lse, kept = attention.forward(q, k, v, check, with_lse)
         ctx.save_for_backward(q, k, v)
         ctx.attention, ctx.kept = attention, kept
         ctx.set_materialize_grads(False)
@@ -328,4 +331,4 @@ class HeadParallelFunction(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         q, k, v = ctx.saved_tensors
         kept, ctx.kept = ctx.kept, None
-        return (*ctx.attention.backward(kept, d_out, d_lse, q, k, v), None, None)
+        return (*ctx.attention.backward(kept, d_out, d_lse, q, k, v), None, None, None)
