@@ -654,7 +654,9 @@ def test_a_repeated_call_is_planned_once(monkeypatch):
     for _ in range(2):
         with pytest.raises(ValueError, match="dilation_rates"):
             count(r=(0,))
-    assert len(planned) == 10
+    with pytest.raises(TypeError, match="causal must be a bool"):  # equal to causal=True as a value, not valid
+        count(causal=1)
+    assert len(planned) == 11
 
 
 def test_shard_round_trip_single_process():

@@ -197,7 +197,9 @@ def _plan_key(groups, q, k, v, segment_lengths, dilation_rates, options: dict) -
         branches.append(None if xs is None else tuple(xs))
     if not all(type(x) in _PLAIN for x in options.values()):
         return None
-    return (groups, *tensors, *branches, *options.values(), torch.is_grad_enabled(), dispatch.state())
+    # with the types: causal=1 equals causal=True as a key, but only the bool is valid
+    arguments = tuple((type(x), x) for x in options.values())
+    return (groups, *tensors, *branches, arguments, torch.is_grad_enabled(), dispatch.state())
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
