@@ -657,6 +657,10 @@ def test_a_repeated_call_is_planned_once(monkeypatch):
     with pytest.raises(TypeError, match="causal must be a bool"):  # equal to causal=True as a value, not valid
         count(causal=1)
     assert len(planned) == 11
+    monkeypatch.setattr(ring, "_PLANS_KEPT", 2)  # a bounded number kept: more configurations start afresh
+    for length in (4, 8, 12, 16):
+        count(x=q[:, :length])
+        assert len(ring._PLANS) <= 2
 
 
 def test_shard_round_trip_single_process():

@@ -295,8 +295,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
         fields = None if P == 1 else _config_fields(call, q, segment_lengths, causal, layout, head_groups, backend,
                                                     cu_seqlens)
         if key is not None:  # kept under the state after the plan, which may have loaded a backend
-            if len(_PLANS) >= _PLANS_KEPT:
-                del _PLANS[next(iter(_PLANS))]
+            if len(_PLANS) >= _PLANS_KEPT:  # calls of ever new sizes: start afresh (no iteration a thread could upset)
+                _PLANS.clear()
             _PLANS[_plan_key(groups, q, k, v, segment_lengths, dilation_rates, options)] = call, fields
     packed = cu_seqlens is not None
     if P == 1:
