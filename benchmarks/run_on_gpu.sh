@@ -130,8 +130,9 @@ for stage in $stages; do
       for round in $(seq "${RING_AB_ROUNDS:-2}"); do
         for side in A B; do
           tree=$([ $side = A ] && echo "$PWD/$RING_AB_TREE/src")
-          PYTHONPATH=${tree:-${PYTHONPATH:-}} torchrun --standalone --nproc_per_node="${gpus%% *}" benchmarks/bench_ring.py ${RING_ARGS:-} \
-            --out "$OUT/ring_ab_${side}${round}.json" 2>&1 | sed "s/^/$side$round /" | tee -a "$OUT/ring.log"
+          PYTHONPATH=${tree:-${PYTHONPATH:-}} torchrun --standalone --nproc_per_node="${gpus%% *}" \
+            benchmarks/bench_ring.py ${RING_ARGS:-} --out "$OUT/ring_ab_${side}${round}.json" 2>&1 \
+            | sed "s/^/$side$round /" | tee -a "$OUT/ring.log"
         done
       done ;;
     main)
