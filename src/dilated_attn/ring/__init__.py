@@ -157,8 +157,8 @@ def _deferred_check(groups, q, fields) -> Callable[[], None]:
     return functools.partial(_check_same_config, groups, q, fields, None, _post_config(groups.all[0], q, fields, None))
 
 
-def _config_fields(call, q, segment_lengths, causal, layout, head_groups, backend, cu_seqlens) -> tuple[int, ...]:
-    """The fields of a valid call's descriptor (_FIELDS)."""
+def _config_fields(call, q, segment_lengths, options: dict, cu_seqlens) -> tuple[int, ...]:
+    """The fields of a valid call's descriptor (_FIELDS); `options`: ring_attention's keyword arguments."""
     # every rank's branches, and offsets where the sequences are packed, must agree
     agreed = (("dense",) if segment_lengths is None else call.branches,
               host_offsets(cu_seqlens) if cu_seqlens is not None else None)
@@ -167,9 +167,9 @@ def _config_fields(call, q, segment_lengths, causal, layout, head_groups, backen
     p = call.problem
     return (
         p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
-        ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(causal),
-        _CODES["layout"][layout], _CODES["head_groups"][head_groups], _CODES["backend"][backend], scale_bits,
-        digest, _CODES["mode"][call.mode])
+        ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(options["causal"]),
+        _CODES["layout"][options["layout"]], _CODES["head_groups"][options["head_groups"]],
+        _CODES["backend"][options["backend"]], scale_bits, digest, _CODES["mode"][call.mode])
 
 
 # A model calls ring_attention with the same sizes and arguments in every layer and step. Such a call is validated and
@@ -292,8 +292,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
                 raise
             _check_same_config(groups, q, None, exc)  # raises on every rank
             raise AssertionError("unreachable") from exc
-        fields = None if P == 1 else _config_fields(call, q, segment_lengths, causal, layout, head_groups, backend,
-                                                    cu_seqlens)
+        fields = None if P == 1 else _config_fields(call, q, segment_lengths, options, cu_seqlens)
         if key is not None:  # kept under the state after the plan, which may have loaded a backend
             if len(_PLANS) >= _PLANS_KEPT:  # calls of ever new sizes: start afresh (no iteration a thread could upset)
                 _PLANS.clear()
