@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 import dilated_attn
 from dilated_attn.ring import ring_plan
+from dilated_attn.ring.plan import segment_ranges
 
 # float64 on both sides: only summation order differs (merges, blocks), a few ulps of values of order 1.
 TOL_F64 = 1e-10
@@ -461,14 +462,15 @@ def _compare_packed(case, rank):
     q, k, v, go, gl = _global_inputs(dict(shape=(1, T, Hq, Hkv, D), seed=case["seed"]), torch.float64, "cpu")
     q, k, v, go, gl = q[0], k[0], v[0], go[0], gl[0]
     cu = torch.tensor([0, *__import__("itertools").accumulate(lengths)], dtype=torch.int32)
-    kw = dict(causal=case.get("causal", False), return_lse=True)
+    kw = dict(causal=case.get("causal", False), head_groups=case.get("head_groups", "all"), return_lse=True)
     layout = case.get("layout", "contiguous")
 
     def run(q, k, v, go, gl, ring):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         if ring:
+            group = _mesh_pair(case["inner"]) if case.get("mode") == "2d" else None
             out, lse = dilated_attn.ring_attention(*leaves, case["w"], case["r"], cu_seqlens=cu, layout=layout,
-                                                   mode=case.get("mode", "auto"), **kw)
+                                                   mode=case.get("mode", "auto"), group=group, **kw)
         else:
             out, lse = dilated_attn.dilated_attention_varlen(*leaves, cu, case["w"], case["r"], backend="cpu", **kw)
         torch.autograd.backward((out, lse), (go, torch.where(torch.isfinite(lse), gl, 0)))
@@ -479,7 +481,13 @@ def _compare_packed(case, rank):
 
     got = run(*(mine(x) for x in (q, k, v, go)), mine(gl, 1), ring=True)
     want = run(q, k, v, go, gl, ring=False)
-    return _errors(got, [mine(b, dim) for b, dim in zip(want, (0, 1, 0, 0, 0))])
+    errors = _errors(got, [mine(b, dim) for b, dim in zip(want, (0, 1, 0, 0, 0))])
+    ran = dilated_attn.explain_ring(*(mine(x) for x in (q, k, v)), case["w"], case["r"], cu_seqlens=cu,
+                                    layout=layout, mode=case.get("mode", "auto"),
+                                    group=_mesh_pair(case["inner"]) if case.get("mode") == "2d" else None, **kw).mode
+    if ran != case.get("ran", case.get("mode", "heads")):
+        errors["mode"] = ran
+    return errors
 
 
 def _packed_cases(P: int) -> list:
@@ -493,6 +501,9 @@ def _packed_cases(P: int) -> list:
         dict(name="pack MQA, one sequence", pack=([P * L], 2 * P, 1, 2), w=[3, 2 * L], r=[2, 5], causal=True),
         dict(name="pack of short sequences", pack=([3] * (P * L // 3) + [P * L % 3], 2 * P, 2 * P, 2), w=[2, 64],
              r=[1, 4]),
+        # the heads mode runs head_groups "all" only: auto takes this one to the ring
+        dict(name="pack split heads causal zigzag", pack=([7, L + 3, P * L - L - 10], 6, 3, 2), w=[4, 9, 32],
+             r=[1, 2, 3], causal=True, layout="zigzag", head_groups="split", ran="ring"),
     ]
     for c in cases:
         c["seed"] = zlib.crc32(c["name"].encode())
@@ -527,17 +538,15 @@ def test_head_parallel_modes_match_dilated_attention_gloo(world, tmp_path):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_sequences_match_dilated_attention_varlen_gloo(world, tmp_path):
-    """ring_attention on the shards of a pack (cu_seqlens; the heads mode) equals dilated_attention_varlen on the
-    whole pack: out, LSE and gradients, sequences crossing ranks. On 2 ranks also: mode 'ring' is refused on every
-    rank, naming the rule; and (one process) the shards must be 3-D."""
+    """ring_attention on the shards of a pack (cu_seqlens) equals dilated_attention_varlen on the whole pack: out, LSE
+    and gradients, sequences crossing ranks, in every mode: auto (the heads mode), ring, and on 4 ranks 2d (2 x 2).
+    Also (one process) the shards must be 3-D."""
     cases = _packed_cases(world)
-    refused = [dict(cases[0], mode="ring")] if world == 2 else []
-    results = _spawn(world, "gloo", "compare_packed", cases + refused, tmp_path)
-    _check([per_rank[:len(cases)] for per_rank in results], cases)
-    for per_rank in results:
-        for res in per_rank[len(cases):]:
-            assert res["exception"] == "ValueError"
-            assert "packed sequences (cu_seqlens) run in mode='heads', not mode='ring'" in res["message"]
+    cases += [dict(c, mode="ring", name=f"{c['name']} [ring]") for c in cases if c.get("ran") != "ring"]
+    if world == 4:
+        cases += [dict(c, mode="2d", inner=2, name=f"{c['name']} [2d]") for c in _packed_cases(world)
+                  if c["pack"][1] % 2 == 0 and c.get("head_groups") != "split"]
+    _check(_spawn(world, "gloo", "compare_packed", cases, tmp_path), cases)
     q = torch.randn(8, 2, 4)
     with pytest.raises(ValueError, match="must be 3-D \\[total_tokens, heads, head_dim\\]"):
         dilated_attn.ring_attention(q[None], q[None], q[None], [4], [1], cu_seqlens=torch.tensor([0, 3, 8]))
@@ -769,6 +778,22 @@ def test_traffic_is_what_the_branches_select():
     # GQA: kv heads travel once, not once per query head
     gqa = ring_plan(2, L, 8, 2, (2 * L,), (1,), "all", False, "contiguous")
     assert gqa.bytes_sent(0, B, D, item) == 2 * B * L * 2 * D * item
+
+
+def test_packed_plan_runs_each_sequence_in_place():
+    """With packed sequences every segment is a range of its sequence (segment_ranges). A sequence that lies within a
+    rank's shard moves nothing; a rank's own segments of one stack run as one task (seg_len), each segment its own
+    block; and a sequence that crosses ranks sends exactly its members."""
+    assert segment_ranges(4, 20, (0, 5, 5, 17, 20)) == [(0, 4), (4, 5), (5, 9), (9, 13), (13, 17), (17, 20)]
+    B, L, H, D, item = 1, 64, 4, 8, 2
+    inside = ring_plan(2, L, H, H, (16,), (1,), "all", False, "contiguous", offsets=(0, 40, 64, 128))
+    assert inside.local_branches == [] and inside.bytes_sent(0, B, D, item) == inside.bytes_sent(1, B, D, item) == 0
+    # rank 0: rows 0-39 as segments of 16, 16, 8 and rows 40-63 as 16, 8: two runs; rank 1 one run of four
+    assert [(t.q_start, t.q_stop, t.seg_len) for t in inside.tasks[0][0]] == [(0, 40, 16), (40, 64, 16)]
+    assert [(t.q_start, t.q_stop, t.seg_len) for t in inside.tasks[1][1]] == [(0, 64, 16)]
+    # one sequence of 2L - 8 rows from row 8, the branch (2L, 2): rank 1 reads rank 0's members of rows 8-63
+    crossing = ring_plan(2, L, H, H, (2 * L,), (2,), "all", False, "contiguous", offsets=(0, 8, 2 * L))
+    assert crossing.bytes_sent(0, B, D, item) == 2 * B * (L - 8) // 2 * H * D * item
 
 
 def _compare_gpu(case, rank):

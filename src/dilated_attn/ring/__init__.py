@@ -244,7 +244,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
             `[L, Hq, D]` (k, v `[L, Hkv, D]`) of a pack of `N = P * L`
             rows, `cu_seqlens` the pack's offsets `[S + 1]` (the same on
             every rank, on q's device); a sequence may cross ranks, and no
-            key is shared between sequences. They run in mode "heads".
+            key is shared between sequences. Every mode runs them; "auto"
+            takes them to "heads" where it can run.
 
     Returns:
         out `[B, L, Hq, D]`, and with `return_lse=True` the LSE `[B, Hq, L]`
@@ -305,14 +306,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
                                             backend=backend)
         return dilated_attention(q, k, v, *call.branches, causal=causal, scale=scale, head_groups=head_groups,
                                  return_lse=return_lse, backend=backend)
+    if packed:  # the shards [L, H, D] as a batch of one
+        q, k, v = q[None], k[None], v[None]
     if call.mode == "ring":  # checked before its first transfer, after its local branches are queued
         out, lse = RingAttention.apply(q, k, v, call.ring, functools.partial(_deferred_check, groups, q, fields))
-        return (out, lse) if return_lse else out
-    # read after the copies into the first exchange's send buffer are queued
-    check = _deferred_check(groups, q, fields)
-    if packed:  # the shards [L, H, D] as the heads mode's [1, L, H, D]
-        out, lse = HeadParallelFunction.apply(q[None], k[None], v[None], call.head_parallel, check, return_lse)
+    else:  # checked after the copies into the first exchange's send buffer are queued
+        out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel, _deferred_check(groups, q, fields),
+                                              return_lse)
+    if packed:
         out, lse = out[0], lse if lse is None else lse[0]
-    else:
-        out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel, check, return_lse)
     return (out, lse) if return_lse else out

@@ -167,7 +167,7 @@ def joined_blocks(plan: RingPlan, rank: int) -> dict[int, JoinedBlock]:
             src = (rank - t) % plan.P
             rows = own if t == 0 else sum(b - a for a, b in plan.needed[rank][src][s])
             full += [(t, task) for task in plan.tasks[rank][src] if task.stack == s and not task.causal
-                     and (task.kv_start, task.kv_stop) == (0, rows)]
+                     and not task.seg_len and (task.kv_start, task.kv_stop) == (0, rows)]
         tasks = [task for per_src in plan.tasks[rank] for task in per_src if task.stack == s]
         q_ranges = {(task.q_start, task.q_stop) for _, task in full}
         steps = [t for t, _ in full]
@@ -333,7 +333,7 @@ def ring_forward(q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Cal
                 continue
             s, qs, ks = _task_slices(task)
             block_forward(ops, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
-                          acc[s][0][:, qs], acc[s][1][:, :, qs])
+                          acc[s][0][:, qs], acc[s][1][:, :, qs], task.seg_len)
     for s, j in joined.items():
         block_forward(ops, qc[s][:, j.q], buffers[s][0], buffers[s][1], False, scale, acc[s][0][:, j.q],
                       acc[s][1][:, :, j.q])
@@ -410,7 +410,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: E
             s, qs, ks = _task_slices(task)
             block_backward(ops, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
                            lc[s][:, :, qs], doc[s][:, qs], None if dlc[s] is None else dlc[s][:, :, qs],
-                           task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks])
+                           task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks], task.seg_len)
         if eager:
             held[t] = (gk, gv, grads)
         elif t > 0:

@@ -83,8 +83,12 @@ def _dense(n: int, causal: bool, scale: float) -> dict:
     return dict(segment_lengths=[n], dilation_rates=[1], split_heads=False, causal=causal, scale=scale)
 
 
-def block_forward(ops: BlockOps, q, k, v, causal, scale, acc_out, acc_lse) -> None:
-    """Merge the attention of q [B, nq, H, D] over k, v [B, nk, Hk, D] (one dense block) into acc_out/acc_lse."""
+def block_forward(ops: BlockOps, q, k, v, causal, scale, acc_out, acc_lse, seg_len: int = 0) -> None:
+    """Merge the attention of q [B, nq, H, D] over k, v [B, nk, Hk, D] (one dense block; with `seg_len`, the
+    consecutive square blocks of that many rows: plan.BlockTask) into acc_out/acc_lse."""
+    if seg_len:
+        merge_block(acc_out, acc_lse, *ops.forward(q, k, v, **_dense(seg_len, causal, scale)))
+        return
     if _one_call(ops, causal, q.shape[1], k.shape[1]):
         merge_block(acc_out, acc_lse, *ops.dense[0](q, k, v, scale))
         return
@@ -98,9 +102,14 @@ def block_forward(ops: BlockOps, q, k, v, causal, scale, acc_out, acc_lse) -> No
         merge_block(acc_out[:, q0:q1], acc_lse[:, :, q0:q1], out[:, : q1 - q0], lse[:, :, : q1 - q0])
 
 
-def block_backward(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, causal, scale, dq, dk, dv) -> None:
+def block_backward(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, causal, scale, dq, dk, dv,
+                   seg_len: int = 0) -> None:
     """Add one block's exact gradients (merged out/LSE of its query rows, and the LSE's gradient d_lse, or None
-    where it has none) into dq, dk, dv (accumulators)."""
+    where it has none; `seg_len` as block_forward's) into dq, dk, dv (accumulators)."""
+    if seg_len:
+        grads = ops.backward(d_out, d_lse, q, k, v, out, lse, **_dense(seg_len, causal, scale))
+        accumulate([dq, dk, dv], list(grads))
+        return
     if d_lse is None and _one_call(ops, causal, q.shape[1], k.shape[1]):
         accumulate([dq, dk, dv], list(ops.dense[1](d_out, q, k, v, out, lse, scale)))
         return

@@ -8,8 +8,10 @@
     auto    2d for a mesh or a pair; else whichever of ring and heads sends fewer bytes per rank (heads only where
             it can run).
 
-Packed sequences (`cu_seqlens`) run in the heads mode: each rank's share of the heads holds the whole pack, on
-which the single-device backends run dilated_attention_varlen's packed kernels.
+Packed sequences (`cu_seqlens`) run in every mode. In the heads mode each rank's share of the heads holds the whole
+pack, on which the single-device backends run dilated_attention_varlen's packed kernels; in the ring (and the 2-D
+mode's ring) each sequence's segments are ranges of the pack (plan.segment_ranges). "auto" takes packs to the heads
+mode where it can run (benchmarks/README.md, "Ring attention": packs), else to the ring.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Optional
 import torch
 
 from .. import backends, dispatch
-from ..spec import Problem, check_cu_seqlens, check_packed_tensors, validate
+from ..spec import Problem, check_cu_seqlens, check_packed_tensors, host_offsets, validate
 from .autograd import RingConfig, ring_backward, ring_forward
 from .heads import HeadParallelAttention, HeadShare, head_share
 from .layout import MODES, Groups, check_layout, resolve_groups
@@ -97,35 +99,22 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     if layout == "zigzag" and L % 2:
         raise ValueError(f"layout='zigzag' needs the global length N = P*L divisible by 2P, i.e. an even local "
                          f"length L, got L={L} on {P} ranks")
-    packed = None
+    packed, offsets = None, None
     if cu_seqlens is not None:
         packed = (cu_seqlens, check_cu_seqlens(cu_seqlens, N, q.device, max_seqlen))
+        offsets = tuple(host_offsets(cu_seqlens))
     if P == 1:
         return RingCall("ring", "one rank: dilated_attention" + ("_varlen" if packed else ""), p, (w, r))
     gw, gr = (tuple(x) for x in p.op_branches(N))  # bounded by the global sequence (the plan's ints stay small)
     Hq, Hkv = p.num_heads, p.num_kv_heads
-    if packed is not None:
-        if groups.two_d:
-            raise ValueError("packed sequences (cu_seqlens) run in mode='heads' on one process group, not on a 2-D "
-                             "group")
-        if mode not in ("auto", "heads"):
-            raise ValueError(f"packed sequences (cu_seqlens) run in mode='heads', not mode={mode!r}")
-        try:
-            share = heads_share(p, N, P, groups.rank, layout)
-        except ValueError as exc:
-            raise ValueError(f"packed sequences (cu_seqlens) run in mode='heads', which cannot run here: {exc}") \
-                from None
-        attention, chosen = _heads(p, share, groups.all[0], N, gw, gr, backend, packed)
-        return RingCall("heads", "packed sequences run in the heads mode", p, (gw, gr), chosen,
-                        head_parallel=attention)
     if groups.two_d:
         (inner, outer), (ri, ro), (Pi, Po) = groups.all, groups.ranks, groups.sizes
         share = heads_share(p, N, Pi, ri, layout)
-        attention, chosen = _two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout, backend)
+        attention, chosen = _two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout, backend, offsets)
         return RingCall("2d", f"a 2-D group: heads across the inner {Pi} ranks, ring across the outer {Po}", p,
                         (gw, gr), chosen, head_parallel=attention)
     group, rank = groups.all[0], groups.rank
-    plan = ring_plan(P, L, Hq, Hkv, gw, gr, head_groups, causal, layout)
+    plan = ring_plan(P, L, Hq, Hkv, gw, gr, head_groups, causal, layout, offsets=offsets)
     ring_bytes = max(plan.bytes_sent(j, p.batch, p.head_dim, p.dtype.itemsize) for j in range(P))
     share, why_not = None, None
     if mode in ("auto", "heads"):
@@ -138,13 +127,16 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     sent = {"ring": ring_bytes}
     if share is not None:
         sent["heads"] = _heads_bytes(p, share)
-    if mode == "ring" or (mode == "auto" and (share is None or sent["heads"] >= ring_bytes)):
+    # packs: heads wherever it runs (it runs the packed kernels whole; the ring runs a block per segment)
+    heads_wins = share is not None and (packed is not None or sent["heads"] < ring_bytes)
+    if mode == "ring" or (mode == "auto" and not heads_wins):
         reason = ("asked for" if mode == "ring" else
                   f"heads cannot run ({why_not})" if share is None else "it sends fewer bytes than heads")
         cfg = _ring_config(p, plan, rank, group, gw, gr, head_groups, backend)
         return RingCall("ring", reason, p, (gw, gr), cfg.backend, sent, ring=cfg)
-    reason = "asked for" if mode == "heads" else "it sends fewer bytes than ring"
-    attention, chosen = _heads(p, share, group, N, gw, gr, backend)
+    reason = ("asked for" if mode == "heads" else "packed sequences run whole in the heads mode" if packed
+              else "it sends fewer bytes than ring")
+    attention, chosen = _heads(p, share, group, N, gw, gr, backend, packed)
     return RingCall("heads", reason, p, (gw, gr), chosen, sent, head_parallel=attention)
 
 
@@ -229,13 +221,14 @@ def _packed_heads(p: Problem, share: HeadShare, group, problems: list[Problem], 
 
 
 def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int, L_outer: int, gw, gr, layout: str,
-           backend: str) -> tuple[HeadParallelAttention, str]:
-    """The 2-D mode: each head group's gathered [B, Pi*L, h, D] tensors are one shard of a ring across `outer`."""
+           backend: str, offsets=None) -> tuple[HeadParallelAttention, str]:
+    """The 2-D mode: each head group's gathered [B, Pi*L, h, D] tensors are one shard of a ring across `outer`
+    (`offsets`: a pack's cu_seqlens, for the ring's plan)."""
     configs = []
     for g, (qs, ks) in enumerate(share.groups):
         h0 = share.head_start + qs.start
         n_q, n_kv = qs.stop - qs.start, ks.stop - ks.start
-        plan = ring_plan(Po, L_outer, n_q, n_kv, gw, gr, "all", p.causal, layout, h0, p.num_heads)
+        plan = ring_plan(Po, L_outer, n_q, n_kv, gw, gr, "all", p.causal, layout, h0, p.num_heads, offsets)
         local = Problem.from_sizes(p.batch, L_outer, n_q, n_kv, p.head_dim, gw, gr, dtype=p.dtype, device=p.device,
                                    causal=p.causal, scale=p.scale, records_backward=p.records_backward)
         configs.append(_ring_config(local, plan, outer_rank, outer, gw, gr, "all", backend, h0, p.num_heads))

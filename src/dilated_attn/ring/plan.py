@@ -11,12 +11,19 @@ sizes travel. For a branch `(w, r)`:
   order form one dense (causal or not) attention problem, so a spanning branch is dense ring attention on
   compacted tensors among the ranks that share segments: only 1/r of K and V travels, only to ranks that read it.
   Heads whose pieces have the same member counts are stacked into one problem (a `HeadStack`).
+
+Packed sequences (`offsets`, the pack's cu_seqlens): each sequence's segments start at its own first row and the last
+is clipped at its end, so a segment is a range of the pack (`segment_ranges`) rather than a cell of one grid. No
+branch is then local (a shard's rows of a sequence do not start where its segments do); segments of one sequence
+that lie within a rank's chunk become blocks against the rank's own rows, and nothing moves for them.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -36,18 +43,18 @@ class HeadStack:
     kv_offsets: list[int]
     group: int
     dilation: int
-    seg_len: int
+    seg_starts: list[int]  # the global first row of each segment of the branch (segment_ranges)
     pieces: list[list[tuple[int, int, int, int]]]  # [rank] -> (segment, global lo, global hi, local row of lo)
     segments: list[list[tuple[int, int, int, int]]]  # [rank] -> (segment, global start, start, stop) per piece
 
     def rows(self, rank: int, offsets: list[int]) -> list[torch.Tensor]:
         """Per offset, the local rows of its members on `rank`, concatenated over the rank's pieces."""
-        r, s = self.dilation, self.seg_len
+        r = self.dilation
         out = []
         for o in offsets:
             parts = []
             for seg, lo, hi, local in self.pieces[rank]:
-                first = _first_member(lo, seg * s, o, r)
+                first = _first_member(lo, self.seg_starts[seg], o, r)
                 if first < hi:
                     parts.append(torch.arange(first - lo + local, hi - lo + local, r))
             out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
@@ -64,6 +71,9 @@ class BlockTask:
     kv_start: int  # key rows [kv_start, kv_stop): own compacted rows, or offsets in the received payload
     kv_stop: int
     causal: bool
+    # 0: one block. Else the own rows of consecutive segments, seg_len rows each (the last may have fewer), each
+    # segment its own block: one call of the branch (seg_len, 1) instead of one call per segment.
+    seg_len: int = 0
 
 
 @dataclass(eq=False)  # hashed by identity: plans are cached, and so are their index tensors
@@ -105,47 +115,66 @@ def _is_local(s: int, L: int, layout: str) -> bool:
     return chunk % s == 0
 
 
+def segment_ranges(s: int, N: int, offsets: Optional[tuple[int, ...]] = None) -> list[tuple[int, int]]:
+    """The segments [start, stop) of a branch of segment length `s` over N rows: `[j*s, (j+1)*s)` clipped at N, or
+    with packed sequences (`offsets`: cu_seqlens) each sequence's own, from its first row and clipped at its end (the
+    spec's segment clipped to the sequence is such a range too)."""
+    bounds = zip(offsets, offsets[1:]) if offsets is not None else [(0, N)]
+    return [(a, min(a + s, stop)) for start, stop in bounds for a in range(start, stop, s)]
+
+
+def _pieces(ranges: list[tuple[int, int]], segments: list[tuple[int, int]],
+            starts: list[int]) -> list[tuple[int, int, int, int]]:
+    """A rank's pieces in local order: each of its chunks `ranges` cut by the segments it meets, as (segment, global
+    lo, global hi, local row of lo). `starts`: the segments' first rows (sorted, as the segments are)."""
+    out, base = [], 0
+    for a, b in ranges:
+        seg = max(bisect.bisect_right(starts, a) - 1, 0)
+        while b > a and seg < len(segments) and segments[seg][0] < b:
+            lo, hi = max(a, segments[seg][0]), min(b, segments[seg][1])
+            if hi > lo:
+                out.append((seg, lo, hi, base + lo - a))
+            seg += 1
+        base += b - a
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths: tuple, dilation_rates: tuple,
-              head_groups: str, causal: bool, layout: str, head_start: int = 0, global_heads: int = 0) -> RingPlan:
+              head_groups: str, causal: bool, layout: str, head_start: int = 0, global_heads: int = 0,
+              offsets: Optional[tuple[int, ...]] = None) -> RingPlan:
     """The plan of `ring_attention` for a configuration (cached): local branches, head stacks of the spanning
     branches, the rows every rank sends every other, and each rank's block tasks. With `global_heads` > 0 the
     heads are the heads `[head_start, head_start + num_heads)` of a problem of that many (the 2-D mode's ring over
-    one head group), with their global offsets."""
+    one head group), with their global offsets. `offsets`: the cu_seqlens of packed sequences over the N = P*L rows
+    (segment_ranges)."""
     if global_heads and head_groups != "all":
         # a share of "split" heads drops the branches it takes no part in, which the branch indices here count
         raise ValueError("the ring runs a share of the heads with head_groups='all' only")
     N = P * L
     G = num_heads // num_kv_heads
     table = branch_table(segment_lengths, dilation_rates, N, num_heads, head_groups, head_start, global_heads)
-    all_local = all(_is_local(br.seg_len, L, layout) for br in table)
+    all_local = offsets is None and all(_is_local(br.seg_len, L, layout) for br in table)
     # Local branches run as a subset of the branch list; "split" heads depend on the whole list, so there a
     # branch is only run locally when all are.
-    local = [i for i, br in enumerate(table)
-             if _is_local(br.seg_len, L, layout) and (head_groups == "all" or all_local)]
+    local = [i for i, br in enumerate(table) if offsets is None
+             and _is_local(br.seg_len, L, layout) and (head_groups == "all" or all_local)]
     rank_chunks = [chunks(rank, P, L, layout) for rank in range(P)]
     stacks: list[HeadStack] = []
     for i, br in enumerate(table):
         if i in local:
             continue
-        s, r = br.seg_len, br.dilation
-        # pieces[rank]: (segment, global lo, global hi, local row of lo) in local order
-        pieces = []
-        for ranges in rank_chunks:
-            out, base = [], 0
-            for a, b in ranges:
-                for seg in range(a // s, (b - 1) // s + 1) if b > a else ():
-                    lo, hi = max(a, seg * s), min(b, (seg + 1) * s)
-                    out.append((seg, lo, hi, base + lo - a))
-                base += b - a
-            pieces.append(out)
+        r = br.dilation
+        segments = segment_ranges(br.seg_len, N, offsets)
+        starts = [a for a, _ in segments]
+        pieces = [_pieces(ranges, segments, starts) for ranges in rank_chunks]
         heads_by_counts: dict = {}
         for h in range(br.head_lo, br.head_hi):
             o = br.offset(h)
-            counts = tuple(tuple(_count(lo, hi, seg * s, o, r) for seg, lo, hi, _ in own) for own in pieces)
+            counts = tuple(tuple(_count(lo, hi, starts[seg], o, r) for seg, lo, hi, _ in own) for own in pieces)
             heads_by_counts.setdefault(counts, []).append((h, o))
         for counts, heads in heads_by_counts.items():
-            segments = []
+            listed_by_rank = []
             for rank, own in enumerate(pieces):
                 start, listed = 0, []
                 for n, (seg, lo, _, _) in enumerate(own):
@@ -153,20 +182,22 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
                     if count:
                         listed.append((seg, lo, start, start + count))
                     start += count
-                segments.append(listed)
+                listed_by_rank.append(listed)
             pairs = [(o, h // G) for h, o in heads]
             distinct = list(dict.fromkeys(pairs))
             per = len(heads) // len(distinct)
             if any(distinct.index(pr) != n // per for n, pr in enumerate(pairs)):
                 distinct, per = pairs, 1  # no uniform grouping: one kv entry per query head
             stacks.append(HeadStack([h for h, _ in heads], [o for _, o in heads], [kvh for _, kvh in distinct],
-                                    [o for o, _ in distinct], per, r, s, pieces, segments))
+                                    [o for o, _ in distinct], per, r, starts, pieces, listed_by_rank))
     needed = [[[[] for _ in stacks] for _ in range(P)] for _ in range(P)]
     tasks = [[[] for _ in range(P)] for _ in range(P)]
     for index, stack in enumerate(stacks):
         for rank in range(P):
             for src in range(P):
                 _plan_rank_pair(index, stack, rank, src, causal, needed[rank][src][index], tasks[rank][src])
+    for rank in range(P):
+        tasks[rank][rank] = _segment_runs(tasks[rank][rank])
     # A task against received rows indexes the stack's received tensor: the stack's ranges one after another.
     for rank in range(P):
         for src in range(P):
@@ -183,6 +214,25 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
                 a, b, off = next(rng for rng in offsets[t.stack] if rng[0] <= t.kv_start and t.kv_stop <= rng[1])
                 t.kv_start, t.kv_stop = off + t.kv_start - a, off + t.kv_stop - a
     return RingPlan(P, L, layout, local, stacks, needed, tasks)
+
+
+def _segment_runs(own: list[BlockTask]) -> list[BlockTask]:
+    """A rank's own blocks with each run of consecutive segments of one stack as one task (seg_len): the blocks of a
+    run are squares of equal size over consecutive rows, the last possibly smaller, as the single-device op cuts its
+    rows into segments. Packed sequences give such runs: every sequence's segments."""
+    out: list[BlockTask] = []
+    for t in own:
+        last = out[-1] if out else None
+        n = t.q_stop - t.q_start
+        if last is not None and last.stack == t.stack and last.causal == t.causal and last.q_stop == t.q_start:
+            size = last.seg_len or last.q_stop - last.q_start
+            full = (last.q_stop - last.q_start) % size == 0  # no smaller segment has ended the run yet
+            if full and n <= size:
+                last.q_stop = last.kv_stop = t.q_stop
+                last.seg_len = size
+                continue
+        out.append(t)
+    return out
 
 
 def _plan_rank_pair(index: int, stack: HeadStack, rank: int, src: int, causal: bool, needed: list,
