@@ -9,6 +9,7 @@ float64 reference), restricted to its positions. The workers write their finding
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import multiprocessing
 import os
@@ -51,6 +52,16 @@ def _attention(case, q, k, v, ring: bool, backend="auto"):
     kw = dict(causal=case.get("causal", False), head_groups=case.get("head_groups", "all"), return_lse=True,
               backend=backend, scale=case.get("scale"))
     w, r = case.get("w"), case.get("r")
+    if "lengths" in case:  # a pack of these sequences (B = 1): its [N, H, D] tensors, the results as a batch of one
+        cu = torch.tensor([0, *itertools.accumulate(case["lengths"])], device=q.device)
+        q, k, v = q[0], k[0], v[0]
+        if ring:
+            kw["backend"] = case.get("backend", backend)
+            out, lse = dilated_attn.ring_attention(q, k, v, w, r, layout=case.get("layout", "contiguous"),
+                                                   group=_GROUP, mode=case.get("mode", "auto"), cu_seqlens=cu, **kw)
+        else:
+            out, lse = dilated_attn.dilated_attention_varlen(q, k, v, cu, w, r, **kw)
+        return out[None], lse[None]
     if ring:
         kw["backend"] = case.get("backend", backend)
         return dilated_attn.ring_attention(q, k, v, w, r, layout=case.get("layout", "contiguous"), group=_GROUP,
@@ -461,7 +472,7 @@ def _compare_packed(case, rank):
     T = sum(lengths)
     q, k, v, go, gl = _global_inputs(dict(shape=(1, T, Hq, Hkv, D), seed=case["seed"]), torch.float64, "cpu")
     q, k, v, go, gl = q[0], k[0], v[0], go[0], gl[0]
-    cu = torch.tensor([0, *__import__("itertools").accumulate(lengths)], dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     kw = dict(causal=case.get("causal", False), head_groups=case.get("head_groups", "all"), return_lse=True)
     layout = case.get("layout", "contiguous")
 
@@ -858,6 +869,10 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
             dict(name="cudnn LongNet, LSE gradient", shape=(1, N, 8, 4, 64), w=[128, 2 * L, N], r=[1, 2, 8],
                  causal=True, layout="zigzag", backend="cudnn"),
         ]
+    # packed sequences crossing ranks, on auto's single-GPU backend (cudnn, fa4 or triton blocks) and on triton's
+    cases += [
+        dict(name=f"pack, {backend}", shape=(1, N, 8, 2, 128), lengths=[100, N - 612, 512], w=[256, L, N], r=[1, 2, 4],
+             causal=True, layout="zigzag", backend=backend) for backend in ("auto", "triton")]
     # every case in the ring mode; those the head-parallel modes run in them too (2d: 2 x 2 on 4 GPUs)
     modes = [("heads", 0)] + ([("2d", 2)] if world == 4 else [])
     cases = [dict(c, mode="ring") for c in cases] + [
