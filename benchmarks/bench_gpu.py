@@ -25,8 +25,9 @@ every row also gives its fraction of it. Times are medians over --repeats runs a
 (dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run); with --rounds R the providers of a
 configuration are timed in turn R times and a row gives the median of its R medians; TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; "extra memory"
-is the peak allocated above the inputs during one call. Before timing, the Triton kernels (shipped configs) and the
-cudnn backend are checked against dilated_attn.reference at N = 16384. The JSON
+is the peak allocated above the inputs during one call, "working memory" that less the results every provider must
+hold (out, and with the backward its float32 LSE, dQ, dK and dV: results_bytes). Before timing, the Triton kernels
+(shipped configs) and the cudnn backend are checked against dilated_attn.reference at N = 16384. The JSON
 (benchmarks/results/gpu_<device>_<dtype>.json, or --out) is rewritten after every row.
 """
 
@@ -68,6 +69,16 @@ PRESETS = [  # (N, branches, causal)
     (16384, LONGNET, False),
     (262144, LONGNET_LONG, False),
 ]
+
+
+def results_bytes(inputs, backward: bool) -> int:
+    """Bytes of what a call must hold whatever runs it: out like q, and with the backward the float32 LSE it reads
+    and the gradients of q, k and v."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if not backward:
+        return q.numel() * q.element_size()
+    lse = q.numel() // q.shape[-1] * 4
+    return q.numel() * q.element_size() + lse + sum(x.numel() * x.element_size() for x in (q, k, v))
 
 
 def providers(N, segs, dils, causal):
@@ -255,6 +266,7 @@ def main(argv=None):
                 row = dict(N=N, kv_heads=kv_heads, segment_lengths=segs, dilation_rates=dils, causal=causal,
                            provider=name, mode=mode,
                            median_ms=ms, tflops=rate, extra_memory_gib=extra[name] / 2**30,
+                           working_memory_gib=(extra[name] - results_bytes(inputs, backward)) / 2**30,
                            fraction_of_fp32_peak=rate / peak)
                 if args.rounds > 1:
                     row["round_medians_ms"] = samples
@@ -262,7 +274,7 @@ def main(argv=None):
                 spread = f" (rounds {min(samples):.3f}-{max(samples):.3f})" if len(samples) > 1 else ""
                 say(f"{where} {name:>20} {mode:>7}: {ms:9.3f} ms{spread} {rate:7.1f} TFLOP/s"
                     f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
-                    f"  extra {row['extra_memory_gib']:.2f} GiB")
+                    f"  extra {row['extra_memory_gib']:.2f} GiB (working {row['working_memory_gib']:.2f})")
         del inputs
         torch.cuda.empty_cache()
 

@@ -9,7 +9,7 @@ Presets (bf16, B=1, H=16, D=128):
   dense    N = 65536, dense causal ring (segment_lengths=None), zigzag layout
   packed   N = 131072 as 16 packed sequences of 1K-16K tokens (benchmarks/bench_varlen.py's LENGTHS), branches
            (2048,1),(4096,2),(8192,4),(16384,8), non-causal, contiguous: ring_attention(cu_seqlens=...) against
-           dilated_attention_varlen on one GPU (strong scaling only; the heads mode)
+           dilated_attention_varlen on one GPU (strong scaling only; every mode)
 
 Strong scaling (the default): the preset's N on P GPUs. efficiency = T1 / (P * TP): T1 is dilated_attention on one
 GPU (rank 0 alone, the others wait) for the global tensors (auto's backend: the fastest single-GPU path), TP
