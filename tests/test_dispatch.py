@@ -9,7 +9,7 @@ import torch
 
 import dilated_attn
 from dilated_attn import backends, compile_hints, dispatch
-from dilated_attn.backends import compiled, reference_backend
+from dilated_attn.backends import base, compiled, reference_backend
 from dilated_attn.backends import triton as triton_backend
 from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
@@ -111,6 +111,43 @@ def test_cuda_backend_rules(monkeypatch):
     assert "head_dim 320 > 256" in cuda(_fake_cuda_problem(monkeypatch, head_dim=320))
     assert "compute capability 5.2 < 6.0" in cuda(_fake_cuda_problem(monkeypatch, capability=(5, 2)))
     assert "built without CUDA kernels" in cuda(_fake_cuda_problem(monkeypatch, cuda_kernels=False))
+
+
+def test_reasons_list_every_rule_an_input_breaks(monkeypatch):
+    """A backend's verdict lists every rule the input breaks: its forward declaration's data, then its own rules;
+    its backward declaration adds the call's (an LSE gradient, deterministic algorithms)."""
+    monkeypatch.setattr(backends.CUDNN, "unavailable", lambda: None)
+    p = _fake_cuda_problem(monkeypatch, capability=(7, 5), dtype=torch.float32, head_dim=132)
+    rule = backends.CUDNN.forward_op.capability_rule
+    expected = ["dtype float32 is not supported (supported: float16, bfloat16)", "head_dim 132 > 128",
+                f"compute capability 7.5 < 8.0 ({rule})", "head_dim 132 is not a multiple of 8 (cuDNN's 16-byte rows)"]
+    assert backends.CUDNN.reasons(p) == expected
+    assert backends.CUDNN.why_not(p) == "; ".join(expected)
+    call_rules = [backends.CUDNN.lse_gradient_rule, backends.CUDNN.nondeterminism_rule]
+    assert backends.CUDNN.backward_reasons(p, lse_gradient=True, deterministic=True) == (expected[:3] + call_rules
+                                                                                        + expected[3:])
+    assert backends.CUDNN.why_not_backward(lse_gradient=True, deterministic=True) == "; ".join(call_rules)
+    assert backends.CUDNN.why_not_backward(lse_gradient=False) is None
+    # the declarations alone, as data
+    op = base.ForwardOp(device_types=("cuda",), dtypes=(torch.float16,), max_head_dim=64)
+    q = torch.empty(1, 64, 4, 128, dtype=torch.float64)
+    assert op.reasons(validate(q, q, q, SEGS, DILS)) == [
+        "needs CUDA tensors, got cpu", "dtype float64 is not supported (supported: float16)", "head_dim 128 > 64"]
+    assert op.backward(takes_lse_gradient=False, lse_gradient_rule="no").call_reasons(lse_gradient=True) == ["no"]
+    for b in backends.REGISTRY.values():  # each backward takes what its forward takes
+        fields = [f.name for f in dataclasses.fields(base.ForwardOp)]
+        assert [getattr(b.backward_op, f) for f in fields] == [getattr(b.forward_op, f) for f in fields], b
+
+
+def test_device_capability_is_asked_once_per_device(monkeypatch):
+    p = _fake_cuda_problem(monkeypatch)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    monkeypatch.setattr(base, "_CAPABILITIES", {})
+    for _ in range(3):
+        backends.verdicts(p)
+        dispatch.decide(p, "auto")
+    assert asked == [p.device]
 
 
 @pytest.mark.parametrize(
@@ -236,41 +273,70 @@ def test_explicit_backend_runs(backend, runs):
 
 
 def test_explicit_backend_asks_no_other_backend(monkeypatch, runs):
-    """A call that names a backend that can run does not check (or import) the others; explain() still lists every
-    verdict."""
+    """A call that names a backend that can run does not check (or import) the others, its backward neither;
+    explain() still lists every verdict."""
     class Asked(Exception):
         pass
 
-    def asked(p, name):
-        raise Asked(f"the {name} verdict was asked")
+    def asked(name):
+        def ask(*args, **kwargs):
+            raise Asked(f"the {name} backend was asked")
+        return ask
 
     for name, b in backends.REGISTRY.items():
         if name != "cpu":
-            monkeypatch.setattr(b, "why_not", lambda p, name=name: asked(p, name))
-    q, k, v = _qkv()
-    dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend="cpu")
+            for method in ("why_not", "reasons", "backward_reasons", "unavailable"):
+                monkeypatch.setattr(b, method, asked(name))
+    monkeypatch.setattr(triton_backend, "load_error", asked("triton"))
+    q, k, v = _qkv(requires_grad=True)
+    out, lse = dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend="cpu", return_lse=True)
+    torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))  # the cpu backward takes the LSE's gradient
     assert runs == ["cpu"]
     with pytest.raises(Asked):
         dilated_attn.explain(q, k, v, SEGS, DILS, backend="cpu")
 
 
+_ABOVE_BACKENDS = ("dispatch", "functional", "nn", "ring", "cli", "integrations", "warmup")
+
+
+def _imports_above_backends(source: str, package: str) -> list[str]:
+    """The modules of dilated_attn above backends/ that `source` (a module of `package`) imports, in any form:
+    `import dilated_attn.x`, `from dilated_attn.x import y`, `from ..x import y`, `from .. import x`."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            stem = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join(stem + ([node.module] if node.module else []))
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n.split(".")[:2] in (["dilated_attn", a] for a in _ABOVE_BACKENDS)]
+    return found
+
+
 def test_backends_import_nothing_above_them():
     """backends/ is below dispatch: none of its modules imports the dispatch layer or anything that uses it
     (the LSE-gradient backward is chosen by dispatch and handed down: backends.autograd.set_lse_gradient_chooser)."""
-    import ast
     import pathlib
 
     root = pathlib.Path(dilated_attn.__file__).parent
-    above = {"dispatch", "functional", "nn", "ring", "cli", "integrations", "warmup"}
-    for path in (root / "backends").rglob("*.py"):
-        depth = len(path.relative_to(root).parts) - 1  # packages between dilated_attn and the module
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == depth + 1:  # from dilated_attn(.x) import ...
-                names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-                assert not above & set(names), f"{path.relative_to(root)} imports {names}"
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dilated_attn."):
-                assert node.module.split(".")[1] not in above, f"{path.relative_to(root)} imports {node.module}"
-
+    files = sorted((root / "backends").rglob("*.py"))
+    assert len(files) > 10
+    for path in files:
+        package = ".".join(("dilated_attn", *path.relative_to(root).parent.parts))
+        assert _imports_above_backends(path.read_text(), package) == [], path.relative_to(root)
+    # the check sees each form of such an import
+    for line in ("from ..dispatch import decide", "from .. import dispatch", "from ...ring import plan",
+                 "import dilated_attn.functional", "from dilated_attn.nn import DilatedAttention"):
+        assert _imports_above_backends(line, "dilated_attn.backends.cudnn" if "..." in line
+                                       else "dilated_attn.backends"), line
+    assert _imports_above_backends("from ..spec import Problem\nfrom . import dispatch_table",
+                                   "dilated_attn.backends") == []
 
 
 def test_explicit_backend_that_cannot_run_lists_every_verdict(no_cpu_kernels, monkeypatch):
@@ -331,6 +397,27 @@ def test_explain_reports_without_running(runs):
     for name, why in d.verdicts.items():
         assert f"{name:<9}  {why or 'can run'}" in table
     assert "B=2 N=37 Hq=4 Hkv=2 D=8 float32 on cpu; branches (8, 1), (16, 2); causal=True" in table
+
+
+def test_explain_reports_the_forward_and_backward_pair(monkeypatch):
+    """explain() names the forward's backend and the backward's, where the LSE has a gradient or not, and says why
+    a backward is another backend's."""
+    q, k, v = _qkv()
+    d = dilated_attn.explain(q, k, v, SEGS, DILS)
+    assert (d.backend, d.backward, d.lse_gradient_backward) == ("cpu", "cpu", "cpu")
+    assert "  forward: cpu, backward: cpu, where the LSE has a gradient too\n" in str(d)
+    for b in (backends.CUDNN, backends.TRITON):
+        monkeypatch.setattr(b, "unavailable", lambda: None)
+    p = _fake_cuda_problem(monkeypatch)
+    d = dispatch.decide(p, "cudnn")
+    lse_rule, nondeterminism_rule = backends.CUDNN.lse_gradient_rule, backends.CUDNN.nondeterminism_rule
+    assert (d.backend, d.backward, d.lse_gradient_backward) == ("cudnn", "cudnn", "triton")
+    assert f"  forward: cudnn, backward: cudnn; where the LSE has a gradient: triton ({lse_rule})\n" in str(d)
+    monkeypatch.setattr(dispatch, "_deterministic_algorithms", lambda: True)
+    d = dispatch.decide(p, "cudnn")
+    assert (d.backend, d.backward, d.lse_gradient_backward) == ("cudnn", "triton", "triton")
+    assert (f"  forward: cudnn, backward: triton ({nondeterminism_rule}); where the LSE has a gradient: triton "
+            f"({lse_rule}; {nondeterminism_rule})\n") in str(d)
 
 
 def test_explain_an_explicit_backend_that_cannot_run(no_cpu_kernels):

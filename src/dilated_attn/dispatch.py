@@ -8,8 +8,10 @@
   reason when it had to pass over a preference that applies to the input's device, and once when it runs the
   reference on a GPU (see reference_preferred).
 
-What each backend supports is the backend's own business (`Backend.why_not`); this module only ranks them.
-`explain()` (dilated_attn.explain) returns the decision without running attention.
+What each backend supports is the backend's own business: its forward and backward ops' declarations
+(backends.base.ForwardOp, BackwardOp) and its reasons (`Backend.reasons`); this module only ranks them, and picks
+at forward time the backward that follows a forward. `explain()` (dilated_attn.explain) returns the decision, both
+ops, without running attention.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .backends import fa4 as fa4_backend
 from .backends import reference_backend
 from .backends import triton as triton_backend
 from .backends.autograd import set_lse_gradient_chooser
-from .backends.base import OnceLoader
+from .backends.base import OnceLoader, device_capability
 from .compile_hints import trace_constant, warn_once
 from .spec import BACKEND_NAMES, Problem, dtype_name, validate
 
@@ -67,7 +69,7 @@ CUDNN_MIN_ELEMENTS_WITH_BACKWARD = 1 << 21
 
 @trace_constant
 def _cudnn_preferred_on(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= CUDNN_PREFERRED_FROM
+    return device_capability(device) >= CUDNN_PREFERRED_FROM
 
 
 @trace_constant
@@ -143,12 +145,11 @@ def _deterministic_algorithms() -> bool:
 def lse_gradient_backend(p: Problem, deterministic: Optional[bool] = None) -> str:
     """The backend whose backward runs for `p` in place of the forward backend's where that one cannot (an LSE
     gradient it does not take, or deterministic algorithms its backward does not honour): the first of auto's
-    preference (then of every backend) that can run `p` and whose backward takes an LSE gradient and, under
+    preference (then of every backend) whose backward op can run `p` with an LSE gradient and, under
     deterministic algorithms (`deterministic`, default torch's setting), gives the same bits."""
     det = _deterministic_algorithms() if deterministic is None else deterministic
     for name in (*auto_preference(p), *backends.REGISTRY):
-        b = backends.REGISTRY[name]
-        if b.why_not_backward(lse_gradient=True, deterministic=det) is None and b.why_not(p) is None:
+        if not backends.REGISTRY[name].backward_reasons(p, lse_gradient=True, deterministic=det):
             return name
     return "reference"  # runs anything
 
@@ -213,9 +214,10 @@ def _verdict_text(why: Optional[str]) -> str:
 
 @dataclass(frozen=True)
 class Decision:
-    """Which backend dilated_attention runs for an input, and why (returned by dilated_attn.explain)."""
+    """Which backends' forward and backward ops dilated_attention runs for an input, and why (returned by
+    dilated_attn.explain)."""
 
-    backend: Optional[str]  # the backend that runs; None when the requested one cannot (see `error`)
+    backend: Optional[str]  # the backend whose forward runs; None when the requested one cannot (see `error`)
     decided_by: str  # the argument, the environment variable or the auto rule that decided
     verdicts: dict  # name -> None (can run) or why it cannot, for every backend
     fallback: Optional[str] = None  # auto had to pass over preferences for these reasons (warned once)
@@ -239,11 +241,13 @@ class Decision:
         lines = [f"dilated_attn backend: {self.backend or 'none (dilated_attention raises ValueError)'}"]
         lines.append(f"  decided by: {self.decided_by}")
         if self.backend is not None:
-            line = f"  backward: {self.backward}"
+            line = f"  forward: {self.backend}, backward: {self.backward}"
             if self.backward_rule:
                 line += f" ({self.backward_rule})"
             if self.lse_gradient_rule:
                 line += f"; where the LSE has a gradient: {self.lse_gradient_backward} ({self.lse_gradient_rule})"
+            elif self.lse_gradient_backward is not None:
+                line += ", where the LSE has a gradient too"
             lines.append(line)
         if self.fallback:
             lines.append(f"  fallback: {self.fallback}")

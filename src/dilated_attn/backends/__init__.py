@@ -1,5 +1,5 @@
-"""The backends, one module each; each declares what it supports (as data), why it cannot run an input
-(`why_not`), and its forward/backward ops (see base.Backend).
+"""The backends, one module each; each declares what its forward and backward ops support (as data: base.ForwardOp,
+base.BackwardOp), every reason it cannot run an input (`reasons`), and its ops (see base.Backend).
 
     compiled.py   `cpu` and `cuda`: the ops of the compiled extension dilated_attn._C (csrc/)
     triton/       `triton`: Triton kernels, imported on first use

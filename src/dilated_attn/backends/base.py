@@ -1,4 +1,5 @@
-"""What every backend declares: the inputs it supports (as data), why it cannot run a given input, and its ops."""
+"""What every backend declares: its forward and backward ops' support (as data), every reason it cannot run a given
+input, and its ops."""
 
 from __future__ import annotations
 
@@ -9,9 +10,103 @@ from typing import Callable, Optional
 import torch
 
 from ..cache_spec import CacheProblem
+from ..compile_hints import trace_constant
 from ..spec import Problem, check_offsets, dtype_name, host_offsets, lse_dtype, sequence_problem
 
-__all__ = ["Backend", "OnceLoader"]
+__all__ = ["Backend", "BackwardOp", "ForwardOp", "OnceLoader", "device_capability"]
+
+_CAPABILITIES: dict = {}
+
+
+@trace_constant
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability(device), asked once per device: every verdict on a CUDA input reads it."""
+    if device.index is None:  # the current device, which can change
+        return torch.cuda.get_device_capability(device)
+    # keyed by the function too, so that a stand-in for it (the tests' GPUs without a GPU) is asked afresh
+    key = (device, torch.cuda.get_device_capability)
+    if key not in _CAPABILITIES:
+        _CAPABILITIES[key] = torch.cuda.get_device_capability(device)
+    return _CAPABILITIES[key]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForwardOp:
+    """What a backend's forward op runs, as data (None: any); `reasons` lists every rule an input breaks."""
+
+    device_types: Optional[tuple[str, ...]] = None  # the device types of the tensors it takes
+    dtypes: Optional[tuple[torch.dtype, ...]] = None
+    max_head_dim: Optional[int] = None
+    min_capability: Optional[tuple[int, int]] = None  # the oldest CUDA compute capability, for CUDA tensors
+    capability_rule: str = ""  # what min_capability stands for, said when a GPU is older
+    # Packed sequences (dilated_attention_varlen): "kernels" (the whole pack in the kernels' launches),
+    # "per_sequence" (Backend.forward_varlen's loop over the sequences), or None (a reason).
+    varlen: Optional[str] = None
+
+    def reasons(self, p: Problem, device_types: Optional[tuple[str, ...]] = None) -> list[str]:
+        """Every rule of these data that `p` breaks (empty: none), `device_types` standing for the declared ones
+        where given (Backend.supported_device_types)."""
+        devices = self.device_types if device_types is None else device_types
+        found = []
+        if devices is not None and p.device.type not in devices:
+            found.append(f"needs {'/'.join(d.upper() for d in devices)} tensors, got {p.device.type}")
+        if self.dtypes is not None and p.dtype not in self.dtypes:
+            names = ", ".join(dtype_name(d) for d in self.dtypes)
+            found.append(f"dtype {dtype_name(p.dtype)} is not supported (supported: {names})")
+        if self.max_head_dim is not None and p.head_dim > self.max_head_dim:
+            found.append(f"head_dim {p.head_dim} > {self.max_head_dim}")
+        if self.min_capability is not None and p.device.type == "cuda":
+            have = device_capability(p.device)
+            if have < self.min_capability:
+                need = ".".join(map(str, self.min_capability))
+                found.append(f"compute capability {have[0]}.{have[1]} < {need} ({self.capability_rule})")
+        if p.varlen and self.varlen is None:
+            found.append("packed sequences (varlen) are not implemented in this backend")
+        return found
+
+    def backward(self, **declared) -> BackwardOp:
+        """The declaration of a backward op that takes the inputs this forward takes, and `declared`."""
+        inputs = {f.name: getattr(self, f.name) for f in dataclasses.fields(ForwardOp)}
+        return BackwardOp(**inputs, **declared)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BackwardOp(ForwardOp):
+    """What a backend's backward op runs: a forward's data, and which calls it can serve. Where it cannot serve a
+    call, the forward still runs and autograd runs the backward op the dispatch layer chose at forward time
+    (dispatch.backward_backend, backends/autograd.py)."""
+
+    takes_lse_gradient: bool = True  # takes the LSE's gradient (grad_lse)
+    lse_gradient_rule: str = ""  # why it does not, said by explain()
+    # gives the same bits on every run (no atomics), which torch.use_deterministic_algorithms(True) asks for
+    deterministic: bool = True
+    nondeterminism_rule: str = ""  # why it does not, said by explain()
+
+    def reasons(self, p: Problem, device_types: Optional[tuple[str, ...]] = None, lse_gradient: bool = False,
+                deterministic: bool = False) -> list[str]:
+        """Every rule that `p` breaks, in a call whose LSE has a gradient (`lse_gradient`) under deterministic
+        algorithms (`deterministic`)."""
+        return super().reasons(p, device_types) + self.call_reasons(lse_gradient, deterministic)
+
+    def call_reasons(self, lse_gradient: bool, deterministic: bool = False) -> list[str]:
+        """The rules of `reasons` that a call breaks whatever its input: why this backward cannot follow its own
+        forward (which took the input)."""
+        found = []
+        if lse_gradient and not self.takes_lse_gradient:
+            found.append(self.lse_gradient_rule)
+        if deterministic and not self.deterministic:
+            found.append(self.nondeterminism_rule)
+        return found
+
+
+class _Declared:
+    """A field of a backend's forward or backward declaration, read as an attribute of the backend or its class."""
+
+    def __init__(self, op: str, field: str):
+        self.op, self.field = op, field
+
+    def __get__(self, backend, owner):
+        return getattr(getattr(owner, self.op), self.field)
 
 
 class OnceLoader:
@@ -40,7 +135,8 @@ class OnceLoader:
 
 
 class Backend:
-    """One implementation of the spec (docs/SPEC.md). Subclasses set the data and `ops()`.
+    """One implementation of the spec (docs/SPEC.md). Subclasses declare their ops (`forward_op`, `backward_op`),
+    add the rules data cannot say (`unavailable`, `extra_reasons`) and give the ops (`ops()`).
 
     Both ops take the arguments of the op schemas in csrc/registration.cpp:
 
@@ -59,60 +155,52 @@ class Backend:
     """
 
     name: str = ""
-    device_types: tuple[str, ...] = ()  # the device types of the tensors it takes
-    dtypes: tuple[torch.dtype, ...] = ()
-    max_head_dim: Optional[int] = None  # None: any
-    min_capability: Optional[tuple[int, int]] = None  # the oldest CUDA compute capability, for CUDA tensors
-    capability_rule: str = ""  # what min_capability stands for, said when a GPU is older
-    # Packed sequences (dilated_attention_varlen): "kernels" (the whole pack in the kernels' launches),
-    # "per_sequence" (forward_varlen's loop over the sequences), or None (why_not says it cannot).
-    varlen: Optional[str] = None
-    # What its backward op supports, declared apart from the forward's: where it cannot run a call's backward, the
-    # forward still runs and autograd runs the backward op the dispatch layer chose at forward time
-    # (dispatch.backward_backend, backends/autograd.py). It takes the LSE's gradient (grad_lse) ...
-    backward_takes_lse_gradient: bool = True
-    lse_gradient_rule: str = ""  # why it does not, said by explain()
-    # ... and gives the same bits on every run (no atomics), which torch.use_deterministic_algorithms(True) asks for
-    backward_deterministic: bool = True
-    nondeterminism_rule: str = ""  # why it does not, said by explain()
+    forward_op: ForwardOp
+    backward_op: BackwardOp
+    # the fields callers read off the backend itself
+    dtypes = _Declared("forward_op", "dtypes")
+    max_head_dim = _Declared("forward_op", "max_head_dim")
+    lse_gradient_rule = _Declared("backward_op", "lse_gradient_rule")
+    nondeterminism_rule = _Declared("backward_op", "nondeterminism_rule")
 
-    def supported_device_types(self) -> tuple[str, ...]:
-        return self.device_types
+    def supported_device_types(self) -> Optional[tuple[str, ...]]:
+        """The device types of the tensors it takes in this process (None: any)."""
+        return self.forward_op.device_types
 
     def unavailable(self) -> Optional[str]:
         """Why this backend cannot run anything in this process (None: it can)."""
         return None
 
-    def why_not(self, p: Problem) -> Optional[str]:
-        """None if this backend can run `p`, else the reason, for messages and `explain()`."""
+    def extra_reasons(self, p: Problem) -> list[str]:
+        """Its rules beyond its declarations' data, which `p` breaks (asked for the device types it takes)."""
+        return []
+
+    def reasons(self, p: Problem) -> list[str]:
+        """Every reason this backend cannot run `p` (empty: it can): why it cannot run at all, its forward
+        declaration's and its own rules."""
         devices = self.supported_device_types()
-        if p.device.type not in devices:
-            return f"needs {'/'.join(d.upper() for d in devices)} tensors, got {p.device.type}"
+        return self._with_own_reasons(p, devices, self.forward_op.reasons(p, devices))
+
+    def backward_reasons(self, p: Problem, lse_gradient: bool, deterministic: bool = False) -> list[str]:
+        """Every reason its backward op cannot run `p` after another backend's forward, in a call whose LSE has a
+        gradient (`lse_gradient`) under deterministic algorithms (`deterministic`)."""
+        devices = self.supported_device_types()
+        return self._with_own_reasons(p, devices, self.backward_op.reasons(p, devices, lse_gradient, deterministic))
+
+    def _with_own_reasons(self, p: Problem, devices, declared: list[str]) -> list[str]:
+        if devices is not None and p.device.type not in devices:
+            return declared  # reason enough: unavailable() may import the kernels, extra_reasons ask the device
         missing = self.unavailable()
-        if missing is not None:
-            return missing
-        if p.dtype not in self.dtypes:
-            names = ", ".join(dtype_name(d) for d in self.dtypes)
-            return f"dtype {dtype_name(p.dtype)} is not supported (supported: {names})"
-        if self.max_head_dim is not None and p.head_dim > self.max_head_dim:
-            return f"head_dim {p.head_dim} > {self.max_head_dim}"
-        if self.min_capability is not None and p.device.type == "cuda":
-            have = torch.cuda.get_device_capability(p.device)
-            if have < self.min_capability:
-                need = ".".join(map(str, self.min_capability))
-                return f"compute capability {have[0]}.{have[1]} < {need} ({self.capability_rule})"
-        if p.varlen and self.varlen is None:
-            return "packed sequences (varlen) are not implemented in this backend"
-        return None
+        return ([] if missing is None else [missing]) + declared + self.extra_reasons(p)
+
+    def why_not(self, p: Problem) -> Optional[str]:
+        """None if this backend can run `p`, else its reasons, for messages and `explain()`."""
+        return "; ".join(self.reasons(p)) or None
 
     def why_not_backward(self, lse_gradient: bool, deterministic: bool = False) -> Optional[str]:
         """None if this backend's backward can follow a forward it ran, for a call whose LSE has a gradient
         (`lse_gradient`) under deterministic algorithms (`deterministic`), else why not."""
-        if lse_gradient and not self.backward_takes_lse_gradient:
-            return self.lse_gradient_rule
-        if deterministic and not self.backward_deterministic:
-            return self.nondeterminism_rule
-        return None
+        return "; ".join(self.backward_op.call_reasons(lse_gradient, deterministic)) or None
 
     def ops(self) -> tuple[Callable, Callable]:
         """(forward, backward) with the signatures above."""

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .autograd import register_attention_autograd
-from .base import Backend
+from .base import Backend, ForwardOp, device_capability
 from .signature import fake_backward, fake_forward
 
 __all__ = ["accumulate", "build_info", "has_kernel", "LOAD_ERROR", "CPU", "CUDA"]
@@ -91,7 +91,7 @@ class CompiledBackend(Backend):
     """The ops of `dilated_attn._C` on one device type."""
 
     def unavailable(self) -> Optional[str]:
-        device = self.device_types[0]
+        device = self.forward_op.device_types[0]
         if has_kernel(device):
             return None
         if LOAD_ERROR is not None:
@@ -106,9 +106,9 @@ class CpuBackend(CompiledBackend):
     """Blocked online-softmax C++ kernels (csrc/cpu/), AVX2+FMA where the CPU has it."""
 
     name = "cpu"
-    device_types = ("cpu",)
-    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    varlen = "per_sequence"  # a CPU call per sequence costs microseconds beside its work
+    forward_op = ForwardOp(device_types=("cpu",), dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+                           varlen="per_sequence")  # a CPU call per sequence costs microseconds beside its work
+    backward_op = forward_op.backward()
 
 
 def tile_table_refusal(requested: str, capability: tuple[int, int], pascal_on_newer: bool) -> Optional[str]:
@@ -132,19 +132,16 @@ class CudaBackend(CompiledBackend):
     """Hand-written CUDA kernels (csrc/cuda/): fp32 FMA, no tensor cores, so they run from Pascal up."""
 
     name = "cuda"
-    device_types = ("cuda",)
-    dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    max_head_dim = 256  # csrc/cuda/launch.h: kMaxHeadDim
-    min_capability = (6, 0)
-    capability_rule = "the CUDA kernels need Pascal or newer"
+    forward_op = ForwardOp(device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16, torch.float32),
+                           max_head_dim=256,  # csrc/cuda/launch.h: kMaxHeadDim
+                           min_capability=(6, 0), capability_rule="the CUDA kernels need Pascal or newer")
+    backward_op = forward_op.backward()
 
-    def why_not(self, p) -> Optional[str]:
-        reason = super().why_not(p)
+    def extra_reasons(self, p) -> list[str]:
         requested = os.environ.get("DILATED_ATTN_CUDA_TILES", "")
-        if reason is None and requested:
-            reason = tile_table_refusal(requested, torch.cuda.get_device_capability(p.device),
-                                        bool(build_info().get("pascal_tiles_on_newer_gpus")))
-        return reason
+        refusal = requested and tile_table_refusal(requested, device_capability(p.device),
+                                                   bool(build_info().get("pascal_tiles_on_newer_gpus")))
+        return [refusal] if refusal else []
 
 
 CPU = CpuBackend()

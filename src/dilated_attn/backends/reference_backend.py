@@ -6,13 +6,11 @@ dropout) it is what runs. Its memory grows with `N * w / r` per branch (`memory_
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..reference import default_compute_dtype, dilated_attention_reference
 from ..spec import Problem
-from .base import Backend
+from .base import Backend, ForwardOp
 
 __all__ = ["REFERENCE", "memory_bytes"]
 
@@ -79,11 +77,8 @@ def memory_bytes(p: Problem) -> int:
 
 class ReferenceBackend(Backend):
     name = "reference"
-    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    varlen = "per_sequence"
-
-    def why_not(self, p: Problem) -> Optional[str]:
-        return None  # any device, any floating dtype
+    forward_op = ForwardOp(varlen="per_sequence")  # any device, any floating dtype, any head dim
+    backward_op = forward_op.backward()
 
     def ops(self):
         return forward, backward

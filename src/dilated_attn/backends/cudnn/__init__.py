@@ -24,7 +24,7 @@ import torch
 from ...compile_hints import trace_constant
 from ...spec import Problem
 from .. import compiled
-from ..base import Backend, OnceLoader
+from ..base import Backend, ForwardOp, OnceLoader
 
 __all__ = ["CUDNN", "MIN_CUDNN_VERSION"]
 
@@ -57,29 +57,22 @@ _loader = OnceLoader(_load)
 
 class CudnnBackend(Backend):
     name = "cudnn"
-    device_types = ("cuda",)
-    dtypes = (torch.float16, torch.bfloat16)
-    max_head_dim = 128
-    min_capability = (8, 0)
-    capability_rule = "cuDNN's fused attention needs Ampere or newer"
-    backward_takes_lse_gradient = False
-    varlen = "per_sequence"  # one call per sequence (auto takes packs elsewhere: dispatch.auto_preference)
-    lse_gradient_rule = "cuDNN's backward takes no LSE gradient (it computes delta = rowsum(dO * out) itself)"
-    backward_deterministic = False
-    nondeterminism_rule = ("torch.use_deterministic_algorithms is on, and cuDNN's backward adds up dQ with atomics "
-                           "(not bitwise repeatable)")
+    forward_op = ForwardOp(device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), max_head_dim=128,
+                           min_capability=(8, 0), capability_rule="cuDNN's fused attention needs Ampere or newer",
+                           varlen="per_sequence")  # one call per sequence (auto takes packs elsewhere: auto_preference)
+    backward_op = forward_op.backward(
+        takes_lse_gradient=False,
+        lse_gradient_rule="cuDNN's backward takes no LSE gradient (it computes delta = rowsum(dO * out) itself)",
+        deterministic=False,
+        nondeterminism_rule=("torch.use_deterministic_algorithms is on, and cuDNN's backward adds up dQ with atomics "
+                             "(not bitwise repeatable)"))
 
     def unavailable(self) -> Optional[str]:
         why = load_error()
         return None if why is None else f"cuDNN attention is not available ({why})"
 
-    def why_not(self, p: Problem) -> Optional[str]:
-        why = super().why_not(p)
-        if why is not None:
-            return why
-        if p.head_dim % 8:
-            return f"head_dim {p.head_dim} is not a multiple of 8 (cuDNN's 16-byte rows)"
-        return None
+    def extra_reasons(self, p: Problem) -> list[str]:
+        return [f"head_dim {p.head_dim} is not a multiple of 8 (cuDNN's 16-byte rows)"] if p.head_dim % 8 else []
 
     def ops(self):
         why = self.unavailable()

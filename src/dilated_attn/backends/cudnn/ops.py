@@ -30,6 +30,7 @@ from ...branches import Branch, branch_table, covers_everything
 from ...spec import lse_dtype
 from ..autograd import register_attention_autograd
 from ..signature import backward_op, forward_op
+from . import CUDNN
 
 __all__ = ["Call", "CallPlan", "Schedule", "branch_calls", "plan", "cudnn_forward", "cudnn_backward", "dense_forward",
            "dense_backward"]
@@ -298,8 +299,9 @@ def cudnn_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilat
                                                        scale)
 
 
-register_attention_autograd("dilated_attn::cudnn_forward", "cudnn_backward", takes_lse_gradient=False,
-                            deterministic=False)
+register_attention_autograd("dilated_attn::cudnn_forward", "cudnn_backward",
+                            takes_lse_gradient=CUDNN.backward_op.takes_lse_gradient,
+                            deterministic=CUDNN.backward_op.deterministic)
 
 
 def _heads_view(x: torch.Tensor) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 
 from ...compile_hints import trace_constant
 from ...spec import Problem
-from ..base import Backend, OnceLoader
+from ..base import Backend, ForwardOp, OnceLoader, device_capability
 
 __all__ = ["FA4", "cache_dir", "load_error"]
 
@@ -88,13 +88,12 @@ _found: Optional[bool] = None
 
 class Fa4Backend(Backend):
     name = "fa4"
-    device_types = ("cuda",)
-    dtypes = (torch.float16, torch.bfloat16)
-    max_head_dim = 128  # Hopper takes up to 256, Blackwell 128 (and 192/256 shapes this package does not make)
-    min_capability = (9, 0)
-    capability_rule = "FlashAttention-4 has Hopper (sm90) and Blackwell (sm100) kernels"
-    backward_takes_lse_gradient = True
-    varlen = "kernels"  # a few varlen calls per branch for the whole pack (packs.py; head dims: VARLEN_HEAD_DIM_STEP)
+    forward_op = ForwardOp(
+        device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
+        max_head_dim=128,  # Hopper takes up to 256, Blackwell 128 (and 192/256 shapes this package does not make)
+        min_capability=(9, 0), capability_rule="FlashAttention-4 has Hopper (sm90) and Blackwell (sm100) kernels",
+        varlen="kernels")  # a few varlen calls per branch for the whole pack (packs.py; head dims: VARLEN_HEAD_DIM_STEP)
+    backward_op = forward_op.backward()  # takes the LSE's gradient; deterministic under deterministic algorithms
 
     def unavailable(self) -> Optional[str]:
         """Whether flash-attn-4 is installed, without importing it (seconds) before the backend first runs: a
@@ -104,16 +103,14 @@ class Fa4Backend(Backend):
         why = _loader.error
         return None if why is None else f"FlashAttention-4 is not available ({why})"
 
-    def why_not(self, p: Problem) -> Optional[str]:
-        why = super().why_not(p)
-        if why is not None:
-            return why
-        major = torch.cuda.get_device_capability(p.device)[0]
-        if major not in (9, 10, 11):
-            return f"compute capability {major}.x: FlashAttention-4's kernels are for 9.x (Hopper) and 10.x/11.x"
+    def extra_reasons(self, p: Problem) -> list[str]:
+        found = []
+        major = device_capability(p.device)[0]
+        if major > 11:  # older GPUs break min_capability
+            found.append(f"compute capability {major}.x: FlashAttention-4's kernels are for 9.x (Hopper) and 10.x/11.x")
         if p.head_dim % 8:
-            return f"head_dim {p.head_dim} is not a multiple of 8 (16-byte rows)"
-        return None
+            found.append(f"head_dim {p.head_dim} is not a multiple of 8 (16-byte rows)")
+        return found
 
     def ops(self):
         if _installed():

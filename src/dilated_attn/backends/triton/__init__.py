@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ...compile_hints import trace_constant
-from ..base import Backend, OnceLoader
+from ..base import Backend, ForwardOp, OnceLoader, device_capability
 
 __all__ = ["TRITON", "float32_precision", "interpreting", "load_error", "TF32X3_MAX_HEAD_DIM"]
 
@@ -77,7 +77,7 @@ def float32_precision(device: torch.device, head_dim: int) -> str:
     if torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     if (device.type == "cuda" and block_d(head_dim) <= TF32X3_MAX_HEAD_DIM
-            and torch.cuda.get_device_capability(device) >= (8, 0)):
+            and device_capability(device) >= (8, 0)):
         index = device.index if device.index is not None else torch.cuda.current_device()
         if _tf32x3_fits(index, block_d(head_dim)):
             return "tf32x3"
@@ -94,12 +94,10 @@ def _tf32x3_fits(device_index: int, block_d: int) -> bool:
 
 class TritonBackend(Backend):
     name = "triton"
-    device_types = ("cuda",)
-    dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    max_head_dim = 256
-    min_capability = (7, 0)
-    capability_rule = "Triton needs Volta or newer"
-    varlen = "kernels"
+    forward_op = ForwardOp(device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16, torch.float32),
+                           max_head_dim=256, min_capability=(7, 0), capability_rule="Triton needs Volta or newer",
+                           varlen="kernels")
+    backward_op = forward_op.backward()
 
     def supported_device_types(self) -> tuple[str, ...]:
         # CPU tensors only under Triton's interpreter, which is for tests
