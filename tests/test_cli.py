@@ -18,7 +18,7 @@ from dilated_attn import backends, benchmarking, cli
 from dilated_attn.benchmarking import flops
 from dilated_attn.cli import bench, check
 from dilated_attn.spec import Problem, validate
-from dilated_attn.warmup import prepare_cudnn
+from dilated_attn.warmup import fa4_families, prepare_cudnn, warmup_fa4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny sizes: N values no segment length divides, GQA, two branches.
@@ -243,6 +243,10 @@ def test_invalid_configuration_exits_2_with_the_package_message(flags, message, 
     assert message in err and "Traceback" not in err
 
 
+# a small training run's shapes for `warmup --backend fa4`
+FA4_SHAPES = ["--seq-len", "1024", "--heads", "4", "--segment-lengths", "256", "512", "--dilation-rates", "1", "2"]
+
+
 @pytest.mark.parametrize("command, flags, message", [
     ("bench", ["--heads", "0"], "argument --heads: must be a positive integer, got 0"),
     ("bench", ["--seq-len", "x"], "argument --seq-len: must be a positive integer, got 'x'"),
@@ -254,6 +258,17 @@ def test_invalid_configuration_exits_2_with_the_package_message(flags, message, 
     ("warmup", ["--dtype", "float64"], "argument --dtype: invalid choice"),
     ("warmup", ["--jobs", "0"], "argument --jobs: must be a positive integer, got 0"),
     ("warmup", ["--causal", "maybe"], "argument --causal: invalid choice"),
+    ("warmup", ["--backend", "cudnn"], "argument --backend: invalid choice"),
+    ("warmup", ["--seq-len", "1024"], "--seq-len: only with --backend fa4"),
+    ("warmup", ["--lse-gradient"], "--lse-gradient: only with --backend fa4"),
+    ("warmup", ["--backend", "fa4", "--heads", "4"],
+     "--backend fa4 needs --segment-lengths, --dilation-rates and --seq-len or --pack-lengths"),
+    ("warmup", ["--backend", "fa4", "--jobs", "2", *FA4_SHAPES], "--jobs: only with --backend triton"),
+    ("warmup", ["--backend", "fa4", "--allow-tf32", *FA4_SHAPES], "--allow-tf32: only with --backend triton"),
+    ("warmup", ["--backend", "fa4", "--pack-lengths", "0"], "argument --pack-lengths: must be a positive integer"),
+    ("warmup", ["--backend", "fa4", *FA4_SHAPES, "--kv-heads", "3"], "q heads (4) must be a multiple of k/v heads (3)"),
+    ("warmup", ["--backend", "fa4", *FA4_SHAPES, "--dilation-rates", "1"],
+     "segment_lengths and dilation_rates must have the same length, got 2 and 1"),
 ])
 def test_bad_flags_are_argparse_errors(command, flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -314,6 +329,100 @@ def test_warmup_compiles_each_family(capsys, monkeypatch, tmp_path):
     assert "1/1 float16 D=40 causal" in first and " 0 kernels compiled" not in first
     assert cli.main(flags) == 0
     assert " 0 kernels compiled" in capsys.readouterr().out
+
+
+def test_fa4_warmup_without_flash_attn_4_exits_3(capsys, monkeypatch):
+    """Where flash-attn-4 is not installed, `warmup --backend fa4` says so, as a backend that cannot run, before
+    anything runs (on any device)."""
+    from dilated_attn.backends import fa4
+
+    monkeypatch.setattr(fa4, "_installed", lambda: False)
+    assert cli.main(["warmup", "--backend", "fa4", *FA4_SHAPES]) == cli.EXIT_CANNOT_RUN
+    out, err = capsys.readouterr()
+    assert "error: backend 'fa4' cannot run here: flash-attn-4 is not installed (`pip install .[fa4]`)" in err
+    assert not out and "Traceback" not in err
+    with pytest.raises(RuntimeError, match="the fa4 backend cannot run: flash-attn-4 is not installed"):
+        warmup_fa4(fa4_families("cpu", heads=4, segment_lengths=[256], dilation_rates=[1], seq_lens=[256]))
+
+
+def test_fa4_families_are_the_training_shapes():
+    families = fa4_families("cpu", heads=8, kv_heads=2, segment_lengths=[256, 512], dilation_rates=[1, 2],
+                            seq_lens=[512, 1024], pack_lengths=[300, 700], batch=4, dtypes=["float16", torch.bfloat16],
+                            head_dims=[64], causal=[True], head_groups="split")
+    assert [f.describe() for f in families] == [
+        "float16 D=64 causal B=4 N=512", "float16 D=64 causal B=4 N=1024",
+        "float16 D=64 causal pack of 2 sequences (1000 tokens)",
+        "bfloat16 D=64 causal B=4 N=512", "bfloat16 D=64 causal B=4 N=1024",
+        "bfloat16 D=64 causal pack of 2 sequences (1000 tokens)"]
+    p = families[2].problem  # a pack: one sequence of its longest length, for the rules of its calls
+    assert (p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_groups) == (1, 700, 8, 2, "split")
+    with pytest.raises(ValueError, match="seq_lens or pack_lengths must give at least one shape"):
+        fa4_families("cpu", heads=4, segment_lengths=[256], dilation_rates=[1])
+    with pytest.raises(ValueError, match=r"pack_lengths must be positive integers, got \[300, 0\]"):
+        fa4_families("cpu", heads=4, segment_lengths=[256], dilation_rates=[1], pack_lengths=[300, 0])
+
+
+def test_warmup_fa4_reports_each_family_and_the_kernels_it_cached(monkeypatch, tmp_path):
+    """Each family is one line: the files it added to FlashAttention-4's cache (an export not yet renamed into
+    place is not one), or its error, after which the others go on."""
+    from dilated_attn import warmup as warm
+    from dilated_attn.backends import FA4
+
+    for name in ("unavailable", "ops"):
+        monkeypatch.setattr(FA4, name, lambda: None)
+    monkeypatch.setattr(FA4, "why_not", lambda p: None)
+    monkeypatch.setattr(warm, "_fa4_cache", lambda: tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    ran = []
+
+    def run(family, lse_gradient):
+        ran.append(lse_gradient)
+        if family.pack:
+            raise RuntimeError("no such kernel")
+        (tmp_path / "fp" / "fwd").mkdir(parents=True, exist_ok=True)
+        for name in (f"{len(ran)}a.o", f"{len(ran)}b.o", f".{len(ran)}.123.tmp.o"):
+            (tmp_path / "fp" / "fwd" / name).write_bytes(b"\0")
+
+    monkeypatch.setattr(warm, "_run_fa4", run)
+    lines = []
+    families = fa4_families("cpu", heads=4, segment_lengths=[256], dilation_rates=[1], seq_lens=[256],
+                            pack_lengths=[100, 156], causal=[False])
+    results = warmup_fa4(families, lse_gradient=True, say=lines.append)
+    assert ran == [True, True]
+    assert [(compiled, error) for _, _, compiled, error in results] == [(2, None), (0, "RuntimeError: no such kernel")]
+    assert lines[0].endswith(f"; kernels cached in {tmp_path}") and lines[1] == "warming 2 fa4 families on a GPU"
+    assert "1/2 bfloat16 D=128 B=1 N=256: 2 kernels compiled" in lines[2]
+    assert "2/2 bfloat16 D=128 pack of 2 sequences (256 tokens): FAILED: RuntimeError: no such kernel" in lines[3]
+    assert lines[4].startswith("done in ")
+
+
+@pytest.mark.gpu
+def test_fa4_warmup_fills_the_cache_that_another_process_finds(tmp_path):
+    """`warmup --backend fa4` compiles into DILATED_ATTN_FA4_CACHE; a second process, as a training run would be,
+    finds every kernel there and compiles none."""
+    why = backends.FA4.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    if torch.cuda.get_device_capability()[0] not in (9, 10, 11):
+        pytest.skip("FlashAttention-4 runs on Hopper and Blackwell")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASH_ATTENTION_CUTE_DSL_CACHE")}
+    env.update(DILATED_ATTN_FA4_CACHE=str(tmp_path), PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "dilated_attn", "warmup", "--backend", "fa4", "--dtype", "bfloat16",
+               "--head-dim", "64", "--causal", "true", "--heads", "4", "--kv-heads", "2",
+               "--segment-lengths", "256", "512", "--dilation-rates", "1", "2", "--seq-len", "1024",
+               "--pack-lengths", "300", "724"]
+
+    def run_warmup():
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout, sorted(tmp_path.rglob("*.o"))
+
+    first, files = run_warmup()
+    assert f"kernels cached in {tmp_path}" in first and files
+    assert first.count(" kernels compiled, ") == 2 and " 0 kernels compiled" not in first, first
+    second, again = run_warmup()
+    assert second.count(" 0 kernels compiled, ") == 2, second
+    assert again == files
 
 
 def test_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):

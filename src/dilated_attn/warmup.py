@@ -1,4 +1,4 @@
-"""Compiling the Triton kernels a training run will need before its first step (`dilated-attn warmup`).
+"""Compiling the kernels a training run will need before its first step (`dilated-attn warmup`).
 
 A first call of a new (dtype, head dim, causal) family compiles its kernels (a few seconds on an H100; once per
 machine, as Triton caches them on disk). `warmup` compiles them ahead of time, one family per process, several
@@ -12,6 +12,14 @@ The cudnn backend has a first-call cost of its own that no other process can pay
 plan for each shape of call it has not seen, and PyTorch keeps the plans in the process (a cache per thread).
 `prepare_cudnn` runs one forward and backward at a training run's shapes in the training process itself, before
 its first step (docs/backends.md, "The cuDNN backend").
+
+The fa4 backend's kernels (FlashAttention-4) are compiled per variant, and a variant depends on more than the
+family: on each call's grouped-query ratio, on whether its lengths fit in one tile (so on each branch's members and
+the last segment's), on varlen calls and the number of runs in one, on the LSE's gradient and deterministic mode,
+and on the GPU's architecture. `warmup_fa4` therefore runs the fa4 backend at a training run's own shapes
+(`fa4_families`). FlashAttention-4 keeps what it compiles on disk (`backends.fa4.cache_dir()`, one file per
+variant, found by a hash of the variant's key), so the process that compiles them may be another than the
+training process (docs/backends.md, "The fa4 backend").
 """
 
 from __future__ import annotations
@@ -19,11 +27,15 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from pathlib import Path
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["Family", "families", "members_buckets", "prepare_cudnn", "warmup"]
+from .spec import Problem, dtype_name
+
+__all__ = ["Family", "Fa4Family", "families", "fa4_families", "fa4_refusal", "members_buckets", "prepare_cudnn",
+           "warmup", "warmup_fa4"]
 
 HEADS = 16  # the heads of a warm-up call: strides (heads x head dim) divisible by 16, like a model's
 
@@ -169,3 +181,137 @@ def prepare_cudnn(batch: int, seq_len: int, heads: int, head_dim: int, segment_l
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return True
+
+
+class Fa4Family(NamedTuple):
+    """One forward+backward of the fa4 backend: a training run's calls at one sequence length, or over one pack."""
+
+    problem: Problem  # the calls' sizes; for a pack, batch 1 and its longest sequence
+    pack: tuple[int, ...] = ()  # the lengths of a pack's sequences (dilated_attention_varlen), else ()
+
+    def describe(self) -> str:
+        p = self.problem
+        shape = (f"pack of {len(self.pack)} sequences ({sum(self.pack)} tokens)" if self.pack
+                 else f"B={p.batch} N={p.seq_len}")
+        return f"{dtype_name(p.dtype)} D={p.head_dim}{' causal' if p.causal else ''} {shape}"
+
+
+def fa4_families(device, *, heads: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                 seq_lens: Sequence[int] = (), pack_lengths: Sequence[int] = (), kv_heads: Optional[int] = None,
+                 batch: int = 1, dtypes: Sequence[Union[str, torch.dtype]] = ("bfloat16",),
+                 head_dims: Sequence[int] = (128,), causal: Sequence[bool] = (False, True),
+                 head_groups: str = "all") -> list[Fa4Family]:
+    """The fa4 warm-up of a training run's attention calls: one family per (dtype, head dim, causal) and per
+    sequence length of `seq_lens` (q `[batch, N, heads, D]`, k and v `kv_heads`), and per pack of sequences of
+    `pack_lengths` (one pack, as `dilated_attention_varlen` takes it). Raises the ValueError/TypeError of
+    dilated_attention for an invalid configuration.
+
+    The batch changes no kernel (it is the calls' batch of segments); the lengths, heads and branches do, so give
+    the training run's. A pack's variants depend on its sequences' lengths (how many runs of rows a call takes,
+    whether they have gaps, the longest): give a typical pack; one of other lengths may compile a few more."""
+    if not seq_lens and not pack_lengths:
+        raise ValueError("seq_lens or pack_lengths must give at least one shape to warm, got neither")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in pack_lengths):
+        raise ValueError(f"pack_lengths must be positive integers, got {list(pack_lengths)}")
+    kv_heads = heads if kv_heads is None else kv_heads
+    shapes = [(batch, n, ()) for n in seq_lens]
+    if pack_lengths:
+        shapes.append((1, max(pack_lengths), tuple(pack_lengths)))
+    found = []
+    for dtype, head_dim, masked, (b, n, pack) in itertools.product(dtypes, head_dims, causal, shapes):
+        dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype  # else from_sizes says why
+        p = Problem.from_sizes(b, n, heads, kv_heads, head_dim, segment_lengths, dilation_rates, dtype=dtype,
+                               device=device, causal=masked, head_groups=head_groups)
+        found.append(Fa4Family(p, pack))
+    return found
+
+
+def fa4_refusal(families: Sequence[Fa4Family]) -> Optional[str]:
+    """None where the fa4 backend can run every family, else the first reason it cannot (without importing
+    flash-attn-4: a broken install is found when warmup_fa4 imports it)."""
+    from .backends import FA4
+
+    why = FA4.unavailable()  # first: whether flash-attn-4 is installed says more than the device does
+    for family in families:
+        why = why or FA4.why_not(family.problem)
+    return why
+
+
+def _fa4_cache() -> Optional[Path]:
+    """Where the imported FlashAttention-4 keeps the kernels it compiles (backends.fa4.cache_dir() unless the
+    caller set FLASH_ATTENTION_CUTE_DSL_CACHE_DIR), or None where its disk cache is off."""
+    from flash_attn.cute import cache_utils
+
+    return cache_utils.get_cache_path() if cache_utils.CUTE_DSL_CACHE_ENABLED else None
+
+
+def _cached(cache: Optional[Path]) -> int:
+    # one object file per variant; a file whose name starts with "." is an export not yet renamed into place
+    return 0 if cache is None else sum(1 for f in cache.rglob("*.o") if not f.name.startswith("."))
+
+
+def _run_fa4(family: Fa4Family, lse_gradient: bool) -> None:
+    from .functional import dilated_attention, dilated_attention_varlen
+
+    p = family.problem
+    rows = (sum(family.pack),) if family.pack else (p.batch, p.seq_len)
+    q, k, v = (torch.randn(*rows, h, p.head_dim, dtype=p.dtype, device=p.device, requires_grad=True)
+               for h in (p.num_heads, p.num_kv_heads, p.num_kv_heads))
+    options = dict(causal=p.causal, head_groups=p.head_groups, return_lse=True, backend="fa4")
+    if family.pack:
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(family.pack)], dtype=torch.int32, device=p.device)
+        out, lse = dilated_attention_varlen(q, k, v, cu_seqlens, p.segment_lengths, p.dilation_rates,
+                                            max_seqlen=max(family.pack), **options)
+    else:
+        out, lse = dilated_attention(q, k, v, p.segment_lengths, p.dilation_rates, **options)
+    # the backward's kernels differ where the LSE has a gradient: a loss of `out` alone gives it none
+    outputs, grads = [out], [torch.randn_like(out)]
+    if lse_gradient:
+        outputs.append(lse)
+        grads.append(torch.randn_like(lse))
+    torch.autograd.backward(outputs, grads)
+    torch.cuda.synchronize(p.device)
+
+
+def warmup_fa4(families: Sequence[Fa4Family], *, lse_gradient: bool = False,
+               say: Callable[[str], None] = lambda line: print(line, flush=True)) -> list[tuple]:
+    """Compiles, in this process, the FlashAttention-4 kernels of the fa4 backend's forward and backward for each
+    family of `fa4_families` (one call of random inputs each), reporting each as it finishes. They go to
+    FlashAttention-4's disk cache, where a training process started later, with the same environment on the
+    same kind of GPU, finds them; called in the training process, it also imports flash-attn-4 there (seconds)
+    and keeps the kernels loaded.
+
+    lse_gradient: also compile the backward of a loss that uses the LSE (`return_lse=True`). The backward of
+    torch.use_deterministic_algorithms(True) has kernels of its own: this compiles those of this process's
+    setting. Raises RuntimeError where the fa4 backend cannot run (fa4_refusal) or flash-attn-4 does not load.
+    Returns [(family, seconds, kernels compiled, error or None)]; kernels compiled counts the files it added to
+    the cache (0 where the disk cache is off)."""
+    from .backends import FA4
+
+    why = fa4_refusal(families)
+    if why is not None:
+        raise RuntimeError(f"dilated_attn: the fa4 backend cannot run: {why}")
+    start = time.perf_counter()
+    FA4.ops()  # imports flash-attn-4
+    cache = _fa4_cache()
+    where = (f"kernels cached in {cache}" if cache is not None else
+             "its disk cache is off (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED is not 1): the kernels stay in this process")
+    say(f"imported flash-attn-4 in {time.perf_counter() - start:.1f} s; {where}")
+    if families:
+        device = families[0].problem.device
+        say(f"warming {len(families)} fa4 families on {torch.cuda.get_device_name(device)}"
+            f"{' (deterministic backward)' if torch.are_deterministic_algorithms_enabled() else ''}")
+    results = []
+    for done, family in enumerate(families, 1):
+        before, began = _cached(cache), time.perf_counter()
+        try:
+            _run_fa4(family, lse_gradient)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported with the family, the other families go on
+            error = f"{type(exc).__name__}: {exc}"
+        seconds, compiled = time.perf_counter() - began, _cached(cache) - before
+        results.append((family, seconds, compiled, error))
+        outcome = f"FAILED: {error}" if error else f"{compiled} kernels compiled"
+        say(f"{_bar(done, len(families))} {family.describe()}: {outcome}, {seconds:.1f} s")
+    say(f"done in {time.perf_counter() - start:.1f} s")
+    return results

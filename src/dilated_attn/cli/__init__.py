@@ -6,12 +6,15 @@
     python -m dilated_attn bench --seq-len 16384 65536 --json out.json   # sized for a GPU (minutes on a CPU)
     python -m dilated_attn bench --plot out.png    # the device's default sizes; --plot needs matplotlib
     python -m dilated_attn warmup --dtype bfloat16 --head-dim 128 --causal both   # compile kernels ahead of time
+    python -m dilated_attn warmup --backend fa4 --seq-len 16384 --heads 16 --segment-lengths 2048 4096 \\
+        --dilation-rates 1 2 --causal true     # FlashAttention-4's kernels of these shapes, into its disk cache
 
 Exit status: 0 when all is well; 1 when the self-check (or the warm-up of a family) fails; 2 for bad arguments
 (argparse's errors, and attention configurations the package rejects, with its ValueError message); 3 when a
-backend named with --backends cannot run on this device or configuration (with the package's reason). Backends
-not named that cannot run are skipped. docs/cli.md is the reference. The self-check is dilated_attn.cli.check's,
-the bench command's run dilated_attn.cli.bench's, and their measuring dilated_attn.benchmarking's.
+backend named with --backends (or warmup's --backend) cannot run on this device or configuration (with the
+package's reason). Backends not named that cannot run are skipped. docs/cli.md is the reference. The self-check is
+dilated_attn.cli.check's, the bench command's run dilated_attn.cli.bench's, and their measuring
+dilated_attn.benchmarking's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import torch
 
 from .. import __version__, build_info
+from ..backends import FA4
 from ..backends import triton as triton_backend
 from ..backends import verdicts as backend_verdicts
 from ..benchmarking import DTYPES, MODES, Record, device_info, say, triton_version
@@ -205,24 +209,43 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="FILE.png", help="plot the metric against N per backend (needs matplotlib)")
     b.add_argument("--plot-metric", choices=["tflops", "ms"], default="tflops", help="default: tflops")
     b.set_defaults(command="bench", fail=b.error, prog=b.prog)
-    w = sub.add_parser("warmup", help="compile the Triton kernels a training run needs, before it starts",
+    w = sub.add_parser("warmup", help="compile the kernels a training run needs, before it starts",
                        description="Compiles the Triton kernels of each (dtype, head dim, causal) family into "
                                    "Triton's on-disk cache (TRITON_CACHE_DIR), several families at once in separate "
                                    "processes, so that a training run's first step does not wait for them. With "
                                    "DILATED_ATTN_AUTOTUNE=1 it also runs (and caches) the full sweep, one family "
-                                   "at a time.")
+                                   "at a time. With --backend fa4 it compiles FlashAttention-4's kernels of the "
+                                   "training run's shapes (--seq-len or --pack-lengths, --heads, --segment-lengths, "
+                                   "--dilation-rates) into its disk cache (DILATED_ATTN_FA4_CACHE).")
+    w.add_argument("--backend", choices=WARMUP_BACKENDS, default="triton",
+                   help="triton (default) or fa4 (FlashAttention-4, whose kernels depend on the shapes below)")
     w.add_argument("--device", type=device_arg, default=None, help="default: the current CUDA device")
     w.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16", "float32"], default=["bfloat16"],
                    dest="dtypes", help="default: bfloat16")
     w.add_argument("--head-dim", nargs="+", type=head_dim_arg, default=[128], dest="head_dims",
-                   help=f"default: 128 (at most {triton_backend.TritonBackend.max_head_dim})")
+                   help=f"default: 128 (at most {triton_backend.TritonBackend.max_head_dim}; fa4: "
+                        f"{FA4.max_head_dim})")
     w.add_argument("--causal", choices=["both", "true", "false"], default="both",
                    help="which masking to compile for (default: both)")
     w.add_argument("--allow-tf32", action="store_true",
                    help="float32 with TF32 products, as under torch.backends.cuda.matmul.allow_tf32 = True")
-    w.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1),
-                   help="families compiled at once, each in its own process (default: min(4, CPUs))")
-    w.set_defaults(command="warmup", fail=w.error)
+    w.add_argument("--jobs", type=positive_int, default=None,
+                   help="triton: families compiled at once, each in its own process (default: min(4, CPUs))")
+    shapes = w.add_argument_group("fa4: the shapes of the training run's attention calls")
+    shapes.add_argument("--seq-len", type=positive_int, nargs="+", help="one or more sequence lengths N")
+    shapes.add_argument("--pack-lengths", type=positive_int, nargs="+",
+                        help="the sequences' lengths of a typical pack (dilated_attention_varlen)")
+    shapes.add_argument("--batch", type=positive_int, help="B (default 1: it changes no kernel)")
+    shapes.add_argument("--heads", type=positive_int, help="query heads")
+    shapes.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: --heads)")
+    shapes.add_argument("--segment-lengths", type=int, nargs="+", help="w of each branch")
+    shapes.add_argument("--dilation-rates", type=int, nargs="+", help="r of each branch")
+    shapes.add_argument("--head-groups", choices=["all", "split"], help="default: all")
+    shapes.add_argument("--lse-gradient", action="store_true",
+                        help="also the backward of a loss that uses the LSE (return_lse=True)")
+    shapes.add_argument("--deterministic", action="store_true",
+                        help="the backward of torch.use_deterministic_algorithms(True), which has kernels of its own")
+    w.set_defaults(command="warmup", fail=w.error, prog=w.prog)
     return parser
 
 
@@ -296,10 +319,24 @@ def check_command(device: torch.device, dtypes, backends, prog: str = "dilated-a
     return EXIT_CHECK_FAILED if any(r["result"] == "FAIL" for r in rows) else 0
 
 
+WARMUP_BACKENDS = ("triton", "fa4")
+FA4_WARMUP_FLAGS = ("seq_len", "pack_lengths", "batch", "heads", "kv_heads", "segment_lengths", "dilation_rates",
+                    "head_groups", "lse_gradient", "deterministic")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def warmup_command(args) -> int:
     """The `warmup` command: every family compiled; exit status 1 if one failed."""
     from ..warmup import warmup
 
+    if args.backend == "fa4":
+        return fa4_warmup_command(args)
+    given = [dest for dest in FA4_WARMUP_FLAGS if getattr(args, dest) not in (None, False)]
+    if given:
+        args.fail(f"{_flag(given[0])}: only with --backend fa4 (the triton warm-up compiles every shape of a family)")
     if not torch.cuda.is_available():
         args.fail(f"warmup compiles the Triton kernels for a CUDA GPU, and CUDA is not available (torch "
                   f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'})")
@@ -308,7 +345,46 @@ def warmup_command(args) -> int:
     device = use_device(args.device or default_device())
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
-    results = warmup(device, args.dtypes, args.head_dims, causal, args.jobs, say)
+    jobs = min(4, os.cpu_count() or 1) if args.jobs is None else args.jobs
+    results = warmup(device, args.dtypes, args.head_dims, causal, jobs, say)
+    return EXIT_CHECK_FAILED if any(error for *_, error in results) else 0
+
+
+def fa4_warmup_command(args) -> int:
+    """`warmup --backend fa4`: the fa4 backend run once at each family of the given shapes, in this process,
+    which fills FlashAttention-4's disk cache for the training processes; exit status 3 where fa4 cannot run."""
+    from ..warmup import fa4_families, fa4_refusal, warmup_fa4
+
+    for dest, rule in (("jobs", "one process compiles them all"), ("allow_tf32", "fa4 takes float16 and bfloat16")):
+        if getattr(args, dest) not in (None, False):
+            args.fail(f"{_flag(dest)}: only with --backend triton ({rule})")
+    missing = [_flag(dest) for dest in ("heads", "segment_lengths", "dilation_rates") if getattr(args, dest) is None]
+    if not args.seq_len and not args.pack_lengths:
+        missing.append("--seq-len or --pack-lengths")
+    if missing:
+        needs = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+        args.fail(f"--backend fa4 needs {needs}: FlashAttention-4 compiles kernels for the calls' "
+                  f"lengths and heads, so it warms the training run's shapes")
+    device = args.device or default_device()
+    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    try:
+        families = fa4_families(device, heads=args.heads, segment_lengths=args.segment_lengths,
+                                dilation_rates=args.dilation_rates, seq_lens=args.seq_len or (),
+                                pack_lengths=args.pack_lengths or (), kv_heads=args.kv_heads, batch=args.batch or 1,
+                                dtypes=args.dtypes, head_dims=args.head_dims, causal=causal,
+                                head_groups=args.head_groups or "all")
+    except (ValueError, TypeError) as exc:  # the package's own message for an invalid configuration
+        args.fail(str(exc))
+    why = fa4_refusal(families)
+    if why is not None:
+        return cannot_run({"fa4": why}, args.prog)
+    use_device(device)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    try:
+        results = warmup_fa4(families, lse_gradient=args.lse_gradient, say=say)
+    except RuntimeError as exc:  # flash-attn-4 is installed but does not load
+        return cannot_run({"fa4": FA4.unavailable() or str(exc)}, args.prog)
     return EXIT_CHECK_FAILED if any(error for *_, error in results) else 0
 
 
