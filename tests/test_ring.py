@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 import dilated_attn
 from dilated_attn.ring import ring_plan
-from dilated_attn.ring.plan import segment_ranges
+from dilated_attn.ring.plan import BranchRun, segment_ranges
 
 # float64 on both sides: only summation order differs (merges, blocks), a few ulps of values of order 1.
 TOL_F64 = 1e-10
@@ -792,19 +792,25 @@ def test_traffic_is_what_the_branches_select():
 
 
 def test_packed_plan_runs_each_sequence_in_place():
-    """With packed sequences every segment is a range of its sequence (segment_ranges). A sequence that lies within a
-    rank's shard moves nothing; a rank's own segments of one stack run as one task (seg_len), each segment its own
-    block; and a sequence that crosses ranks sends exactly its members."""
+    """With packed sequences every segment is a range of its sequence (segment_ranges). Segments within a rank's
+    chunk move nothing and run as internal runs of the branch (each run whole segments but its last); a segment
+    that crosses ranks is a head stack, and sends exactly its members; "split" heads run every segment as stacks,
+    a rank's own consecutive segments of a stack in one task (seg_len)."""
     assert segment_ranges(4, 20, (0, 5, 5, 17, 20)) == [(0, 4), (4, 5), (5, 9), (9, 13), (13, 17), (17, 20)]
     B, L, H, D, item = 1, 64, 4, 8, 2
-    inside = ring_plan(2, L, H, H, (16,), (1,), "all", False, "contiguous", offsets=(0, 40, 64, 128))
-    assert inside.local_branches == [] and inside.bytes_sent(0, B, D, item) == inside.bytes_sent(1, B, D, item) == 0
+    inside = ring_plan(2, L, H, H, (16,), (2,), "all", False, "contiguous", offsets=(0, 40, 64, 128))
+    assert inside.local_branches == [] and inside.stacks == []
+    assert inside.bytes_sent(0, B, D, item) == inside.bytes_sent(1, B, D, item) == 0
     # rank 0: rows 0-39 as segments of 16, 16, 8 and rows 40-63 as 16, 8: two runs; rank 1 one run of four
-    assert [(t.q_start, t.q_stop, t.seg_len) for t in inside.tasks[0][0]] == [(0, 40, 16), (40, 64, 16)]
-    assert [(t.q_start, t.q_stop, t.seg_len) for t in inside.tasks[1][1]] == [(0, 64, 16)]
+    assert [(u.start, u.stop, u.seg_len, u.dilation) for u in inside.runs[0]] == [(0, 40, 16, 2), (40, 64, 16, 2)]
+    assert [(u.start, u.stop) for u in inside.runs[1]] == [(0, 64)]
     # one sequence of 2L - 8 rows from row 8, the branch (2L, 2): rank 1 reads rank 0's members of rows 8-63
     crossing = ring_plan(2, L, H, H, (2 * L,), (2,), "all", False, "contiguous", offsets=(0, 8, 2 * L))
+    assert crossing.runs == [[BranchRun(2 * L, 2, 0, 8)], []] and len(crossing.stacks) == 1
     assert crossing.bytes_sent(0, B, D, item) == 2 * B * (L - 8) // 2 * H * D * item
+    split = ring_plan(2, L, 2, 2, (16, 16), (1, 1), "split", False, "contiguous", offsets=(0, 40, 64, 128))
+    assert split.runs == [[], []] and split.bytes_sent(0, B, D, item) == 0
+    assert [(t.q_start, t.q_stop, t.seg_len) for t in split.tasks[0][0] if t.stack == 0] == [(0, 40, 16), (40, 64, 16)]
 
 
 def _compare_gpu(case, rank):

@@ -22,7 +22,7 @@ from .. import dispatch
 from ..spec import Problem, lse_dtype
 from .blocks import accumulate, block_backward, block_forward, block_gradients, block_ops, merge_block
 from .comm import RingComm
-from .plan import HeadStack, RingPlan
+from .plan import BranchRun, HeadStack, RingPlan
 
 __all__ = ["RingAttention", "RingConfig", "ring_forward", "ring_backward"]
 
@@ -270,6 +270,13 @@ class _Exchange:
         return self.comm.post_all_kv(*self.send)
 
 
+def _run_arguments(cfg: RingConfig, run: BranchRun) -> dict:
+    """The op arguments of an internal run: its branch over its rows, the heads' offsets those of the call."""
+    p = cfg.local_problem
+    return dict(segment_lengths=[run.seg_len], dilation_rates=[run.dilation], split_heads=False, causal=cfg.causal,
+                scale=cfg.scale, head_start=p.head_start, global_heads=p.global_heads)
+
+
 def _prepare_exchange(cfg: RingConfig, q, k, v) -> _Exchange:
     comm = RingComm(cfg.plan, cfg.rank, cfg.group, q.shape[0], q.shape[3], q.device)
     rows = compacted_rows(cfg.plan, cfg.rank, q.device)
@@ -307,6 +314,9 @@ def ring_forward(q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Cal
     else:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), -math.inf, dtype=lse_type, device=q.device)
+    for run in plan.runs[rank]:  # no peer's rows either
+        r = slice(run.start, run.stop)
+        merge_block(out[:, r], lse[:, :, r], *ops.forward(q[:, r], k[:, r], v[:, r], **_run_arguments(cfg, run)))
     qc = [cp.q.gather(q) for cp in rows]
     acc = [(cp.q.gather(out), cp.q.gather_lse(lse)) if cp.q.is_view else
            (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
@@ -369,16 +379,29 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: E
     travelling = [] if eager else list(range(1, plan.P - 1))
     arrivals = {1: comm.post_kv(1, kc, vc)} if travelling else {}  # step -> the arrival of its K/V (received_kv)
     unposted = travelling[1:]
-    # Without local branches, a gradient that one head stack's rows cover whole is that stack's sums: it starts
-    # empty and takes them with one rounding, where it would start as zeros and add them
-    whole = [not plan.local_branches and len(rows) == 1 and rowset.covers(x)
+    runs = plan.runs[rank]
+    # Without local branches or runs, a gradient that one head stack's rows cover whole is that stack's sums: it
+    # starts empty and takes them with one rounding, where it would start as zeros and add them
+    whole = [not plan.local_branches and not runs and len(rows) == 1 and rowset.covers(x)
              for rowset, x in ((rows[0].q, q), (rows[0].kv, k), (rows[0].kv, v))] if rows else [False] * 3
 
     def local_branches():
+        """The gradients of the local branches and of the internal runs: with runs, float32 (float64) sums of
+        every branch's part, rounded once at the end, as the stacks' are."""
         if plan.local_branches:
-            return ops.backward(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
-        return tuple((torch.empty if w else torch.zeros)(x.shape, dtype=x.dtype, device=x.device)
-                     for x, w in zip((q, k, v), whole))
+            grads = ops.backward(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
+        else:
+            grads = tuple((torch.empty if w else torch.zeros)(x.shape, dtype=x.dtype, device=x.device)
+                          for x, w in zip((q, k, v), whole))
+        if not runs:
+            return grads
+        grads = tuple(g.to(acc_dtype) for g in grads)
+        for run in runs:
+            r = slice(run.start, run.stop)
+            parts = ops.backward(d_out[:, r], None if d_lse is None else d_lse[:, :, r], q[:, r], k[:, r], v[:, r],
+                                 out[:, r], lse[:, :, r], **_run_arguments(cfg, run))
+            accumulate([g[:, r] for g in grads], list(parts))
+        return grads
 
     # Stepwise: the local branches' gradients (the kernel's, as on one device) and the kept last block while the
     # first K/V block travels again; then the received blocks, each one's dK/dV sent back as soon as they are
@@ -443,4 +466,4 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: E
     for cp, g_q, g_k, g_v in zip(rows, dqc, dkc, dvc):
         for rowset, grad, sums, w in zip((cp.q, cp.kv, cp.kv), (dq, dk, dv), (g_q, g_k, g_v), whole):
             (rowset.put if w else rowset.add)(grad, sums)
-    return dq, dk, dv
+    return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))

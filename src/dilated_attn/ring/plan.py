@@ -12,16 +12,22 @@ sizes travel. For a branch `(w, r)`:
   compacted tensors among the ranks that share segments: only 1/r of K and V travels, only to ranks that read it.
   Heads whose pieces have the same member counts are stacked into one problem (a `HeadStack`).
 
+* Internal runs: with head_groups "all", a spanning branch's segments that lie within one chunk of a rank need
+  nothing from the others. Consecutive ones run in one call of the single-device op with the branch itself on the
+  rank's rows (a `BranchRun`: the op cuts the rows into segments from the run's first row, so every segment of a run
+  but its last is whole), like a local branch; only the segments that cross chunks become head stacks.
+
 Packed sequences (`offsets`, the pack's cu_seqlens): each sequence's segments start at its own first row and the last
 is clipped at its end, so a segment is a range of the pack (`segment_ranges`) rather than a cell of one grid. No
-branch is then local (a shard's rows of a sequence do not start where its segments do); segments of one sequence
-that lie within a rank's chunk become blocks against the rank's own rows, and nothing moves for them.
+branch is then local (a shard's rows of a sequence do not start where its segments do): the segments within a chunk
+run as internal runs, and those that cross ranks as head stacks.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,7 +36,7 @@ import torch
 from ..branches import branch_table
 from .layout import chunks
 
-__all__ = ["BlockTask", "HeadStack", "RingPlan", "ring_plan"]
+__all__ = ["BlockTask", "BranchRun", "HeadStack", "RingPlan", "ring_plan", "segment_ranges"]
 
 
 @dataclass
@@ -76,6 +82,17 @@ class BlockTask:
     seg_len: int = 0
 
 
+@dataclass(frozen=True)
+class BranchRun:
+    """Consecutive segments of one branch within a rank's chunk: its local rows [start, stop), every segment but the
+    last seg_len long, run by the single-device op with the branch (seg_len, dilation) on those rows."""
+
+    seg_len: int
+    dilation: int
+    start: int
+    stop: int
+
+
 @dataclass(eq=False)  # hashed by identity: plans are cached, and so are their index tensors
 class RingPlan:
     """What one configuration computes and sends. `bytes_sent(rank, ...)` is the forward traffic of that rank;
@@ -89,6 +106,7 @@ class RingPlan:
     # needed[dst][src]: per stack, the compacted row ranges [a, b) of src that dst reads, in payload order
     needed: list[list[list[list[tuple[int, int]]]]]
     tasks: list[list[list[BlockTask]]] = field(default_factory=list)  # tasks[rank][src]
+    runs: list[list[BranchRun]] = field(default_factory=list)  # runs[rank]: the internal runs, in branch order
 
     def rows_needed(self, dst: int, src: int) -> int:
         """kv rows x kv heads that src sends dst (one of K or V)."""
@@ -121,6 +139,31 @@ def segment_ranges(s: int, N: int, offsets: Optional[tuple[int, ...]] = None) ->
     spec's segment clipped to the sequence is such a range too)."""
     bounds = zip(offsets, offsets[1:]) if offsets is not None else [(0, N)]
     return [(a, min(a + s, stop)) for start, stop in bounds for a in range(start, stop, s)]
+
+
+def _internal_runs(segments: list[tuple[int, int]], s: int, rank_chunks: list[list[tuple[int, int]]],
+                   dilation: int) -> tuple[list[list[BranchRun]], list[tuple[int, int]]]:
+    """Of a branch's segments (segment_length s), those within one chunk as each rank's BranchRuns, and the rest
+    (crossing chunks), in order."""
+    chunk_list = sorted((a, b, rank, base) for rank, ranges in enumerate(rank_chunks)
+                        for (a, b), base in zip(ranges, itertools.accumulate([0] + [b - a for a, b in ranges])))
+    chunk_starts = [c[0] for c in chunk_list]
+    runs: list[list[BranchRun]] = [[] for _ in rank_chunks]
+    crossing = []
+    for a, b in segments:
+        ca, cb, rank, base = chunk_list[bisect.bisect_right(chunk_starts, a) - 1]
+        if b > cb:
+            crossing.append((a, b))
+            continue
+        start, stop = base + a - ca, base + b - ca
+        mine = runs[rank]
+        last = mine[-1] if mine else None
+        # the op segments a run from its first row: it may go on only after whole segments
+        if last is not None and last.stop == start and (last.stop - last.start) % s == 0:
+            mine[-1] = BranchRun(s, dilation, last.start, stop)
+        else:
+            mine.append(BranchRun(s, dilation, start, stop))
+    return runs, crossing
 
 
 def _pieces(ranges: list[tuple[int, int]], segments: list[tuple[int, int]],
@@ -161,11 +204,18 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
              and _is_local(br.seg_len, L, layout) and (head_groups == "all" or all_local)]
     rank_chunks = [chunks(rank, P, L, layout) for rank in range(P)]
     stacks: list[HeadStack] = []
+    runs: list[list[BranchRun]] = [[] for _ in range(P)]
     for i, br in enumerate(table):
         if i in local:
             continue
         r = br.dilation
         segments = segment_ranges(br.seg_len, N, offsets)
+        if head_groups == "all":  # "split" heads: a branch alone is not the op's problem of those heads
+            mine, segments = _internal_runs(segments, br.seg_len, rank_chunks, r)
+            for rank in range(P):
+                runs[rank] += mine[rank]
+        if not segments:
+            continue
         starts = [a for a, _ in segments]
         pieces = [_pieces(ranges, segments, starts) for ranges in rank_chunks]
         heads_by_counts: dict = {}
@@ -203,17 +253,17 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
         for src in range(P):
             if src == rank:
                 continue
-            offsets = []
+            placed = []
             for ranges in needed[rank][src]:
                 base, offs = 0, []
                 for a, b in ranges:
                     offs.append((a, b, base))
                     base += b - a
-                offsets.append(offs)
+                placed.append(offs)
             for t in tasks[rank][src]:
-                a, b, off = next(rng for rng in offsets[t.stack] if rng[0] <= t.kv_start and t.kv_stop <= rng[1])
+                a, b, off = next(rng for rng in placed[t.stack] if rng[0] <= t.kv_start and t.kv_stop <= rng[1])
                 t.kv_start, t.kv_stop = off + t.kv_start - a, off + t.kv_stop - a
-    return RingPlan(P, L, layout, local, stacks, needed, tasks)
+    return RingPlan(P, L, layout, local, stacks, needed, tasks, runs)
 
 
 def _segment_runs(own: list[BlockTask]) -> list[BlockTask]:
