@@ -801,16 +801,48 @@ def test_packed_plan_runs_each_sequence_in_place():
     inside = ring_plan(2, L, H, H, (16,), (2,), "all", False, "contiguous", offsets=(0, 40, 64, 128))
     assert inside.local_branches == [] and inside.stacks == []
     assert inside.bytes_sent(0, B, D, item) == inside.bytes_sent(1, B, D, item) == 0
-    # rank 0: rows 0-39 as segments of 16, 16, 8 and rows 40-63 as 16, 8: two runs; rank 1 one run of four
-    assert [(u.start, u.stop, u.seg_len, u.dilation) for u in inside.runs[0]] == [(0, 40, 16, 2), (40, 64, 16, 2)]
-    assert [(u.start, u.stop) for u in inside.runs[1]] == [(0, 64)]
+    # rank 0: rows 0-39 as segments of 16, 16, 8 and rows 40-63 as 16, 8: one run of two parts (the op starts
+    # segments afresh after the short one); rank 1 one run of four whole segments, one part
+    (run,) = inside.runs[0]
+    assert (run.start, run.stop, run.seg_len, run.dilation, run.parts()) == (0, 64, 16, 2, [(0, 40), (40, 64)])
+    assert [(u.start, u.stop, u.parts()) for u in inside.runs[1]] == [(0, 64, [(0, 64)])]
     # one sequence of 2L - 8 rows from row 8, the branch (2L, 2): rank 1 reads rank 0's members of rows 8-63
     crossing = ring_plan(2, L, H, H, (2 * L,), (2,), "all", False, "contiguous", offsets=(0, 8, 2 * L))
-    assert crossing.runs == [[BranchRun(2 * L, 2, 0, 8)], []] and len(crossing.stacks) == 1
+    assert crossing.runs == [[BranchRun(2 * L, 2, 0, 8, (0, 8))], []] and len(crossing.stacks) == 1
     assert crossing.bytes_sent(0, B, D, item) == 2 * B * (L - 8) // 2 * H * D * item
     split = ring_plan(2, L, 2, 2, (16, 16), (1, 1), "split", False, "contiguous", offsets=(0, 40, 64, 128))
     assert split.runs == [[], []] and split.bytes_sent(0, B, D, item) == 0
     assert [(t.q_start, t.q_stop, t.seg_len) for t in split.tasks[0][0] if t.stack == 0] == [(0, 40, 16), (40, 64, 16)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not dilated_attn.backends.triton.interpreting()
+                    or dilated_attn.backends.TRITON.unavailable() is not None,
+                    reason="Triton's interpreter, where there is no GPU")
+def test_internal_run_in_one_packed_call():
+    """An internal run of several parts (a packed sequence's short last segment, then the next sequence) runs in
+    one call of a backend's packed ops (triton's, under the interpreter) and gives what one call per part gives
+    (the cpu backend's): out and LSE merged into running results, and the gradients added."""
+    from dilated_attn.ring.blocks import block_ops, run_backward, run_forward
+
+    L, H, D = 20, 4, 16
+    run = BranchRun(4, 2, 3, 16, (0, 5, 13))  # rows 3-15: a sequence of 5 rows (segments 4, 1), then one of 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v, d_out, out0 = (torch.randn(1, L, H, D, generator=g) for _ in range(5))
+    lse0, d_lse = torch.randn(1, H, L, generator=g), torch.randn(1, H, L, generator=g)
+    arguments = dict(segment_lengths=[4], dilation_rates=[2], split_heads=False, causal=True, scale=D ** -0.5,
+                     head_start=0, global_heads=0)
+    results = []
+    for name in ("triton", "cpu"):
+        ops = block_ops(name, D)
+        assert (ops.varlen is not None) == (name == "triton")
+        out, lse = out0.clone(), lse0.clone()
+        run_forward(ops, run, q, k, v, out, lse, arguments)
+        grads = tuple(torch.zeros(x.shape) for x in (q, k, v))
+        run_backward(ops, run, q, k, v, out, lse, d_out, d_lse, arguments, grads)
+        results.append((out, lse) + grads)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert (a - b).abs().max().item() <= 1e-4, name  # float32: the kernels' and the cpu backend's sums
+    assert not torch.equal(results[1][0], out0) and results[1][2].abs().sum() > 0  # the run did something
 
 
 def _compare_gpu(case, rank):

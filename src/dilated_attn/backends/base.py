@@ -218,10 +218,18 @@ class Backend:
         forward, _ = self.ops()
         return forward(q, k, v, **p.op_arguments())
 
+    def varlen_ops(self, head_dim: int) -> Optional[tuple[Callable, Callable]]:
+        """(forward, backward) ops of packed sequences (the signature's packed form: whole packs in the kernels'
+        launches) at this head dim, or None where the backend runs a pack one sequence at a time."""
+        return None
+
     def forward_varlen(self, q, k, v, p: Problem):
-        """The forward of packed sequences (q `[T, Hq, D]`): `(out [T, Hq, D], lse [Hq, T])`, differentiable.
-        Here one forward per sequence, concatenated (what "per_sequence" backends run). The offsets, read here,
-        are checked here too: validate_varlen cannot read them under torch.compile."""
+        """The forward of packed sequences (q `[T, Hq, D]`): `(out [T, Hq, D], lse [Hq, T])`, differentiable: the
+        packed op where the backend has one (varlen_ops), else one forward per sequence, concatenated. The offsets
+        are then read and checked here: validate_varlen cannot read them under torch.compile."""
+        ops = self.varlen_ops(p.head_dim)
+        if ops is not None:
+            return ops[0](q, k, v, p.cu_seqlens, p.max_seqlen, **p.op_arguments())
         offsets = host_offsets(p.cu_seqlens)
         check_offsets(offsets, q.shape[0], p.max_seqlen)
         outs, lses = [], []

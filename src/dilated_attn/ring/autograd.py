@@ -20,7 +20,16 @@ import torch
 
 from .. import dispatch
 from ..spec import Problem, lse_dtype
-from .blocks import accumulate, block_backward, block_forward, block_gradients, block_ops, merge_block
+from .blocks import (
+    accumulate,
+    block_backward,
+    block_forward,
+    block_gradients,
+    block_ops,
+    merge_block,
+    run_backward,
+    run_forward,
+)
 from .comm import RingComm
 from .plan import BranchRun, HeadStack, RingPlan
 
@@ -301,7 +310,7 @@ def ring_forward(q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Cal
     peer's rows: they are queued first, and the check's gather and the transfers come from the exchange stream, so
     that the GPU computes while the host checks and posts."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
-    ops = block_ops(cfg.backend)
+    ops = block_ops(cfg.backend, q.shape[3])
     B, L, H, D = q.shape
     lse_type = lse_dtype(q.dtype)
     ex = _prepare_exchange(cfg, q, k, v)
@@ -315,8 +324,7 @@ def ring_forward(q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Cal
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), -math.inf, dtype=lse_type, device=q.device)
     for run in plan.runs[rank]:  # no peer's rows either
-        r = slice(run.start, run.stop)
-        merge_block(out[:, r], lse[:, :, r], *ops.forward(q[:, r], k[:, r], v[:, r], **_run_arguments(cfg, run)))
+        run_forward(ops, run, q, k, v, out, lse, _run_arguments(cfg, run))
     qc = [cp.q.gather(q) for cp in rows]
     acc = [(cp.q.gather(out), cp.q.gather_lse(lse)) if cp.q.is_view else
            (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
@@ -364,7 +372,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: E
     # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
     # take it, dispatch names the one that runs.
     name, _ = dispatch.backward_backend(local_problem, cfg.backend, lse_gradient=d_lse is not None)
-    ops = block_ops(name)
+    ops = block_ops(name, q.shape[3])
     B, L, H, D = q.shape
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
@@ -397,10 +405,7 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: E
             return grads
         grads = tuple(g.to(acc_dtype) for g in grads)
         for run in runs:
-            r = slice(run.start, run.stop)
-            parts = ops.backward(d_out[:, r], None if d_lse is None else d_lse[:, :, r], q[:, r], k[:, r], v[:, r],
-                                 out[:, r], lse[:, :, r], **_run_arguments(cfg, run))
-            accumulate([g[:, r] for g in grads], list(parts))
+            run_backward(ops, run, q, k, v, out, lse, d_out, d_lse, _run_arguments(cfg, run), grads)
         return grads
 
     # Stepwise: the local branches' gradients (the kernel's, as on one device) and the kept last block while the

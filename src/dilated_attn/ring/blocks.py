@@ -10,6 +10,7 @@ rows), else merge.merge_into.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -17,23 +18,25 @@ import torch
 from .. import backends
 from ..backends import compiled
 from ..merge import merge_into
+from .plan import BranchRun
 
 __all__ = ["BlockOps", "accumulate", "block_ops", "block_forward", "block_backward", "block_gradients",
-           "merge_block"]
+           "merge_block", "run_forward", "run_backward"]
 
 
 class BlockOps(NamedTuple):
-    """A backend's ops as the blocks run them: its forward and backward of one branch, and its ops for unequal
-    query and key lengths (Backend.dense_ops) or None."""
+    """A backend's ops as the blocks run them: its forward and backward of one branch, its ops for unequal query and
+    key lengths (Backend.dense_ops) or None, and its packed ops at this head dim (Backend.varlen_ops) or None."""
 
     forward: Callable
     backward: Callable
     dense: Optional[tuple[Callable, Callable]]
+    varlen: Optional[tuple[Callable, Callable]]
 
 
-def block_ops(name: str) -> BlockOps:
+def block_ops(name: str, head_dim: int) -> BlockOps:
     backend = backends.get(name)
-    return BlockOps(*backend.ops(), backend.dense_ops())
+    return BlockOps(*backend.ops(), backend.dense_ops(), backend.varlen_ops(head_dim))
 
 
 def _one_call(ops: BlockOps, causal: bool, nq: int, nk: int) -> bool:
@@ -122,6 +125,49 @@ def block_backward(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, causal, scale
         gq, gk, gv = ops.backward(rows[2], pad_l[1], rows[0], k[:, k0:k1], v[:, k0:k1], rows[1], pad_l[0],
                                  **_dense(n, causal, scale))
         accumulate([dq[:, q0:q1], dk[:, k0:k1], dv[:, k0:k1]], [gq[:, : q1 - q0], gk, gv])
+
+
+def _packed(ops: BlockOps, run: BranchRun, batch: int) -> bool:
+    """Whether an internal run goes in one call of the packed ops (else one call of the op per part)."""
+    return ops.varlen is not None and len(run.bounds) > 2 and batch == 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _offsets(bounds: tuple[int, ...], device) -> torch.Tensor:
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def _packed_arguments(run: BranchRun, device) -> tuple:
+    """cu_seqlens and max_seqlen of a run's parts, the sequences of a packed call."""
+    return _offsets(run.bounds, device), max(b - a for a, b in zip(run.bounds, run.bounds[1:]))
+
+
+def run_forward(ops: BlockOps, run: BranchRun, q, k, v, out, lse, arguments: dict) -> None:
+    """Merge an internal run's attention (plan.BranchRun; `arguments`: its op arguments) into out `[B, L, H, D]`
+    and lse `[B, H, L]` at its rows."""
+    if _packed(ops, run, q.shape[0]):
+        r = slice(run.start, run.stop)
+        o, o_lse = ops.varlen[0](q[0, r], k[0, r], v[0, r], *_packed_arguments(run, q.device), **arguments)
+        merge_block(out[:, r], lse[:, :, r], o[None], o_lse[None])
+        return
+    for a, b in run.parts():
+        merge_block(out[:, a:b], lse[:, :, a:b], *ops.forward(q[:, a:b], k[:, a:b], v[:, a:b], **arguments))
+
+
+def run_backward(ops: BlockOps, run: BranchRun, q, k, v, out, lse, d_out, d_lse, arguments: dict, grads) -> None:
+    """Add an internal run's exact gradients (the merged out and LSE, as block_backward's) into grads (dq, dk,
+    dv)."""
+    if _packed(ops, run, q.shape[0]):
+        r = slice(run.start, run.stop)
+        d_l = None if d_lse is None else d_lse[0, :, r].contiguous()
+        parts = ops.varlen[1](d_out[0, r], d_l, q[0, r], k[0, r], v[0, r], out[0, r], lse[0, :, r].contiguous(),
+                              *_packed_arguments(run, q.device), **arguments)
+        accumulate([g[:, r] for g in grads], [x[None] for x in parts])
+        return
+    for a, b in run.parts():
+        parts = ops.backward(d_out[:, a:b], None if d_lse is None else d_lse[:, :, a:b], q[:, a:b], k[:, a:b],
+                             v[:, a:b], out[:, a:b], lse[:, :, a:b], **arguments)
+        accumulate([g[:, a:b] for g in grads], list(parts))
 
 
 def block_gradients(ops: BlockOps, q, k, v, out, lse, d_out, d_lse, scale):

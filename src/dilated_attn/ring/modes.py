@@ -54,9 +54,10 @@ class RingCall:
 
 
 def _ring_config(q_like: Problem, plan, rank: int, group, gw, gr, head_groups: str, backend: str,
-                 head_start: int = 0, global_heads: int = 0) -> RingConfig:
+                 head_start: int = 0, global_heads: int = 0, packed=None) -> RingConfig:
     """The ring's config for a local problem `q_like` (the shard's sizes): its local branches' problem and
-    backend."""
+    backend. With `packed` (cu_seqlens, max_seqlen) the backend is the one a pack's call would run (its internal
+    runs are packs of their parts)."""
     local = plan.local_branches
     all_local = len(local) == len(gw)
     local_problem = Problem.from_sizes(
@@ -66,7 +67,9 @@ def _ring_config(q_like: Problem, plan, rank: int, group, gw, gr, head_groups: s
         records_backward=q_like.records_backward)
     if global_heads:
         local_problem = local_problem.with_heads(head_start, global_heads)
-    chosen = dispatch.select(local_problem, backend).name
+    asked = local_problem if packed is None else dataclasses.replace(local_problem, cu_seqlens=packed[0],
+                                                                        max_seqlen=packed[1])
+    chosen = dispatch.select(asked, backend).name
     return RingConfig(plan, rank, group, local_problem, chosen, q_like.scale, q_like.causal)
 
 
@@ -110,7 +113,7 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     if groups.two_d:
         (inner, outer), (ri, ro), (Pi, Po) = groups.all, groups.ranks, groups.sizes
         share = heads_share(p, N, Pi, ri, layout)
-        attention, chosen = _two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout, backend, offsets)
+        attention, chosen = _two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout, backend, packed, offsets)
         return RingCall("2d", f"a 2-D group: heads across the inner {Pi} ranks, ring across the outer {Po}", p,
                         (gw, gr), chosen, head_parallel=attention)
     group, rank = groups.all[0], groups.rank
@@ -132,7 +135,7 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     if mode == "ring" or (mode == "auto" and not heads_wins):
         reason = ("asked for" if mode == "ring" else
                   f"heads cannot run ({why_not})" if share is None else "it sends fewer bytes than heads")
-        cfg = _ring_config(p, plan, rank, group, gw, gr, head_groups, backend)
+        cfg = _ring_config(p, plan, rank, group, gw, gr, head_groups, backend, packed=packed)
         return RingCall("ring", reason, p, (gw, gr), cfg.backend, sent, ring=cfg)
     reason = ("asked for" if mode == "heads" else "packed sequences run whole in the heads mode" if packed
               else "it sends fewer bytes than ring")
@@ -221,9 +224,9 @@ def _packed_heads(p: Problem, share: HeadShare, group, problems: list[Problem], 
 
 
 def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int, L_outer: int, gw, gr, layout: str,
-           backend: str, offsets=None) -> tuple[HeadParallelAttention, str]:
+           backend: str, packed=None, offsets=None) -> tuple[HeadParallelAttention, str]:
     """The 2-D mode: each head group's gathered [B, Pi*L, h, D] tensors are one shard of a ring across `outer`
-    (`offsets`: a pack's cu_seqlens, for the ring's plan)."""
+    (`packed`: a pack's (cu_seqlens, max_seqlen), `offsets` its offsets, for the ring's plan)."""
     configs = []
     for g, (qs, ks) in enumerate(share.groups):
         h0 = share.head_start + qs.start
@@ -231,7 +234,7 @@ def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int,
         plan = ring_plan(Po, L_outer, n_q, n_kv, gw, gr, "all", p.causal, layout, h0, p.num_heads, offsets)
         local = Problem.from_sizes(p.batch, L_outer, n_q, n_kv, p.head_dim, gw, gr, dtype=p.dtype, device=p.device,
                                    causal=p.causal, scale=p.scale, records_backward=p.records_backward)
-        configs.append(_ring_config(local, plan, outer_rank, outer, gw, gr, "all", backend, h0, p.num_heads))
+        configs.append(_ring_config(local, plan, outer_rank, outer, gw, gr, "all", backend, h0, p.num_heads, packed))
 
     def attend(g, q_h, k_h, v_h):
         out, lse, exchanged = ring_forward(q_h, k_h, v_h, configs[g])

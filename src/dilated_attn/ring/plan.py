@@ -13,9 +13,8 @@ sizes travel. For a branch `(w, r)`:
   Heads whose pieces have the same member counts are stacked into one problem (a `HeadStack`).
 
 * Internal runs: with head_groups "all", a spanning branch's segments that lie within one chunk of a rank need
-  nothing from the others. Consecutive ones run in one call of the single-device op with the branch itself on the
-  rank's rows (a `BranchRun`: the op cuts the rows into segments from the run's first row, so every segment of a run
-  but its last is whole), like a local branch; only the segments that cross chunks become head stacks.
+  nothing from the others. Consecutive ones run like a local branch, by the single-device op with the branch
+  itself on the rank's rows (a `BranchRun`); only the segments that cross chunks become head stacks.
 
 Packed sequences (`offsets`, the pack's cu_seqlens): each sequence's segments start at its own first row and the last
 is clipped at its end, so a segment is a range of the pack (`segment_ranges`) rather than a cell of one grid. No
@@ -84,13 +83,20 @@ class BlockTask:
 
 @dataclass(frozen=True)
 class BranchRun:
-    """Consecutive segments of one branch within a rank's chunk: its local rows [start, stop), every segment but the
-    last seg_len long, run by the single-device op with the branch (seg_len, dilation) on those rows."""
+    """Consecutive segments of one branch within a rank's chunk, its local rows [start, stop): the op with the branch
+    (seg_len, dilation) on those rows cuts them into segments from the first row, so where a segment is shorter
+    (the end of a packed sequence) the next starts a part of its own. `bounds`: the parts' first rows from
+    `start`, and the run's length: as one call, the packed op's cu_seqlens; else one call of the op per part."""
 
     seg_len: int
     dilation: int
     start: int
     stop: int
+    bounds: tuple[int, ...]
+
+    def parts(self) -> list[tuple[int, int]]:
+        """The local rows [a, b) of each part."""
+        return [(self.start + a, self.start + b) for a, b in zip(self.bounds, self.bounds[1:])]
 
 
 @dataclass(eq=False)  # hashed by identity: plans are cached, and so are their index tensors
@@ -158,11 +164,13 @@ def _internal_runs(segments: list[tuple[int, int]], s: int, rank_chunks: list[li
         start, stop = base + a - ca, base + b - ca
         mine = runs[rank]
         last = mine[-1] if mine else None
-        # the op segments a run from its first row: it may go on only after whole segments
-        if last is not None and last.stop == start and (last.stop - last.start) % s == 0:
-            mine[-1] = BranchRun(s, dilation, last.start, stop)
+        if last is not None and last.stop == start:
+            # the op segments a part from its first row: after a shorter segment, a new part
+            whole = (last.stop - last.start - last.bounds[-2]) % s == 0
+            bounds = last.bounds[:-1] + (() if whole else (start - last.start,)) + (stop - last.start,)
+            mine[-1] = BranchRun(s, dilation, last.start, stop, bounds)
         else:
-            mine.append(BranchRun(s, dilation, start, stop))
+            mine.append(BranchRun(s, dilation, start, stop, (0, stop - start)))
     return runs, crossing
 
 

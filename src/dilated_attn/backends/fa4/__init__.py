@@ -120,11 +120,11 @@ class Fa4Backend(Backend):
             raise RuntimeError(f"dilated_attn: the fa4 backend cannot run: {why}")
         return torch.ops.dilated_attn.fa4_forward, torch.ops.dilated_attn.fa4_backward
 
-    def forward_varlen(self, q, k, v, p):
+    def varlen_ops(self, head_dim):
         self.ops()
-        if p.head_dim % VARLEN_HEAD_DIM_STEP:
-            return super().forward_varlen(q, k, v, p)  # one sequence at a time
-        return torch.ops.dilated_attn.fa4_varlen_forward(q, k, v, p.cu_seqlens, p.max_seqlen, **p.op_arguments())
+        if head_dim % VARLEN_HEAD_DIM_STEP:
+            return None  # one sequence at a time
+        return torch.ops.dilated_attn.fa4_varlen_forward, torch.ops.dilated_attn.fa4_varlen_backward
 
     def dense_ops(self):
         self.ops()  # loaded, or why not

@@ -131,10 +131,10 @@ class TritonBackend(Backend):
         self.ops()
         return _ops.decode(q, k_cache, v_cache, cp)
 
-    def forward_varlen(self, q, k, v, p):
+    def varlen_ops(self, head_dim):
         # the whole pack in each launch: a program per (sequence, head, segment, block), no padding copies
         self.ops()
-        return torch.ops.dilated_attn.triton_varlen_forward(q, k, v, p.cu_seqlens, p.max_seqlen, **p.op_arguments())
+        return torch.ops.dilated_attn.triton_varlen_forward, torch.ops.dilated_attn.triton_varlen_backward
 
 
 TRITON = TritonBackend()
