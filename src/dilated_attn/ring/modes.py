@@ -130,7 +130,7 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     sent = {"ring": ring_bytes}
     if share is not None:
         sent["heads"] = _heads_bytes(p, share)
-    # packs: heads wherever it runs (it runs the packed kernels whole; the ring runs a block per segment)
+    # packs: heads wherever it runs (faster on 2 H200s though it sends more: benchmarks/README.md, "Ring attention")
     heads_wins = share is not None and (packed is not None or sent["heads"] < ring_bytes)
     if mode == "ring" or (mode == "auto" and not heads_wins):
         reason = ("asked for" if mode == "ring" else
