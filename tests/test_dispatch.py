@@ -405,7 +405,7 @@ def test_explain_reports_the_forward_and_backward_pair(monkeypatch):
     q, k, v = _qkv()
     d = dilated_attn.explain(q, k, v, SEGS, DILS)
     assert (d.backend, d.backward, d.lse_gradient_backward) == ("cpu", "cpu", "cpu")
-    assert "  forward: cpu, backward: cpu, where the LSE has a gradient too\n" in str(d)
+    assert "  forward: cpu, backward: cpu (also where the LSE has a gradient)\n" in str(d)
     for b in (backends.CUDNN, backends.TRITON):
         monkeypatch.setattr(b, "unavailable", lambda: None)
     p = _fake_cuda_problem(monkeypatch)

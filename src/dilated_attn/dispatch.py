@@ -247,7 +247,7 @@ class Decision:
             if self.lse_gradient_rule:
                 line += f"; where the LSE has a gradient: {self.lse_gradient_backward} ({self.lse_gradient_rule})"
             elif self.lse_gradient_backward is not None:
-                line += ", where the LSE has a gradient too"
+                line += " (also where the LSE has a gradient)"
             lines.append(line)
         if self.fallback:
             lines.append(f"  fallback: {self.fallback}")
