@@ -11,7 +11,6 @@ sizes travel. For a branch `(w, r)`:
   order form one dense (causal or not) attention problem, so a spanning branch is dense ring attention on
   compacted tensors among the ranks that share segments: only 1/r of K and V travels, only to ranks that read it.
   Heads whose pieces have the same member counts are stacked into one problem (a `HeadStack`).
-
 * Internal runs: with head_groups "all", a spanning branch's segments that lie within one chunk of a rank need
   nothing from the others. Consecutive ones run like a local branch, by the single-device op with the branch
   itself on the rank's rows (a `BranchRun`); only the segments that cross chunks become head stacks.
@@ -255,7 +254,7 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
             for src in range(P):
                 _plan_rank_pair(index, stack, rank, src, causal, needed[rank][src][index], tasks[rank][src])
     for rank in range(P):
-        tasks[rank][rank] = _segment_runs(tasks[rank][rank])
+        tasks[rank][rank] = _own_segments_joined(tasks[rank][rank])
     # A task against received rows indexes the stack's received tensor: the stack's ranges one after another.
     for rank in range(P):
         for src in range(P):
@@ -274,10 +273,10 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
     return RingPlan(P, L, layout, local, stacks, needed, tasks, runs)
 
 
-def _segment_runs(own: list[BlockTask]) -> list[BlockTask]:
-    """A rank's own blocks with each run of consecutive segments of one stack as one task (seg_len): the blocks of a
-    run are squares of equal size over consecutive rows, the last possibly smaller, as the single-device op cuts its
-    rows into segments. Packed sequences give such runs: every sequence's segments."""
+def _own_segments_joined(own: list[BlockTask]) -> list[BlockTask]:
+    """A rank's own blocks with consecutive segments of one stack as one task (seg_len): the blocks are squares of
+    equal size over consecutive rows, the last possibly smaller, as the single-device op cuts its rows into
+    segments. Compacted segments within a chunk ("split" heads, whose branches have no internal runs) give them."""
     out: list[BlockTask] = []
     for t in own:
         last = out[-1] if out else None
