@@ -283,7 +283,7 @@ def test_lse_gradient_runs_another_backward(math_loops, kv_heads):
     from dilated_attn.spec import validate
 
     p = validate(q, k, v, case.segment_lengths, case.dilation_rates, causal=True)
-    rule = dilated_attn.backends.CUDNN.lse_gradient_rule
+    rule = dilated_attn.backends.CUDNN.backward_op.lse_gradient_rule
     assert dispatch.backward_backend(p, "cudnn", lse_gradient=True) == ("cpu", rule)
     assert dispatch.backward_backend(p, "cudnn", lse_gradient=False) == ("cudnn", None)
 
@@ -503,7 +503,7 @@ def test_deterministic_algorithms_keep_cudnn_forward_and_run_another_backward(ma
         big = torch.empty(1, 65536, 16, 64, dtype=torch.bfloat16, device="meta")
         p = dataclasses.replace(validate(big, big, big, [2048, 4096], [1, 2]), device=torch.device("cuda", 0))
         assert dilated_attn.backends.CUDNN.why_not(p) is None and dispatch.auto_preference(p)[0] == "cudnn"
-        rule = dilated_attn.backends.CUDNN.nondeterminism_rule
+        rule = dilated_attn.backends.CUDNN.backward_op.nondeterminism_rule
         assert dispatch.backward_backend(p, "cudnn", lse_gradient=False)[1] == rule
         # the rule is read when a compiled caller is traced, without a graph break
         compiled = torch.compile(lambda x: x + len(dispatch.auto_preference(p)[0]), fullgraph=True)

@@ -123,7 +123,7 @@ def test_reasons_list_every_rule_an_input_breaks(monkeypatch):
                 f"compute capability 7.5 < 8.0 ({rule})", "head_dim 132 is not a multiple of 8 (cuDNN's 16-byte rows)"]
     assert backends.CUDNN.reasons(p) == expected
     assert backends.CUDNN.why_not(p) == "; ".join(expected)
-    call_rules = [backends.CUDNN.lse_gradient_rule, backends.CUDNN.nondeterminism_rule]
+    call_rules = [backends.CUDNN.backward_op.lse_gradient_rule, backends.CUDNN.backward_op.nondeterminism_rule]
     assert backends.CUDNN.backward_reasons(p, lse_gradient=True, deterministic=True) == (expected[:3] + call_rules
                                                                                         + expected[3:])
     assert backends.CUDNN.why_not_backward(lse_gradient=True, deterministic=True) == "; ".join(call_rules)
@@ -410,7 +410,7 @@ def test_explain_reports_the_forward_and_backward_pair(monkeypatch):
         monkeypatch.setattr(b, "unavailable", lambda: None)
     p = _fake_cuda_problem(monkeypatch)
     d = dispatch.decide(p, "cudnn")
-    lse_rule, nondeterminism_rule = backends.CUDNN.lse_gradient_rule, backends.CUDNN.nondeterminism_rule
+    lse_rule, nondeterminism_rule = backends.CUDNN.backward_op.lse_gradient_rule, backends.CUDNN.backward_op.nondeterminism_rule
     assert (d.backend, d.backward, d.lse_gradient_backward) == ("cudnn", "cudnn", "triton")
     assert f"  forward: cudnn, backward: cudnn; where the LSE has a gradient: triton ({lse_rule})\n" in str(d)
     monkeypatch.setattr(dispatch, "_deterministic_algorithms", lambda: True)

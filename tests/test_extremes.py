@@ -44,7 +44,7 @@ GPU_DTYPES = (F32, F16, BF16)
 ALL_BACKENDS = (*BACKENDS, *GPU_BACKENDS)
 # numpy, under the interpreter, warns about overflow/NaN in lanes that the kernels mask out afterwards.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
-DTYPES = {"cpu": CPU.dtypes, "reference": (F16, BF16, F32, F64), "triton": (F32, F16)}
+DTYPES = {"cpu": CPU.forward_op.dtypes, "reference": (F16, BF16, F32, F64), "triton": (F32, F16)}
 NO_INTERPRETER = pytest.mark.skipif(not INTERPRETER,
                                     reason="Triton interpreter off (needs triton, TRITON_INTERPRET=1, no GPU)")
 

@@ -99,16 +99,6 @@ class BackwardOp(ForwardOp):
         return found
 
 
-class _Declared:
-    """A field of a backend's forward or backward declaration, read as an attribute of the backend or its class."""
-
-    def __init__(self, op: str, field: str):
-        self.op, self.field = op, field
-
-    def __get__(self, backend, owner):
-        return getattr(getattr(owner, self.op), self.field)
-
-
 class OnceLoader:
     """A backend's import of its kernels (`load`: None, or why they cannot be loaded), run on the first call and
     remembered. Thread-safe: a second thread's first call waits until the first has finished (and the ops it
@@ -157,11 +147,6 @@ class Backend:
     name: str = ""
     forward_op: ForwardOp
     backward_op: BackwardOp
-    # the fields callers read off the backend itself
-    dtypes = _Declared("forward_op", "dtypes")
-    max_head_dim = _Declared("forward_op", "max_head_dim")
-    lse_gradient_rule = _Declared("backward_op", "lse_gradient_rule")
-    nondeterminism_rule = _Declared("backward_op", "nondeterminism_rule")
 
     def supported_device_types(self) -> Optional[tuple[str, ...]]:
         """The device types of the tensors it takes in this process (None: any)."""

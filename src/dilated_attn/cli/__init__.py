@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16", "float32"], default=["bfloat16"],
                    dest="dtypes", help="default: bfloat16")
     w.add_argument("--head-dim", nargs="+", type=head_dim_arg, default=[128], dest="head_dims",
-                   help=f"default: 128 (at most {triton_backend.TritonBackend.max_head_dim}; fa4: "
-                        f"{FA4.max_head_dim})")
+                   help=f"default: 128 (at most {triton_backend.TRITON.forward_op.max_head_dim}; fa4: "
+                        f"{FA4.forward_op.max_head_dim})")
     w.add_argument("--causal", choices=["both", "true", "false"], default="both",
                    help="which masking to compile for (default: both)")
     w.add_argument("--allow-tf32", action="store_true",
@@ -251,9 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def head_dim_arg(text: str) -> int:
     value = positive_int(text)
-    if value > triton_backend.TritonBackend.max_head_dim:
-        raise argparse.ArgumentTypeError(f"must be at most {triton_backend.TritonBackend.max_head_dim} (the triton "
-                                         f"backend's largest head dim), got {value}")
+    largest = triton_backend.TRITON.forward_op.max_head_dim
+    if value > largest:
+        raise argparse.ArgumentTypeError(f"must be at most {largest} (the triton backend's largest head dim), got "
+                                         f"{value}")
     return value
 
 
