@@ -48,26 +48,40 @@ def _global_inputs(case: dict, dtype, device):
     return rand(B, N, Hq, D), rand(B, N, Hkv, D), rand(B, N, Hkv, D), rand(B, N, Hq, D), rand(B, Hq, N)
 
 
+def _pack_offsets(case, device) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(case["lengths"])], dtype=torch.int32, device=device)
+
+
+def _options(case, backend) -> dict:
+    return dict(causal=case.get("causal", False), head_groups=case.get("head_groups", "all"), return_lse=True,
+                backend=backend, scale=case.get("scale"))
+
+
+def _ring_options(case, q, backend="auto") -> dict:
+    """ring_attention's keyword arguments for a case on this rank's shard q (a pack's: [L, H, D])."""
+    kw = dict(_options(case, case.get("backend", backend)), layout=case.get("layout", "contiguous"), group=_GROUP,
+              mode=case.get("mode", "auto"))
+    if "lengths" in case:
+        kw["cu_seqlens"] = _pack_offsets(case, q.device)
+    return kw
+
+
 def _attention(case, q, k, v, ring: bool, backend="auto"):
-    kw = dict(causal=case.get("causal", False), head_groups=case.get("head_groups", "all"), return_lse=True,
-              backend=backend, scale=case.get("scale"))
+    """A case's (out, lse). A pack of sequences of case["lengths"] (B = 1) runs on the [N, H, D] tensors of its
+    batch of one, and its results come back as a batch of one."""
     w, r = case.get("w"), case.get("r")
-    if "lengths" in case:  # a pack of these sequences (B = 1): its [N, H, D] tensors, the results as a batch of one
-        cu = torch.tensor([0, *itertools.accumulate(case["lengths"])], device=q.device)
+    packed = "lengths" in case
+    if packed:
         q, k, v = q[0], k[0], v[0]
-        if ring:
-            kw["backend"] = case.get("backend", backend)
-            out, lse = dilated_attn.ring_attention(q, k, v, w, r, layout=case.get("layout", "contiguous"),
-                                                   group=_GROUP, mode=case.get("mode", "auto"), cu_seqlens=cu, **kw)
-        else:
-            out, lse = dilated_attn.dilated_attention_varlen(q, k, v, cu, w, r, **kw)
-        return out[None], lse[None]
     if ring:
-        kw["backend"] = case.get("backend", backend)
-        return dilated_attn.ring_attention(q, k, v, w, r, layout=case.get("layout", "contiguous"), group=_GROUP,
-                                           mode=case.get("mode", "auto"), **kw)
-    N = q.shape[1]
-    return dilated_attn.dilated_attention(q, k, v, w or [N], r or [1], **kw)
+        out, lse = dilated_attn.ring_attention(q, k, v, w, r, **_ring_options(case, q, backend))
+    elif packed:
+        out, lse = dilated_attn.dilated_attention_varlen(q, k, v, _pack_offsets(case, q.device), w, r,
+                                                         **_options(case, backend))
+    else:
+        N = q.shape[1]
+        out, lse = dilated_attn.dilated_attention(q, k, v, w or [N], r or [1], **_options(case, backend))
+    return (out[None], lse[None]) if packed else (out, lse)
 
 
 def _run(case, q, k, v, grad_out, grad_lse, ring: bool, backend="auto"):
@@ -131,7 +145,13 @@ def _compare_in_group(case):
     q, k, v, go, gl = _global_inputs(case, torch.float64, "cpu")
     want = _run(case, q, k, v, go, gl, ring=False, backend="cpu")
     got = _run(case, *(_local(x, case) for x in (q, k, v, go)), _local(gl, case, dim=2), ring=True)
-    return _errors(got, [_local(b, case, dim) for b, dim in zip(want, (1, 2, 1, 1, 1))])
+    errors = _errors(got, [_local(b, case, dim) for b, dim in zip(want, (1, 2, 1, 1, 1))])
+    if "lengths" in case:  # a pack: the mode that ran (auto: heads where it runs, else case["ran"])
+        local = [_local(x, case)[0] for x in (q, k, v)]
+        ran = dilated_attn.explain_ring(*local, case.get("w"), case.get("r"), **_ring_options(case, local[0])).mode
+        if ran != case.get("ran", case.get("mode", "heads")):
+            errors["mode"] = ran
+    return errors
 
 
 def _errors(got, want) -> dict:
@@ -465,63 +485,28 @@ def _check_bad_rank(results, cases):
     assert not failures, "\n".join(failures)
 
 
-def _compare_packed(case, rank):
-    """A pack's shards through ring_attention(cu_seqlens=...) against dilated_attention_varlen on the whole pack in
-    this process (float64, the cpu backend): out, LSE and the gradients of this rank's rows."""
-    lengths, Hq, Hkv, D = case["pack"]
-    T = sum(lengths)
-    q, k, v, go, gl = _global_inputs(dict(shape=(1, T, Hq, Hkv, D), seed=case["seed"]), torch.float64, "cpu")
-    q, k, v, go, gl = q[0], k[0], v[0], go[0], gl[0]
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    kw = dict(causal=case.get("causal", False), head_groups=case.get("head_groups", "all"), return_lse=True)
-    layout = case.get("layout", "contiguous")
-
-    def run(q, k, v, go, gl, ring):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        if ring:
-            group = _mesh_pair(case["inner"]) if case.get("mode") == "2d" else None
-            out, lse = dilated_attn.ring_attention(*leaves, case["w"], case["r"], cu_seqlens=cu, layout=layout,
-                                                   mode=case.get("mode", "auto"), group=group, **kw)
-        else:
-            out, lse = dilated_attn.dilated_attention_varlen(*leaves, cu, case["w"], case["r"], backend="cpu", **kw)
-        torch.autograd.backward((out, lse), (go, torch.where(torch.isfinite(lse), gl, 0)))
-        return [out.detach(), lse.detach()] + [x.grad for x in leaves]
-
-    def mine(x, dim=0):
-        return dilated_attn.shard(x, layout=layout, dim=dim)
-
-    got = run(*(mine(x) for x in (q, k, v, go)), mine(gl, 1), ring=True)
-    want = run(q, k, v, go, gl, ring=False)
-    errors = _errors(got, [mine(b, dim) for b, dim in zip(want, (0, 1, 0, 0, 0))])
-    ran = dilated_attn.explain_ring(*(mine(x) for x in (q, k, v)), case["w"], case["r"], cu_seqlens=cu,
-                                    layout=layout, mode=case.get("mode", "auto"),
-                                    group=_mesh_pair(case["inner"]) if case.get("mode") == "2d" else None, **kw).mode
-    if ran != case.get("ran", case.get("mode", "heads")):
-        errors["mode"] = ran
-    return errors
-
-
 def _packed_cases(P: int) -> list:
     """Packs of P*L rows whose sequences cross rank boundaries: empty and one-row sequences, segments longer than
     a sequence, dilations that do not divide the lengths, GQA, causal, both layouts."""
     L = 20
     cases = [
-        dict(name="pack", pack=([5, 0, 17, P * L - 22], 4, 2, 3), w=[4, 8], r=[1, 2]),
-        dict(name="pack causal zigzag", pack=([1, 30, P * L - 31], 4, 4, 3), w=[6, 16], r=[1, 3], causal=True,
-             layout="zigzag"),
-        dict(name="pack MQA, one sequence", pack=([P * L], 2 * P, 1, 2), w=[3, 2 * L], r=[2, 5], causal=True),
-        dict(name="pack of short sequences", pack=([3] * (P * L // 3) + [P * L % 3], 2 * P, 2 * P, 2), w=[2, 64],
-             r=[1, 4]),
+        dict(name="pack", lengths=[5, 0, 17, P * L - 22], heads=(4, 2, 3), w=[4, 8], r=[1, 2]),
+        dict(name="pack causal zigzag", lengths=[1, 30, P * L - 31], heads=(4, 4, 3), w=[6, 16], r=[1, 3],
+             causal=True, layout="zigzag"),
+        dict(name="pack MQA, one sequence", lengths=[P * L], heads=(2 * P, 1, 2), w=[3, 2 * L], r=[2, 5],
+             causal=True),
+        dict(name="pack of short sequences", lengths=[3] * (P * L // 3) + [P * L % 3], heads=(2 * P, 2 * P, 2),
+             w=[2, 64], r=[1, 4]),
         # the heads mode runs head_groups "all" only: auto takes this one to the ring
-        dict(name="pack split heads causal zigzag", pack=([7, L + 3, P * L - L - 10], 6, 3, 2), w=[4, 9, 32],
-             r=[1, 2, 3], causal=True, layout="zigzag", head_groups="split", ran="ring"),
+        dict(name="pack split heads causal zigzag", lengths=[7, L + 3, P * L - L - 10], heads=(6, 3, 2),
+             w=[4, 9, 32], r=[1, 2, 3], causal=True, layout="zigzag", head_groups="split", ran="ring"),
     ]
-    for c in cases:
-        c["seed"] = zlib.crc32(c["name"].encode())
+    for c in cases:  # (Hq, Hkv, D) as a batch of one
+        c.update(shape=(1, P * L, *c.pop("heads")), seed=zlib.crc32(c["name"].encode()))
     return cases
 
 
-JOBS = {"compare_packed": _compare_packed, "compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank}
+JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -556,8 +541,8 @@ def test_packed_sequences_match_dilated_attention_varlen_gloo(world, tmp_path):
     cases += [dict(c, mode="ring", name=f"{c['name']} [ring]") for c in cases if c.get("ran") != "ring"]
     if world == 4:
         cases += [dict(c, mode="2d", inner=2, name=f"{c['name']} [2d]") for c in _packed_cases(world)
-                  if c["pack"][1] % 2 == 0 and c.get("head_groups") != "split"]
-    _check(_spawn(world, "gloo", "compare_packed", cases, tmp_path), cases)
+                  if c["shape"][2] % 2 == 0 and c.get("head_groups") != "split"]
+    _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
     q = torch.randn(8, 2, 4)
     with pytest.raises(ValueError, match="must be 3-D \\[total_tokens, heads, head_dim\\]"):
         dilated_attn.ring_attention(q[None], q[None], q[None], [4], [1], cu_seqlens=torch.tensor([0, 3, 8]))
