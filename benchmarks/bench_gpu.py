@@ -22,8 +22,9 @@ Providers (each measured in the same process, on the same inputs):
                               (the first branch's shape alone, where its dilation is 1): the kernels' ceiling
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
-(dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run); with --rounds R the providers of a
-configuration are timed in turn R times and a row gives the median of its R medians; TFLOP/s use
+(dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run), after a few seconds of load that
+bring the GPU to its sustained clock (settle_clock); with --rounds R the providers of a configuration are timed in
+turn R times, each round starting with the next provider, and a row gives the median of its R medians; TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; "extra memory"
 is the peak allocated above the inputs during one call, "working memory" that less the results every provider must
 hold (out, and with the backward its float32 LSE, dQ, dK and dV: results_bytes). Before timing, the Triton kernels
@@ -55,6 +56,7 @@ from dilated_attn.benchmarking import (
     peak_memory_bytes,
     random_inputs,
     say,
+    settle_clock,
     tflops,
 )
 from dilated_attn.reference import dilated_attention_reference
@@ -240,8 +242,12 @@ def main(argv=None):
         for mode in ("fwd", "fwd+bwd"):
             backward = mode == "fwd+bwd"
             rounds, extra = {name: [] for name in runnable}, {}
-            for _ in range(args.rounds):  # the providers in turn, round after round: drift hits them alike
-                for name, attention in runnable.items():
+            settle_clock("cuda")
+            names = list(runnable)
+            for r in range(args.rounds):  # the providers in turn, each round starting one further along: drift,
+                # and whatever the provider before leaves behind, hit them alike
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    attention = runnable[name]
                     if name not in rounds:
                         continue
                     call = attention_call(attention, inputs, mode)

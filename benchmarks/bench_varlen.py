@@ -15,8 +15,8 @@ Rows (each measured in this process, on the same GPU, forward and forward+backwa
             without varlen runs (padding keys then enter the short sequences' softmax: a cost only, not a result)
 TFLOP/s count each sequence with its own length (segments clipped to it: dilated_attn.benchmarking.flops), so the pack's
 and the uniform sequence's rates compare the kernels' speed, and padded's rate counts only the pack's work.
-Times are medians of --repeats runs after --warmup (dilated_attn.benchmarking.median_ms, L2 flushed), the providers
-timed in turn for --rounds rounds and the median of the round medians reported.
+Times are medians of --repeats runs after --warmup (dilated_attn.benchmarking.median_ms, L2 flushed), on a GPU
+brought to its sustained clock first (settle_clock), the providers timed in turn for --rounds rounds and the median of the round medians reported.
 """
 
 from __future__ import annotations
@@ -30,7 +30,16 @@ import torch
 import triton
 
 import dilated_attn
-from dilated_attn.benchmarking import LONGNET, Record, attention_call, flops, median_ms, peak_memory_bytes, say
+from dilated_attn.benchmarking import (
+    LONGNET,
+    Record,
+    attention_call,
+    flops,
+    median_ms,
+    peak_memory_bytes,
+    say,
+    settle_clock,
+)
 from dilated_attn.spec import validate, validate_varlen
 
 LENGTHS = [1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168, 10240, 6144]
@@ -92,6 +101,7 @@ def main(argv=None) -> None:
                     json_path=out)
     for mode in ("fwd", "fwd+bwd"):
         samples = {name: [] for name in providers}
+        settle_clock("cuda")
         for _ in range(args.rounds):
             for name, (attention, inputs, _) in providers.items():
                 samples[name].append(median_ms(attention_call(attention, inputs, mode), "cuda", args.warmup,

@@ -3,10 +3,13 @@
 # JSON go under $OUT (default ./gpu_out).
 # The build holds Pascal's tile tables in the sm_70+ code too (DILATED_ATTN_PASCAL_PROXY=1), so that the tests, the
 # sanitizers and bench_cuda_kernels.py run them on this GPU (DILATED_ATTN_CUDA_TILES=pascal or gp100).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|fa4|ring|ring_bench|ring_ab|main|tune|first_call|varlen|decode|tile_order|ncu|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|fa4|ring|ring_bench|ring_ab|main|tune|first_call|varlen|decode|tile_order|ncu|tune_fa4|all]...
 #   fa4: the fa4 backend's GPU tests, then benchmarks/bench_gpu.py on N = 65536 (causal and not, Hkv 16, 4, 1) for the
 #        kernels cudnn and fa4 and their first-branch shape alone (${FA4_ARGS}); needs flash-attn-4 installed or on
 #        PYTHONPATH (the wheels travel as ../shared/tools/carry-wheels.sh prints)
+#   tune_fa4: benchmarks/tune_fa4.py ${TUNE_FA4_ARGS} (FlashAttention-4's forward tiles against the cudnn backend), then
+#        each kernel's time in one forward of the fa4 and cudnn backends (profile_triton.py --kernel-times); needs
+#        flash-attn-4 as for fa4
 #   cuda_kernels: benchmarks/bench_cuda_kernels.py ${CUDA_KERNELS_ARGS} (both tile tables against the fp32 FMA peak)
 #   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
 #   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS};
@@ -92,6 +95,12 @@ for stage in $stages; do
       python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/test_fa4.py 2>&1 | tee "$OUT/fa4_tests.log" | tail -20
       python3 benchmarks/bench_gpu.py --presets 0,1 --kv-heads 16,4,1 --providers cudnn,fa4,segments_cudnn,segments_fa4 --rounds 3 \
         ${FA4_ARGS:-} --out "$OUT/fa4_bench.json" 2>&1 | tee "$OUT/fa4_bench.log" ;;
+    tune_fa4)
+      python3 benchmarks/tune_fa4.py ${TUNE_FA4_ARGS:-} --out "$OUT/tune_fa4.json" 2>&1 | tee "$OUT/tune_fa4.log"
+      for backend in fa4 cudnn; do
+        python3 benchmarks/profile_triton.py --kernel-times --forward-only --backend $backend 2>&1 \
+          | tee "$OUT/kernel_times_$backend.log" | tail -25
+      done ;;
     ncu)
       ncu --profile-from-start off -k regex:"${NCU_KERNELS:-_fwd_kernel|_dkdv_kernel|_dq_kernel}" -c ${NCU_COUNT:-6} \
         --section SpeedOfLight \

@@ -1,6 +1,8 @@
 """The benchmark library: the measuring of every script in benchmarks/ and of `dilated-attn bench`.
 
     median_ms               median time of a call after warm-up (CUDA events with L2 flushed; time.perf_counter)
+    settle_clock            a few seconds of matrix products, so that the timings that follow run at the GPU's
+                            sustained clock, not at the boost of a GPU that was idle
     peak_memory_bytes       the most one call allocates on a GPU above what was allocated before it
     random_inputs           seeded q, k, v (requiring grad) and an output gradient, GQA-capable
     attention_call          a forward, or forward and backward, of an attention function, as one call to time
@@ -35,7 +37,7 @@ from .spec import BACKEND_NAMES, Problem, host_offsets, sequence_problem
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
-    "say", "median_ms", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs", "random_inputs",
+    "say", "median_ms", "settle_clock", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs", "random_inputs",
     "attention_call", "tflops",
     "device_info", "versions", "triton_version", "command_line", "Record", "applicable_backends",
 ]
@@ -123,6 +125,21 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int,
               combine: Optional[Callable[[list[float]], Sequence[float]]] = None) -> float:
     """Median milliseconds of `fn()` over `repeats` timed runs after `warmup` untimed ones (run_times_ms)."""
     return statistics.median(run_times_ms(fn, device, warmup, repeats, before_run=before_run, combine=combine))
+
+
+def settle_clock(device: torch.device | str, seconds: float = 3.0) -> None:
+    """Keeps a GPU busy with bf16 matrix products for `seconds`. An idle GPU starts at its boost clock and settles
+    lower under sustained load (an H200: the first of several rounds ran 10-15% faster than the rest): timing a
+    comparison's first provider on a rested GPU would favour it. Nothing on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize(device)
 
 
 def format_ms(ms: float) -> str:

@@ -1,0 +1,180 @@
+"""FlashAttention-4's forward options for the fa4 backend: each candidate (tile and pipeline flags of its Hopper
+forward) timed on the fa4 backend's LongNet forward, beside the cudnn backend, in one run.
+
+    python benchmarks/tune_fa4.py                      # bf16, H=16, D=128, N=65536, LongNet branches, causal and not
+    python benchmarks/tune_fa4.py --rounds 6 --candidates 0,7,9 --mode both   # three candidates, also fwd+bwd
+
+Rows, for each causal setting:
+  cudnn         the cudnn backend's forward (the yardstick of the fa4 backend's forward)
+  fa4 <opts>    the fa4 backend's forward with backends/fa4/ops.py's FORWARD_OPTIONS set to the candidate ({}:
+                FlashAttention's own choice)
+  dense <opts>  FlashAttention-4 alone on the first branch's shape ([N/2048, 2048, H, D]) with the candidate
+                (forward only)
+With --mode fwd+bwd or both, the backends' forward+backward too (the options change its forward). With --serial,
+each fa4 row also without the forward's second stream (`... serial`: ops.OVERLAP_CALLS off), in the same run.
+The GPU is brought to its sustained clock before the rounds (settle_clock).
+Each candidate's output is checked against the first candidate's (the max difference in the JSON; bf16 rounds at
+about 4e-3 of the values' scale). A candidate the kernel cannot build is recorded with its error. The providers are
+timed in turn for --rounds rounds, each round starting with the next provider; a row gives the median of its round
+medians (dilated_attn.benchmarking.median_ms, L2 flushed). The best candidate goes into FORWARD_OPTIONS by hand,
+with the run that chose it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+import dilated_attn
+from dilated_attn import backends
+from dilated_attn.benchmarking import (
+    LONGNET,
+    Record,
+    attention_call,
+    flops,
+    median_ms,
+    random_inputs,
+    say,
+    settle_clock,
+)
+from dilated_attn.spec import validate
+
+CANDIDATES = [
+    {},  # FlashAttention-4's choice (4.0.0b36, Hopper, D = 128: 128 x 128, P from registers, intra-warpgroup overlap)
+    dict(tile_mn=(128, 176)),  # FlashAttention-3's non-causal tile for D = 128
+    dict(tile_mn=(128, 160)),
+    dict(tile_mn=(128, 144)),
+    dict(tile_mn=(128, 192)),
+    dict(tile_mn=(128, 112)),
+    dict(tile_mn=(128, 176), mma_pv_is_rs=False),
+    dict(tile_mn=(128, 128), mma_pv_is_rs=False),
+    dict(tile_mn=(128, 128), intra_wg_overlap=False),
+    dict(tile_mn=(192, 128), mma_pv_is_rs=False),  # FlashAttention-4's tile for D <= 96
+    dict(tile_mn=(192, 112), mma_pv_is_rs=False),
+    dict(tile_mn=(128, 112), mma_pv_is_rs=False),
+    dict(tile_mn=(128, 144), mma_pv_is_rs=False),
+]
+
+
+def label(options: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items()) or "default"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq-len", type=int, default=65536)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--candidates", default=None, help="indices into CANDIDATES (default: all)")
+    ap.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="fwd")
+    ap.add_argument("--serial", action="store_true",
+                    help="also each candidate with the forward's calls on one stream (ops.OVERLAP_CALLS off)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    backends.get("fa4").ops()  # loads flash-attn-4, or says why not
+    from flash_attn.cute import interface as fa
+
+    from dilated_attn.backends.fa4 import ops
+
+    dev = torch.device("cuda")
+    major = torch.cuda.get_device_capability(dev)[0]
+    segs, dils = LONGNET
+    N, H, D = args.seq_len, args.heads, args.head_dim
+    candidates = CANDIDATES if args.candidates is None else [CANDIDATES[int(i)] for i in args.candidates.split(",")]
+    modes = ["fwd", "fwd+bwd"] if args.mode == "both" else [args.mode]
+    inputs = random_inputs(1, N, H, D, dtype=torch.bfloat16, device=dev)
+    q, k, v = (x.detach() for x in inputs[:3])
+    first = segs[0]
+    cut = [x.reshape(-1, first, H, D) for x in (q, k, v)]
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"tune_fa4_{torch.cuda.get_device_name(dev).replace(' ', '_')}.json")
+    record = Record("fa4_forward_options", dev, dict(N=N, heads=H, head_dim=D, dtype="bfloat16", segment_lengths=segs,
+                                                     dilation_rates=dils, warmup=args.warmup, repeats=args.repeats,
+                                                     rounds=args.rounds, mode=args.mode), json_path=out)
+    for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
+        work = flops(validate(q, k, v, segs, dils, causal=causal))
+        dense_work = 4 * N * first * H * D * (0.5 if causal else 1.0)
+        key = (major, D, causal)
+
+        def backend(name, options=None, mode="fwd", overlap=True):
+            def attention(q, k, v):
+                return dilated_attn.dilated_attention(q, k, v, segs, dils, causal=causal, backend=name)
+
+            call = attention_call(attention, inputs, mode)
+
+            def run():
+                if options is not None:
+                    ops.FORWARD_OPTIONS[key] = options
+                ops.OVERLAP_CALLS = overlap
+                try:
+                    return call()
+                finally:
+                    ops.FORWARD_OPTIONS.pop(key, None)
+                    ops.OVERLAP_CALLS = True
+            return run
+
+        def dense(options):
+            return lambda: fa._flash_attn_fwd(*cut, causal=causal, return_lse=True, **options)[0]
+
+        providers = {f"cudnn {mode}": (backend("cudnn", None, mode), work * (3.5 if mode != "fwd" else 1.0))
+                     for mode in modes}
+        reference = None
+        errors = {}
+        for options in candidates:
+            name = label(options)
+            try:
+                ops.FORWARD_OPTIONS[key] = options
+                try:
+                    result = dilated_attn.dilated_attention(q, k, v, segs, dils, causal=causal, backend="fa4")
+                finally:
+                    ops.FORWARD_OPTIONS.pop(key, None)
+                dense(options)()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a tile the kernel cannot build is a result of the sweep
+                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                say(f"causal={causal} {name}: cannot run ({errors[name]})")
+                record.add(dict(causal=causal, provider=f"fa4 {name}", options=options, error=errors[name]))
+                continue
+            if reference is None:
+                reference = result
+            diff = (result.float() - reference.float()).abs().max().item()
+            say(f"causal={causal} {name}: built, max difference from the default {diff:.2e}")
+            for mode in modes:
+                count = work * (3.5 if mode != "fwd" else 1.0)
+                providers[f"fa4 {mode} {name}"] = (backend("fa4", options, mode), count, options, diff)
+                if args.serial:
+                    providers[f"fa4 {mode} {name} serial"] = (backend("fa4", options, mode, False), count, options,
+                                                              diff)
+            providers[f"dense fwd {name}"] = (dense(options), dense_work, options, None)
+        samples = {name: [] for name in providers}
+        settle_clock(dev)
+        names = list(providers)
+        for r in range(args.rounds):  # in turn, each round starting one further along: drift, and whatever the
+            # provider before leaves behind, hit them alike
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                samples[name].append(median_ms(providers[name][0], dev, args.warmup, args.repeats))
+        for name, (fn, count, *rest) in providers.items():
+            ms = statistics.median(samples[name])
+            row = dict(causal=causal, provider=name, median_ms=ms, tflops=count / ms / 1e9,
+                       round_medians_ms=samples[name])
+            if rest:
+                row.update(options=rest[0], max_difference=rest[1])
+            mode = name.split()[1]
+            if name.startswith("fa4"):
+                row["speedup_vs_cudnn"] = statistics.median(samples[f"cudnn {mode}"]) / ms
+            record.add(row)
+            say(f"causal={causal} {name:>60}: {ms:7.3f} ms {row['tflops']:6.1f} TFLOP/s"
+                + (f"  {row['speedup_vs_cudnn']:.3f}x cudnn" if name.startswith("fa4") else ""))
+    record.close()
+
+
+if __name__ == "__main__":
+    main()
