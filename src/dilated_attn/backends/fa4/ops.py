@@ -15,6 +15,7 @@ SPEC.md, "Gradients"), added into the gradients through the steps' views.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -25,6 +26,7 @@ from ...merge import merge_into
 from ...spec import check_offsets, host_offsets, lse_dtype
 from .. import compiled
 from ..autograd import register_attention_autograd
+from ..base import device_capability
 
 # FlashAttention reads the views cuDNN reads (unit-stride rows, 16-byte aligned address and strides, no broadcast
 # dimensions): the same copy where a tensor is not so
@@ -48,6 +50,29 @@ fa = None
 # heads (benchmarks/README.md, "FlashAttention-4").
 MAX_CALL_ELEMENTS = 1 << 25
 MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
+
+# FlashAttention-4's forward options by (compute capability major, head_dim, causal): its tile (`tile_mn`) and
+# pipeline flags where a measured choice beats its own (benchmarks/tune_fa4.py sweeps them); other cases take
+# FlashAttention's choice.
+FORWARD_OPTIONS: dict[tuple[int, int, bool], dict] = {}
+
+
+def _forward_options(q: torch.Tensor, causal: bool) -> dict:
+    if not q.is_cuda:  # the tests' stand-in for FlashAttention on the CPU
+        return {}
+    return FORWARD_OPTIONS.get((device_capability(q.device)[0], q.shape[-1], bool(causal)), {})
+
+
+# Whether a forward runs its merged calls on a second stream beside its stored ones (fa4_forward).
+OVERLAP_CALLS = True
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
 
 # The tensors of each loop and whether each takes the kv-side views: forward q, k, v, out, lse; backward grad_out,
 # q, k, v, out, lse, grad_q, grad_k, grad_v (then grad_lse where it is given).
@@ -95,18 +120,38 @@ def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, s
     out, lse = _results(q, (B, H, N), p.first_stores)
     tensors = (q, k, v, out, lse.transpose(1, 2))  # the plan reads LSEs as [B, N, H]
     s = p.schedule(_layouts(*tensors), FORWARD_KV, MAX_CALL_ELEMENTS)
-    for i, (qs, ks, vs, outs, lses) in enumerate(s.views(*tensors)):
-        qs, ks, vs = _bshd(qs), _bshd(ks), _bshd(vs)
-        if i < s.stored and lses.stride(-1) == 1:  # written in place
-            fa._flash_attn_fwd(qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True, out=_bshd(outs),
-                               lse=lses)
+    options = _forward_options(q, causal)
+    views = [[*(_bshd(x) for x in view[:4]), view[4]] for view in s.views(*tensors)]  # the LSE stays [b, h, s]
+    stored, merged = views[:s.stored], views[s.stored:]
+    # the merged calls run on a second stream beside the stored ones, which fill the other's last waves and launch
+    # gaps; their results are allocated here, on the caller's stream, which merges them after the stored calls
+    main = torch.cuda.current_stream(q.device) if q.is_cuda else None
+    side = _side_stream(q.device) if OVERLAP_CALLS and main is not None and stored and merged else None
+    parts = []
+    if side is not None:
+        side.wait_stream(main)
+    for qs, ks, vs, _, lses in merged:
+        part_out = torch.empty(qs.shape[:-1] + vs.shape[-1:], dtype=q.dtype, device=q.device)
+        part_lse = torch.empty(lses.shape, dtype=lse.dtype, device=q.device)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            fa._flash_attn_fwd(qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True, out=part_out,
+                               lse=part_lse, **options)
+        parts.append((part_out, part_lse))
+    if side is not None:
+        done = side.record_event()
+    for qs, ks, vs, outs, lses in stored:
+        if lses.stride(-1) == 1:  # written in place
+            fa._flash_attn_fwd(qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True, out=outs, lse=lses,
+                               **options)
             continue
-        part_out, part_lse = fa._flash_attn_fwd(qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True)[:2]
-        if i < s.stored:
-            outs.copy_(_bshd(part_out))
-            lses.copy_(part_lse)
-        else:
-            _merge(outs, lses, _bshd(part_out), part_lse)
+        part_out, part_lse = fa._flash_attn_fwd(qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True,
+                                                **options)[:2]
+        outs.copy_(part_out)
+        lses.copy_(part_lse)
+    if side is not None:
+        main.wait_event(done)
+    for (_, _, _, outs, lses), (part_out, part_lse) in zip(merged, parts):
+        _merge(_bshd(outs), lses, _bshd(part_out), part_lse)  # the merge's views are [b, h, s, d]
     return out, lse
 
 
@@ -233,20 +278,21 @@ def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilatio
     q, k, v = pack.spread(q), pack.spread(k), pack.spread(v)
     plan, metadata = pack.plan, pack.metadata
     out, lse = _results(q, (q.shape[1], q.shape[0]), plan.first_stores)
+    options = _forward_options(q, causal)
     for i, calls in enumerate(plan.calls):
         for call in calls:
             views = dict(q=_pack_view(q, call), k=_pack_view(k, call, True), v=_pack_view(v, call, True))
             outs, lses = _pack_view(out, call), _pack_lse_view(lse, call)
             if i == 0 and plan.first_stores:  # every row of the pack once: written in place
                 fa._flash_attn_fwd(**views, **_lengths(call, metadata), softmax_scale=scale, causal=causal,
-                                   return_lse=True, out=outs, lse=lses)
+                                   return_lse=True, out=outs, lse=lses, **options)
                 continue
             # the rows between runs keep an LSE of -inf, which the merge passes over
             part_lse = None
             if call.used:
                 part_lse = torch.full((call.n_heads, call.rows), float("-inf"), dtype=lse.dtype, device=q.device)
             part_out, part_lse = fa._flash_attn_fwd(**views, **_lengths(call, metadata), softmax_scale=scale,
-                                                    causal=causal, return_lse=True, lse=part_lse)[:2]
+                                                    causal=causal, return_lse=True, lse=part_lse, **options)[:2]
             _merge(_heads_first(outs), lses[None], _heads_first(part_out), part_lse[None])
     return pack.gather(out), pack.gather(lse, 1)
 
@@ -292,7 +338,8 @@ register_attention_autograd("dilated_attn::fa4_varlen_forward", "fa4_varlen_back
 def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Full (non-causal) attention of q `[B, nq, H, D]` over k, v `[B, nk, Hk, D]` in one call, the lengths unequal
     where they are: `(out [B, nq, H, D], lse [B, H, nq])` (the ring's blocks over several ranks' keys)."""
-    out, lse = fa._flash_attn_fwd(_aligned(q), _aligned(k), _aligned(v), softmax_scale=scale, return_lse=True)[:2]
+    out, lse = fa._flash_attn_fwd(_aligned(q), _aligned(k), _aligned(v), softmax_scale=scale, return_lse=True,
+                                  **_forward_options(q, False))[:2]
     return out, lse
 
 
