@@ -4,6 +4,7 @@ seeded inputs, the call to time, records, number formats. Its GPU timing runs in
 import csv
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -22,7 +23,9 @@ def test_median_ms_times_after_warmup_with_hooks():
     with pytest.raises(ValueError, match="repeats must be a positive integer, got 0"):
         benchmarking.median_ms(lambda: None, "cpu", warmup=0, repeats=0)
     assert benchmarking.peak_memory_bytes(lambda: None, "cpu") is None
-
+    start = time.perf_counter()
+    benchmarking.settle_clock("cpu", seconds=30)  # nothing to settle on the CPU: returns at once
+    assert time.perf_counter() - start < 1.0
 
 
 def test_random_inputs_are_seeded_and_gqa_shaped():
