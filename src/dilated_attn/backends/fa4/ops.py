@@ -124,9 +124,12 @@ def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, s
     views = [[*(_bshd(x) for x in view[:4]), view[4]] for view in s.views(*tensors)]  # the LSE stays [b, h, s]
     stored, merged = views[:s.stored], views[s.stored:]
     # the merged calls run on a second stream beside the stored ones, which fill the other's last waves and launch
-    # gaps; their results are allocated here, on the caller's stream, which merges them after the stored calls
+    # gaps; their results are allocated here, on the caller's stream, which merges them after the stored calls. A
+    # CUDA graph being captured keeps them on its stream: the fork and join have not been run inside a capture.
     main = torch.cuda.current_stream(q.device) if q.is_cuda else None
-    side = _side_stream(q.device) if OVERLAP_CALLS and main is not None and stored and merged else None
+    side = None
+    if OVERLAP_CALLS and main is not None and stored and merged and not torch.cuda.is_current_stream_capturing():
+        side = _side_stream(q.device)
     parts = []
     if side is not None:
         side.wait_stream(main)
