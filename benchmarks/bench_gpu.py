@@ -52,6 +52,7 @@ from dilated_attn.benchmarking import (
     LONGNET_LONG,
     Record,
     attention_call,
+    in_turn,
     median_ms,
     peak_memory_bytes,
     random_inputs,
@@ -243,24 +244,20 @@ def main(argv=None):
             backward = mode == "fwd+bwd"
             rounds, extra = {name: [] for name in runnable}, {}
             settle_clock("cuda")
-            names = list(runnable)
-            for r in range(args.rounds):  # the providers in turn, each round starting one further along: drift,
-                # and whatever the provider before leaves behind, hit them alike
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    attention = runnable[name]
-                    if name not in rounds:
-                        continue
-                    call = attention_call(attention, inputs, mode)
-                    try:
-                        with full_sweep(name == "triton_sweep"):
-                            rounds[name].append(median_ms(call, "cuda", args.warmup, args.repeats))
-                            if name not in extra:
-                                extra[name] = peak_memory_bytes(call, "cuda")
-                    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run this configuration
-                        say(f"{where} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
-                            f"{str(exc)[:120]})")
-                        del rounds[name]
-                        torch.cuda.empty_cache()
+            for name in in_turn(runnable, args.rounds):
+                if name not in rounds:
+                    continue
+                call = attention_call(runnable[name], inputs, mode)
+                try:
+                    with full_sweep(name == "triton_sweep"):
+                        rounds[name].append(median_ms(call, "cuda", args.warmup, args.repeats))
+                        if name not in extra:
+                            extra[name] = peak_memory_bytes(call, "cuda")
+                except Exception as exc:  # noqa: BLE001 - a baseline that cannot run this configuration
+                    say(f"{where} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
+                        f"{str(exc)[:120]})")
+                    del rounds[name]
+                    torch.cuda.empty_cache()
             for name, samples in rounds.items():
                 ms = statistics.median(samples)
                 if name == "dense_cudnn" or name.startswith("segments_"):  # all N x n scores, not the branches'

@@ -16,7 +16,8 @@ Rows (each measured in this process, on the same GPU, forward and forward+backwa
 TFLOP/s count each sequence with its own length (segments clipped to it: dilated_attn.benchmarking.flops), so the pack's
 and the uniform sequence's rates compare the kernels' speed, and padded's rate counts only the pack's work.
 Times are medians of --repeats runs after --warmup (dilated_attn.benchmarking.median_ms, L2 flushed), on a GPU
-brought to its sustained clock first (settle_clock), the providers timed in turn for --rounds rounds and the median of the round medians reported.
+brought to its sustained clock first (settle_clock), the providers timed in turn for --rounds rounds, each round
+starting one provider further along, and the median of the round medians reported.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dilated_attn.benchmarking import (
     Record,
     attention_call,
     flops,
+    in_turn,
     median_ms,
     peak_memory_bytes,
     say,
@@ -102,10 +104,9 @@ def main(argv=None) -> None:
     for mode in ("fwd", "fwd+bwd"):
         samples = {name: [] for name in providers}
         settle_clock("cuda")
-        for _ in range(args.rounds):
-            for name, (attention, inputs, _) in providers.items():
-                samples[name].append(median_ms(attention_call(attention, inputs, mode), "cuda", args.warmup,
-                                               args.repeats))
+        for name in in_turn(providers, args.rounds):
+            attention, inputs, _ = providers[name]
+            samples[name].append(median_ms(attention_call(attention, inputs, mode), "cuda", args.warmup, args.repeats))
         for name, (attention, inputs, count) in providers.items():
             ms = statistics.median(samples[name])
             rate = count * (3.5 if mode == "fwd+bwd" else 1.0) / ms / 1e9

@@ -35,6 +35,7 @@ from dilated_attn.benchmarking import (
     Record,
     attention_call,
     flops,
+    in_turn,
     median_ms,
     random_inputs,
     say,
@@ -156,11 +157,8 @@ def main(argv=None) -> None:
             providers[f"dense fwd {name}"] = (dense(options), dense_work, options, None)
         samples = {name: [] for name in providers}
         settle_clock(dev)
-        names = list(providers)
-        for r in range(args.rounds):  # in turn, each round starting one further along: drift, and whatever the
-            # provider before leaves behind, hit them alike
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                samples[name].append(median_ms(providers[name][0], dev, args.warmup, args.repeats))
+        for name in in_turn(providers, args.rounds):
+            samples[name].append(median_ms(providers[name][0], dev, args.warmup, args.repeats))
         for name, (fn, count, *rest) in providers.items():
             ms = statistics.median(samples[name])
             row = dict(causal=causal, provider=name, median_ms=ms, tflops=count / ms / 1e9,

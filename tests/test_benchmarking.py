@@ -26,6 +26,9 @@ def test_median_ms_times_after_warmup_with_hooks():
     start = time.perf_counter()
     benchmarking.settle_clock("cpu", seconds=30)  # nothing to settle on the CPU: returns at once
     assert time.perf_counter() - start < 1.0
+    # each round starts one provider further along, so none is always first or always after the same one
+    assert list(benchmarking.in_turn({"a": 1, "b": 2, "c": 3}, 4)) == list("abc" "bca" "cab" "abc")
+    assert list(benchmarking.in_turn([], 3)) == []
 
 
 def test_random_inputs_are_seeded_and_gqa_shaped():

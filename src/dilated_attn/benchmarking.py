@@ -3,6 +3,7 @@
     median_ms               median time of a call after warm-up (CUDA events with L2 flushed; time.perf_counter)
     settle_clock            a few seconds of matrix products, so that the timings that follow run at the GPU's
                             sustained clock, not at the boost of a GPU that was idle
+    in_turn                 the order in which a comparison's rounds time its providers
     peak_memory_bytes       the most one call allocates on a GPU above what was allocated before it
     random_inputs           seeded q, k, v (requiring grad) and an output gradient, GQA-capable
     attention_call          a forward, or forward and backward, of an attention function, as one call to time
@@ -28,7 +29,7 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -37,7 +38,7 @@ from .spec import BACKEND_NAMES, Problem, host_offsets, sequence_problem
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
-    "say", "median_ms", "settle_clock", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs", "random_inputs",
+    "say", "median_ms", "settle_clock", "in_turn", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs", "random_inputs",
     "attention_call", "tflops",
     "device_info", "versions", "triton_version", "command_line", "Record", "applicable_backends",
 ]
@@ -140,6 +141,16 @@ def settle_clock(device: torch.device | str, seconds: float = 3.0) -> None:
         for _ in range(10):
             a @ a
         torch.cuda.synchronize(device)
+
+
+def in_turn(names: Sequence[str], rounds: int) -> Iterator[str]:
+    """`names` in turn, `rounds` times, each round starting one further along: drift, and whatever one provider
+    leaves behind for the next, hit them all alike (no provider is always timed first, or always after the same
+    one)."""
+    names = list(names)
+    for r in range(rounds):
+        shift = r % len(names) if names else 0
+        yield from names[shift:] + names[:shift]
 
 
 def format_ms(ms: float) -> str:
