@@ -128,7 +128,6 @@ def main(argv=None) -> None:
         providers = {f"cudnn {mode}": (backend("cudnn", None, mode), work * (3.5 if mode != "fwd" else 1.0))
                      for mode in modes}
         reference = None
-        errors = {}
         for options in candidates:
             name = label(options)
             try:
@@ -140,9 +139,9 @@ def main(argv=None) -> None:
                 dense(options)()
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001 - a tile the kernel cannot build is a result of the sweep
-                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                say(f"causal={causal} {name}: cannot run ({errors[name]})")
-                record.add(dict(causal=causal, provider=f"fa4 {name}", options=options, error=errors[name]))
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                say(f"causal={causal} {name}: cannot run ({error})")
+                record.add(dict(causal=causal, provider=f"fa4 {name}", options=options, error=error))
                 continue
             if reference is None:
                 reference = result

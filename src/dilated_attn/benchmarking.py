@@ -38,8 +38,8 @@ from .spec import BACKEND_NAMES, Problem, host_offsets, sequence_problem
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
-    "say", "median_ms", "settle_clock", "in_turn", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs", "random_inputs",
-    "attention_call", "tflops",
+    "say", "median_ms", "settle_clock", "in_turn", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs",
+    "random_inputs", "attention_call", "tflops",
     "device_info", "versions", "triton_version", "command_line", "Record", "applicable_backends",
 ]
 
@@ -129,9 +129,10 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int,
 
 
 def settle_clock(device: torch.device | str, seconds: float = 3.0) -> None:
-    """Keeps a GPU busy with bf16 matrix products for `seconds`. An idle GPU starts at its boost clock and settles
-    lower under sustained load (an H200: the first of several rounds ran 10-15% faster than the rest): timing a
-    comparison's first provider on a rested GPU would favour it. Nothing on the CPU."""
+    """Keeps a GPU busy with bf16 matrix products for `seconds`: an idle GPU starts at its boost clock and settles
+    lower under sustained load, so a comparison's first provider timed on a rested GPU would be favoured. (It does not
+    remove every first-round advantage: on an H200 the cudnn backend's first round stayed 10-15% faster after it,
+    which in_turn's rotation and the median of several rounds discard.) Nothing on the CPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return

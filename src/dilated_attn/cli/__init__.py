@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--head-dim", nargs="+", type=head_dim_arg, default=[128], dest="head_dims",
                    help=f"default: 128 (at most {triton_backend.TRITON.forward_op.max_head_dim}; fa4: "
                         f"{FA4.forward_op.max_head_dim})")
-    w.add_argument("--causal", choices=["both", "true", "false"], default="both",
+    w.add_argument("--causal", choices=list(CAUSAL_SETTINGS), default="both",
                    help="which masking to compile for (default: both)")
     w.add_argument("--allow-tf32", action="store_true",
                    help="float32 with TF32 products, as under torch.backends.cuda.matmul.allow_tf32 = True")
@@ -321,6 +321,7 @@ def check_command(device: torch.device, dtypes, backends, prog: str = "dilated-a
 
 
 WARMUP_BACKENDS = ("triton", "fa4")
+CAUSAL_SETTINGS = {"both": (False, True), "true": (True,), "false": (False,)}  # warmup's --causal
 FA4_WARMUP_FLAGS = ("seq_len", "pack_lengths", "batch", "heads", "kv_heads", "segment_lengths", "dilation_rates",
                     "head_groups", "lse_gradient", "deterministic")
 
@@ -345,7 +346,7 @@ def warmup_command(args) -> int:
         args.fail(f"the triton backend cannot load: {triton_backend.load_error()}")
     device = use_device(args.device or default_device())
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
-    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    causal = CAUSAL_SETTINGS[args.causal]
     jobs = min(4, os.cpu_count() or 1) if args.jobs is None else args.jobs
     results = warmup(device, args.dtypes, args.head_dims, causal, jobs, say)
     return EXIT_CHECK_FAILED if any(error for *_, error in results) else 0
@@ -367,7 +368,7 @@ def fa4_warmup_command(args) -> int:
         args.fail(f"--backend fa4 needs {needs}: FlashAttention-4 compiles kernels for the calls' "
                   f"lengths and heads, so it warms the training run's shapes")
     device = args.device or default_device()
-    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    causal = CAUSAL_SETTINGS[args.causal]
     try:
         families = fa4_families(device, heads=args.heads, segment_lengths=args.segment_lengths,
                                 dilation_rates=args.dilation_rates, seq_lens=args.seq_len or (),
