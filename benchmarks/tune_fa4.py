@@ -3,6 +3,7 @@ forward) timed on the fa4 backend's LongNet forward, beside the cudnn backend, i
 
     python benchmarks/tune_fa4.py                      # bf16, H=16, D=128, N=65536, LongNet branches, causal and not
     python benchmarks/tune_fa4.py --rounds 6 --candidates 0,7,9 --mode both   # three candidates, also fwd+bwd
+    python benchmarks/tune_fa4.py --backward --rounds 5                          # the backward's variants
 
 Rows, for each causal setting:
   cudnn         the cudnn backend's forward (the yardstick of the fa4 backend's forward)
@@ -12,6 +13,10 @@ Rows, for each causal setting:
                 (forward only)
 With --mode fwd+bwd or both, the backends' forward+backward too (the options change its forward). With --serial,
 each fa4 row also without the forward's second stream (`... serial`: ops.OVERLAP_CALLS off), in the same run.
+With --backward, the backward's options instead, forward+backward: its calls on one stream or alternating between
+two (ops.OVERLAP_BACKWARD), the most elements of one call (ops.MAX_BACKWARD_CALL_ELEMENTS), and FlashAttention-4's
+Hopper backward tile (BACKWARD_TILES; `other`: its causal tile for non-causal inputs and the reverse), each with
+the extra memory of one call and its gradients' max difference from the first variant's.
 The GPU is brought to its sustained clock before the rounds (settle_clock).
 Each candidate's output is checked against the first candidate's (the max difference in the JSON; bf16 rounds at
 about 4e-3 of the values' scale). A candidate the kernel cannot build is recorded with its error. The providers are
@@ -23,6 +28,7 @@ with the run that chose it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 
@@ -37,6 +43,7 @@ from dilated_attn.benchmarking import (
     flops,
     in_turn,
     median_ms,
+    peak_memory_bytes,
     random_inputs,
     say,
     settle_clock,
@@ -60,6 +67,21 @@ CANDIDATES = [
 ]
 
 
+# FlashAttention-4's Hopper backward tiles for D = 128 (flash_attn.cute.interface._tile_size_bwd_sm90, 4.0.0b36):
+# non-causal 80 x 128 with dQ swapped, causal 64 x 128. `other` runs the other one.
+BACKWARD_TILES = {
+    False: dict(m_block_size=80, n_block_size=128, num_stages_Q=2, num_stages_dO=2, num_stages_PdS=2,
+                SdP_swapAB=True, dKV_swapAB=False, dQ_swapAB=True, AtomLayoutMSdP=1, AtomLayoutNdKV=2,
+                AtomLayoutMdQ=1),
+    True: dict(m_block_size=64, n_block_size=128, num_stages_Q=2, num_stages_dO=2, num_stages_PdS=2,
+               SdP_swapAB=True, dKV_swapAB=False, dQ_swapAB=False, AtomLayoutMSdP=1, AtomLayoutNdKV=2,
+               AtomLayoutMdQ=1),
+}
+# (two streams, log2 of the most elements of a call, tile): the first is the reference of the differences
+BACKWARD_VARIANTS = [(False, 25, "own"), (True, 25, "own"), (True, 24, "own"), (True, 23, "own"), (True, 26, "own"),
+                     (False, 25, "other"), (True, 25, "other"), (True, 24, "other")]
+
+
 def label(options: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in options.items()) or "default"
 
@@ -77,6 +99,8 @@ def main(argv=None) -> None:
     ap.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="fwd")
     ap.add_argument("--serial", action="store_true",
                     help="also each candidate with the forward's calls on one stream (ops.OVERLAP_CALLS off)")
+    ap.add_argument("--backward", action="store_true",
+                    help="the backward's variants (BACKWARD_VARIANTS), forward+backward, instead of forward tiles")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -101,6 +125,9 @@ def main(argv=None) -> None:
                                                      dilation_rates=dils, warmup=args.warmup, repeats=args.repeats,
                                                      rounds=args.rounds, mode=args.mode), json_path=out)
     for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
+        if args.backward:
+            backward_variants(args, record, inputs, causal, fa, ops)
+            continue
         work = flops(validate(q, k, v, segs, dils, causal=causal))
         dense_work = 4 * N * first * H * D * (0.5 if causal else 1.0)
         key = (major, D, causal)
@@ -171,6 +198,74 @@ def main(argv=None) -> None:
             say(f"causal={causal} {name:>60}: {ms:7.3f} ms {row['tflops']:6.1f} TFLOP/s"
                 + (f"  {row['speedup_vs_cudnn']:.3f}x cudnn" if name.startswith("fa4") else ""))
     record.close()
+
+
+def backward_variants(args, record, inputs, causal, fa, ops) -> None:
+    """BACKWARD_VARIANTS and the cudnn backend, forward+backward, timed in turn."""
+    segs, dils = LONGNET
+    dev = inputs.q.device
+    work = 3.5 * flops(validate(*inputs[:3], segs, dils, causal=causal))
+    own_tile = fa._tile_size_bwd_sm90
+
+    def attention(backend):
+        return lambda q, k, v: dilated_attn.dilated_attention(q, k, v, segs, dils, causal=causal, backend=backend)
+
+    shipped = ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_ELEMENTS
+
+    @contextlib.contextmanager
+    def settings(lanes, pieces, tile):
+        ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_ELEMENTS = lanes, 1 << pieces
+        if tile == "other":
+            fa._tile_size_bwd_sm90 = lambda *a, **kw: fa.BwdConfig(**BACKWARD_TILES[not causal])
+        try:
+            yield
+        finally:
+            ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_ELEMENTS = shipped
+            fa._tile_size_bwd_sm90 = own_tile
+
+    def timed(variant):
+        call = attention_call(attention("fa4"), inputs, "fwd+bwd")
+
+        def run():
+            with settings(*variant):
+                call()
+        return run
+
+    cudnn = attention_call(attention("cudnn"), inputs, "fwd+bwd")
+    providers = {"cudnn fwd+bwd": cudnn}
+    facts = {"cudnn fwd+bwd": dict(extra_memory_gib=peak_memory_bytes(cudnn, dev) / 2**30)}
+    reference = None
+    for variant in BACKWARD_VARIANTS:
+        lanes, pieces, tile = variant
+        name = f"fa4 fwd+bwd {'two streams' if lanes else 'one stream'}, 2^{pieces}, {tile} tile"
+        try:
+            with settings(*variant):
+                out = attention("fa4")(*inputs[:3])
+                grads = torch.autograd.grad(out, inputs[:3], inputs.grad_out)
+            extra = peak_memory_bytes(timed(variant), dev)
+        except Exception as exc:  # noqa: BLE001 - a tile the kernel cannot build is a result of the sweep
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            say(f"causal={causal} {name}: cannot run ({error})")
+            record.add(dict(causal=causal, provider=name, error=error))
+            continue
+        reference = reference or grads
+        diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, reference))
+        say(f"causal={causal} {name}: max gradient difference from the first {diff:.2e}")
+        providers[name] = timed(variant)
+        facts[name] = dict(two_streams=lanes, max_call_elements=1 << pieces, tile=tile, max_difference=diff,
+                           extra_memory_gib=extra / 2**30)
+    samples = {name: [] for name in providers}
+    settle_clock(dev)
+    for name in in_turn(providers, args.rounds):
+        samples[name].append(median_ms(providers[name], dev, args.warmup, args.repeats))
+    base = statistics.median(samples["cudnn fwd+bwd"])
+    for name, times in samples.items():
+        ms = statistics.median(times)
+        row = dict(causal=causal, provider=name, median_ms=ms, tflops=work / ms / 1e9, round_medians_ms=times,
+                   speedup_vs_cudnn=base / ms, **facts[name])
+        record.add(row)
+        say(f"causal={causal} {name:>44}: {ms:7.3f} ms {row['tflops']:6.1f} TFLOP/s  {base / ms:.3f}x cudnn"
+            f"  extra {row['extra_memory_gib']:.2f} GiB")
 
 
 if __name__ == "__main__":

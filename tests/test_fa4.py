@@ -3,6 +3,7 @@ FlashAttention-4's contract in float64 on CPU (CI has no flash-attn-4), and the 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
@@ -185,6 +186,104 @@ def test_longnet_first_branch_stores_in_place(math_interface):
     ref_out, ref_lse = dilated_attention_reference(q, k, v, [16, 32, 64], [1, 2, 4], scale=0.3)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+class _StreamLog:
+    """Stand-in CUDA streams that log what each lane runs, in the order the host enqueues it: `(lane, kind, x)`."""
+
+    def __init__(self):
+        self.ops: list = []
+        self.current = "main"
+
+    def stream(self, name):
+        log = self
+
+        class Stream:
+            def wait_stream(self, other):
+                log.ops.append((name, "wait stream", other.name))
+
+            def wait_event(self, event):
+                log.ops.append((name, "wait", event))
+
+            def record_event(self):
+                log.ops.append((name, "record", len(log.ops)))
+                return log.ops[-1][2]
+
+        s = Stream()
+        s.name = name
+        return s
+
+    def ordered_before(self):
+        """For each op, the ops that have finished when it starts: those before it on its lane, and for a wait,
+        those before the event's record (or, for a wait on a stream, everything that stream was given)."""
+        before: list = []
+        last = {}
+        for i, (lane, kind, x) in enumerate(self.ops):
+            done = set(before[last[lane]]) | {last[lane]} if lane in last else set()
+            if kind == "wait":
+                done |= before[x] | {x}
+            if kind == "wait stream" and x in last:
+                done |= before[last[x]] | {last[x]}
+            before.append(done)
+            last[lane] = i
+        return before
+
+
+@pytest.mark.parametrize("lse_gradient", [False, True])
+def test_backward_lanes_keep_the_writes_in_order(lse_gradient, math_interface, monkeypatch):
+    """The backward's calls alternate between two streams (ops._Lanes): each addition into the gradients starts after
+    every earlier write into them, stored writes wait for nothing, the lanes alternate, the second starts after what
+    the caller's stream was given and the caller's stream waits for it at the end; the gradients equal the
+    reference's."""
+    log = _StreamLog()
+    monkeypatch.setattr(ops._Lanes, "of", classmethod(lambda cls, like: cls([log.stream("main"), log.stream("side")])))
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.current, before = stream.name, log.current
+        yield
+        log.current = before
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    accumulate = ops.compiled.accumulate
+
+    def logged_accumulate(targets, parts, store=False):
+        log.ops.append((log.current, "store" if store else "add", None))
+        accumulate(targets, parts, store)
+
+    monkeypatch.setattr(ops.compiled, "accumulate", logged_accumulate)
+    backward = math_interface._flash_attn_bwd
+
+    def logged_backward(*args, dq=None, **kwargs):
+        log.ops.append((log.current, "call writes" if dq is not None else "call", None))
+        return backward(*args, dq=dq, **kwargs)
+
+    monkeypatch.setattr(math_interface, "_flash_attn_bwd", staticmethod(logged_backward))
+    monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 512)
+    segs, dils = [16, 32, 64], [1, 2, 4]
+    q, k, v, grad_out = (torch.randn(1, 64, 8, 8, dtype=torch.float64) for _ in range(4))
+    out, lse = ops.fa4_forward(q, k, v, segs, dils, False, False, 0.3)
+    grad_lse = torch.randn(lse.shape, dtype=torch.float64) if lse_gradient else None
+    grads = ops.fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segs, dils, False, False, 0.3)
+
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, scale=0.3)
+    loss = (ref_out * grad_out).sum() + ((ref_lse * grad_lse).sum() if lse_gradient else 0)
+    for got, want in zip(grads, torch.autograd.grad(loss, ref)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+    assert log.ops[0] == ("side", "wait stream", "main"), "the second lane starts after what the caller enqueued"
+    calls = [lane for lane, kind, _ in log.ops if kind.startswith("call")]
+    assert len(calls) > 4 and calls == ["main", "side"] * (len(calls) // 2) + ["main"] * (len(calls) % 2)
+    writes = [i for i, (_, kind, _) in enumerate(log.ops) if kind in ("call writes", "store", "add")]
+    kinds = [log.ops[i][1] for i in writes]
+    assert "call writes" in kinds and kinds.count("add") > 2
+    assert kinds.index("add") > max(i for i, kind in enumerate(kinds) if kind != "add"), "stored writes come first"
+    before = log.ordered_before()
+    for n, i in enumerate(writes):
+        if log.ops[i][1] == "add":
+            assert set(writes[:n]) <= before[i], f"addition {log.ops[i]} may run beside an earlier write"
+    assert log.ops[-1] == ("main", "wait stream", "side")
 
 
 def test_fa4_verdict_without_flash_attn(monkeypatch):

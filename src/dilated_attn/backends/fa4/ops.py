@@ -43,13 +43,14 @@ __all__ = ["fa4_forward", "fa4_backward", "fa4_varlen_forward", "fa4_varlen_back
 # the LSE's gradient and strided views, which its autograd functions do not expose.
 fa = None
 
-# The most elements of one call. FlashAttention's Python interface takes enough host time per call that fewer,
-# larger calls ran faster (an H100, LongNet at N = 65536: 2^25 against 2^24). In the backward, its float32 dQ
-# accumulator and the call's gradients, before they are added, take 10 bytes per element (320 MiB here), the first
-# branch's calls too: the extra memory of a training step stays the cudnn backend's, or below it with grouped-query
-# heads (benchmarks/README.md, "FlashAttention-4").
+# The most elements of one call. In the forward, FlashAttention's Python interface takes enough host time per call
+# that fewer, larger calls ran faster (an H100, LongNet at N = 65536: 2^25 against 2^24). The backward's calls
+# alternate between two streams (_Lanes) that fill each other's last waves, so there smaller calls cost no time and
+# hold less: a call's float32 dQ accumulator and its gradients before they are added take 10 bytes per element, for
+# each of the two calls in flight (an H200, LongNet at N = 65536, forward+backward: 2^24 as fast as 2^25 and 2^26,
+# with 1.26 GiB of extra memory against 1.51; benchmarks/README.md, "FlashAttention-4").
 MAX_CALL_ELEMENTS = 1 << 25
-MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
+MAX_BACKWARD_CALL_ELEMENTS = 1 << 24
 
 # FlashAttention-4's forward options by (compute capability major, head_dim, causal): its tile (`tile_mn`) and
 # pipeline flags where a measured choice beats its own (benchmarks/tune_fa4.py sweeps them); other cases take
@@ -63,8 +64,10 @@ def _forward_options(q: torch.Tensor, causal: bool) -> dict:
     return FORWARD_OPTIONS.get((device_capability(q.device)[0], q.shape[-1], bool(causal)), {})
 
 
-# Whether a forward runs its merged calls on a second stream beside its stored ones (fa4_forward).
+# Whether a forward runs its merged calls on a second stream beside its stored ones (fa4_forward), and whether a
+# backward alternates its calls between two streams (_Lanes).
 OVERLAP_CALLS = True
+OVERLAP_BACKWARD = True
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -72,6 +75,56 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
+
+
+class _Lanes:
+    """A backward's calls alternating between the caller's stream and a second one. FlashAttention's backward runs
+    a grid of one tile per CTA: each call ends in a part-filled wave, and its pre- and post-processing kernels are
+    short; beside the next call on the other stream, both fill SMs that would wait.
+
+    The calls' writes into the gradients keep their order: a stored step's write (each row once, the rows of the
+    stored steps disjoint) waits for nothing, an addition waits for the other lane's latest write. Each lane's own
+    tensors (FlashAttention's workspace, a call's gradients before they are added) are made and freed on that lane.
+    """
+
+    def __init__(self, streams: list):
+        self.streams = streams  # the caller's first; [None] on the CPU
+        self.written: list = [None] * len(streams)  # each lane's event after its latest write
+        self.lane = -1
+        if len(streams) > 1:
+            streams[1].wait_stream(streams[0])
+
+    @classmethod
+    def of(cls, like: torch.Tensor) -> "_Lanes":
+        """Two lanes on a GPU, one where there is no second stream to use: CPU, `OVERLAP_BACKWARD` off, a CUDA graph
+        being captured (the fork and join have not been run inside a capture)."""
+        if not like.is_cuda:
+            return cls([None])
+        main = torch.cuda.current_stream(like.device)
+        if not OVERLAP_BACKWARD or torch.cuda.is_current_stream_capturing():
+            return cls([main])
+        return cls([main, _side_stream(like.device)])
+
+    def next(self):
+        """The context of the next call's lane."""
+        self.lane = (self.lane + 1) % len(self.streams)
+        stream = self.streams[self.lane]
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def write(self, adds: bool) -> None:
+        """Before the current lane writes into the gradients: an addition waits for the other lane's latest write."""
+        other = self.written[self.lane - 1]
+        if adds and other is not None and len(self.streams) > 1:
+            self.streams[self.lane].wait_event(other)
+
+    def wrote(self) -> None:
+        if len(self.streams) > 1:
+            self.written[self.lane] = self.streams[self.lane].record_event()
+
+    def join(self) -> None:
+        """The caller's stream waits for the second lane's work."""
+        if len(self.streams) > 1:
+            self.streams[0].wait_stream(self.streams[1])
 
 
 # The tensors of each loop and whether each takes the kv-side views: forward q, k, v, out, lse; backward grad_out,
@@ -172,17 +225,22 @@ def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilatio
         kv = kv + (False,)
     s = p.schedule(_layouts(*tensors), kv, MAX_BACKWARD_CALL_ELEMENTS, whole_first=False)
     deterministic = torch.are_deterministic_algorithms_enabled()
+    lanes = _Lanes.of(q)
     for i, views in enumerate(s.views(*tensors)):
         gos, qs, ks, vs, outs, lses, dqs, dks, dvs = views[:9]
         dlse = views[9] if grad_lse is not None else None
         stored = i < s.stored
         direct = stored and all(_bshd(t).is_contiguous() for t in (dqs, dks, dvs))
         given = dict(dq=_bshd(dqs), dk=_bshd(dks), dv=_bshd(dvs)) if direct else {}
-        grads = fa._flash_attn_bwd(_bshd(qs), _bshd(ks), _bshd(vs), _bshd(outs), _bshd(gos), lses,
-                                   softmax_scale=scale, causal=causal, deterministic=deterministic, dlse=dlse,
-                                   **given)[:3]
-        if not direct:
-            compiled.accumulate((dqs, dks, dvs), [_bshd(g) for g in grads], stored)
+        with lanes.next():
+            grads = fa._flash_attn_bwd(_bshd(qs), _bshd(ks), _bshd(vs), _bshd(outs), _bshd(gos), lses,
+                                       softmax_scale=scale, causal=causal, deterministic=deterministic, dlse=dlse,
+                                       **given)[:3]
+            if not direct:
+                lanes.write(adds=not stored)
+                compiled.accumulate((dqs, dks, dvs), [_bshd(g) for g in grads], stored)
+            lanes.wrote()
+    lanes.join()
     return grad_q, grad_k, grad_v
 
 
@@ -314,24 +372,31 @@ def fa4_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_s
     plan, metadata = pack.plan, pack.metadata
     grad_q, grad_k, grad_v = _gradients(q, k, plan.first_stores)
     deterministic = torch.are_deterministic_algorithms_enabled()
+    lanes = _Lanes.of(q)
     for i, calls in enumerate(plan.calls):
         stored = i == 0 and plan.first_stores
         for call in calls:
             targets = (_pack_view(grad_q, call), _pack_view(grad_k, call, True), _pack_view(grad_v, call, True))
             direct = stored and all(t.is_contiguous() for t in targets)
-            if direct:
-                given = dict(zip(("dq", "dk", "dv"), targets))
-            elif call.used:  # FlashAttention does not write the rows between runs: zeros, which add nothing
-                given = {name: torch.zeros_like(t) for name, t in zip(("dq", "dk", "dv"), targets)}
-            else:
-                given = {}
-            dlse = None if grad_lse is None else _pack_lse_view(grad_lse, call)
-            grads = fa._flash_attn_bwd(_pack_view(q, call), _pack_view(k, call, True), _pack_view(v, call, True),
-                                       _pack_view(out, call), _pack_view(grad_out, call), _pack_lse_view(lse, call),
-                                       softmax_scale=scale, causal=causal, deterministic=deterministic, dlse=dlse,
-                                       **_lengths(call, metadata), **given)[:3]
-            if not direct:
-                compiled.accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads], stored)
+            with lanes.next():
+                if direct:
+                    given = dict(zip(("dq", "dk", "dv"), targets))
+                elif call.used:  # FlashAttention does not write the rows between runs: zeros, which add nothing
+                    given = {name: torch.zeros_like(t) for name, t in zip(("dq", "dk", "dv"), targets)}
+                else:
+                    given = {}
+                dlse = None if grad_lse is None else _pack_lse_view(grad_lse, call)
+                grads = fa._flash_attn_bwd(_pack_view(q, call), _pack_view(k, call, True),
+                                           _pack_view(v, call, True), _pack_view(out, call),
+                                           _pack_view(grad_out, call), _pack_lse_view(lse, call),
+                                           softmax_scale=scale, causal=causal, deterministic=deterministic,
+                                           dlse=dlse, **_lengths(call, metadata), **given)[:3]
+                if not direct:
+                    lanes.write(adds=not stored)
+                    compiled.accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads],
+                                        stored)
+                lanes.wrote()
+    lanes.join()
     return pack.gather(grad_q), pack.gather(grad_k), pack.gather(grad_v)
 
 
