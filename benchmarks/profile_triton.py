@@ -13,7 +13,8 @@ profile cuDNN's kernels and the merge and gradient-addition kernels instead
 (NCU_KERNELS="sdpa|merge_kernel|accumulate_kernel|dot_do_o|convert_dq" NCU_COUNT=60 for the stage); with
 `--backend cuda --dtype float32` the hand-written CUDA kernels (NCU_KERNELS="forward_kernel|dq_kernel|dkdv_kernel").
 
-With `--kernel-times` it runs without Nsight Compute: torch.profiler over --steps steps, then each kernel's time
+With `--host`, the host's time to issue a step and cProfile's view of it. With `--kernel-times` it runs without
+Nsight Compute: torch.profiler over --steps steps, then each kernel's time
 per step, the GPU's busy time and the wall time per step (where a backend's time goes beyond its attention
 kernels: merges, gradient additions, copies, idle).
 """
@@ -37,7 +38,9 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=16)
     ap.add_argument("--forward-only", action="store_true", help="profile the forward alone")
     ap.add_argument("--kernel-times", action="store_true", help="torch.profiler's kernel table, no Nsight")
-    ap.add_argument("--steps", type=int, default=5, help="profiled steps with --kernel-times")
+    ap.add_argument("--host", action="store_true",
+                    help="the host's time to issue a step, then where it goes (cProfile, the top functions)")
+    ap.add_argument("--steps", type=int, default=5, help="profiled steps with --kernel-times or --host")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
     q, k, v, go = random_inputs(1, args.seq_len, 16, args.dim, kv_heads=args.kv_heads,
@@ -51,8 +54,11 @@ def main() -> None:
     for _ in range(2):  # compile and autotune outside the profiled range
         step()
     torch.cuda.synchronize()
+    if args.host:  # first, so that no torch.profiler instrumentation is active while the host is timed
+        host_times(step, args)
     if args.kernel_times:
         kernel_times(step, args)
+    if args.kernel_times or args.host:
         return
     torch.cuda.cudart().cudaProfilerStart()
     step()
@@ -81,6 +87,32 @@ def kernel_times(step, args) -> None:
           f"per step, kernels {busy:.3f} ms")
     for ms, count, name in rows[:14]:
         print(f"  {ms:8.3f} ms {count:4d}x  {name[:110]}")
+
+
+def host_times(step, args) -> None:
+    """The host's time to issue one step (no synchronisation inside it: where it exceeds the GPU's time per step
+    the step is bound by the host), then cProfile's top functions by their own time."""
+    import cProfile
+    import pstats
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    issued = (time.perf_counter() - start) / args.steps * 1e3
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / args.steps * 1e3
+    mode = "forward" if args.forward_only else "forward+backward"
+    print(f"{args.backend} {mode}, N={args.seq_len} Hkv={args.kv_heads} causal={args.causal}: host {issued:.3f} ms "
+          f"per step to issue, wall {wall:.3f} ms per step")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
