@@ -78,8 +78,8 @@ BACKWARD_TILES = {
                AtomLayoutMdQ=1),
 }
 # (two streams, log2 of the most elements of a call, tile): the first is the reference of the differences
-BACKWARD_VARIANTS = [(False, 25, "own"), (True, 25, "own"), (True, 24, "own"), (True, 23, "own"), (True, 26, "own"),
-                     (False, 25, "other"), (True, 25, "other"), (True, 24, "other")]
+BACKWARD_VARIANTS = [(False, 25, "own"), (True, 25, "own"), (False, 24, "own"), (True, 24, "own"), (True, 23, "own"),
+                     (True, 26, "own"), (False, 25, "other"), (True, 25, "other"), (True, 24, "other")]
 
 
 def label(options: dict) -> str:
@@ -90,6 +90,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=65536)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     ap.add_argument("--warmup", type=int, default=3)
@@ -115,13 +116,14 @@ def main(argv=None) -> None:
     N, H, D = args.seq_len, args.heads, args.head_dim
     candidates = CANDIDATES if args.candidates is None else [CANDIDATES[int(i)] for i in args.candidates.split(",")]
     modes = ["fwd", "fwd+bwd"] if args.mode == "both" else [args.mode]
-    inputs = random_inputs(1, N, H, D, dtype=torch.bfloat16, device=dev)
+    inputs = random_inputs(1, N, H, D, kv_heads=args.kv_heads, dtype=torch.bfloat16, device=dev)
     q, k, v = (x.detach() for x in inputs[:3])
     first = segs[0]
-    cut = [x.reshape(-1, first, H, D) for x in (q, k, v)]
+    cut = [x.reshape(-1, first, x.shape[2], D) for x in (q, k, v)]
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"tune_fa4_{torch.cuda.get_device_name(dev).replace(' ', '_')}.json")
-    record = Record("fa4_forward_options", dev, dict(N=N, heads=H, head_dim=D, dtype="bfloat16", segment_lengths=segs,
+    record = Record("fa4_forward_options", dev, dict(N=N, heads=H, kv_heads=k.shape[2], head_dim=D, dtype="bfloat16",
+                                                     segment_lengths=segs,
                                                      dilation_rates=dils, warmup=args.warmup, repeats=args.repeats,
                                                      rounds=args.rounds, mode=args.mode), json_path=out)
     for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:

@@ -131,8 +131,8 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
 def fa4_preferred(p: Problem) -> bool:
     """Where flash-attn-4 is installed and can run `p` (a problem large enough for cudnn), auto prefers it, except for
     causal forward-only calls: their calls are short, fa4's host time per call shows, and they ran 0.79-1.05x
-    cudnn's speed from run to run on one H200 (LongNet at N = 65536; 0.88x at Hkv = 4), while every
-    forward+backward ran faster (benchmarks/README.md, "FlashAttention-4")."""
+    cudnn's speed from run to run on one H200 (LongNet at N = 65536; 0.88x at Hkv = 4), while forward+backward ran
+    1.10-1.17x cudnn's, causal grouped-query heads 0.95-1.12x (benchmarks/README.md, "FlashAttention-4")."""
     causal_forward = p.causal and not p.records_backward
     return not causal_forward and fa4_backend.FA4.why_not(p) is None
 
