@@ -7,9 +7,9 @@
 #   fa4: the fa4 backend's GPU tests, then benchmarks/bench_gpu.py on N = 65536 (causal and not, Hkv 16, 4, 1) for the
 #        kernels cudnn and fa4 and their first-branch shape alone (${FA4_ARGS}); needs flash-attn-4 installed or on
 #        PYTHONPATH (the wheels travel as ../shared/tools/carry-wheels.sh prints)
-#   tune_fa4: benchmarks/tune_fa4.py ${TUNE_FA4_ARGS} (FlashAttention-4's forward tiles against the cudnn backend), then
-#        each kernel's time in one forward of the fa4 and cudnn backends (profile_triton.py --kernel-times); needs
-#        flash-attn-4 importable, as fa4 does
+#   tune_fa4: benchmarks/tune_fa4.py ${TUNE_FA4_ARGS} (FlashAttention-4's forward tiles, or with --backward the
+#        backward's streams and pieces, against the cudnn backend), then each kernel's time in one forward of the fa4
+#        and cudnn backends (profile_triton.py --kernel-times); needs flash-attn-4 importable, as fa4 does
 #   cuda_kernels: benchmarks/bench_cuda_kernels.py ${CUDA_KERNELS_ARGS} (both tile tables against the fp32 FMA peak)
 #   bench, quick: benchmarks/bench_gpu.py ${BENCH_ARGS} (e.g. --providers ..., --dim 64)
 #   ncu: Nsight Compute over one forward+backward of the Triton kernels (benchmarks/profile_triton.py ${NCU_ARGS};
