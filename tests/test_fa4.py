@@ -229,13 +229,8 @@ class _StreamLog:
         return before
 
 
-@pytest.mark.parametrize("lse_gradient", [False, True])
-def test_backward_lanes_keep_the_writes_in_order(lse_gradient, math_interface, monkeypatch):
-    """The backward's calls alternate between two streams (ops._Lanes): each addition into the gradients starts after
-    every earlier write into them, stored writes wait for nothing, the lanes alternate, the second starts after what
-    the caller's stream was given and the caller's stream waits for it at the end; the gradients equal the
-    reference's."""
-    log = _StreamLog()
+def _log_lanes(log, math_interface, monkeypatch):
+    """Run the backward's two lanes on `log`'s stand-in streams, logging each call, store and addition there."""
     monkeypatch.setattr(ops._Lanes, "of", classmethod(lambda cls, like: cls([log.stream("main"), log.stream("side")])))
 
     @contextlib.contextmanager
@@ -259,25 +254,49 @@ def test_backward_lanes_keep_the_writes_in_order(lse_gradient, math_interface, m
         return backward(*args, dq=dq, **kwargs)
 
     monkeypatch.setattr(math_interface, "_flash_attn_bwd", staticmethod(logged_backward))
-    monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 512)
-    segs, dils = [16, 32, 64], [1, 2, 4]
-    q, k, v, grad_out = (torch.randn(1, 64, 8, 8, dtype=torch.float64) for _ in range(4))
-    out, lse = ops.fa4_forward(q, k, v, segs, dils, False, False, 0.3)
-    grad_lse = torch.randn(lse.shape, dtype=torch.float64) if lse_gradient else None
-    grads = ops.fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segs, dils, False, False, 0.3)
 
-    ref = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, scale=0.3)
-    loss = (ref_out * grad_out).sum() + ((ref_lse * grad_lse).sum() if lse_gradient else 0)
-    for got, want in zip(grads, torch.autograd.grad(loss, ref)):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+@pytest.mark.parametrize("lse_gradient", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_backward_lanes_keep_the_writes_in_order(packed, lse_gradient, math_interface, monkeypatch):
+    """The backward's calls alternate between two streams (ops._Lanes), strided and packed: each addition into the
+    gradients starts after every earlier write into them, stored writes wait for nothing, the lanes alternate, the
+    second starts after what the caller's stream was given and the caller's stream waits for it at the end; the
+    gradients are those of one stream (packed) or the reference's."""
+    segs, dils, scale = [16, 32, 64], [1, 2, 4], 0.3
+    g = torch.Generator().manual_seed(7)
+    if packed:
+        cu_seqlens, max_seqlen = torch.tensor([0, 64, 96, 160], dtype=torch.int32), 64
+        q, k, v, grad_out = (torch.randn(160, 8, 8, generator=g, dtype=torch.float64) for _ in range(4))
+        args = (cu_seqlens, max_seqlen, segs, dils, False, False, scale)
+        forward, backward = ops.fa4_varlen_forward, ops.fa4_varlen_backward
+    else:
+        q, k, v, grad_out = (torch.randn(1, 64, 8, 8, generator=g, dtype=torch.float64) for _ in range(4))
+        args = (segs, dils, False, False, scale)
+        forward, backward = ops.fa4_forward, ops.fa4_backward
+        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 512)
+    out, lse = forward(q, k, v, *args)
+    grad_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64) if lse_gradient else None
+    one_lane = backward(grad_out, grad_lse, q, k, v, out, lse, *args)
+    log = _StreamLog()
+    _log_lanes(log, math_interface, monkeypatch)
+    grads = backward(grad_out, grad_lse, q, k, v, out, lse, *args)
+
+    for got, want in zip(grads, one_lane):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if not packed:
+        ref = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, scale=scale)
+        loss = (ref_out * grad_out).sum() + ((ref_lse * grad_lse).sum() if lse_gradient else 0)
+        for got, want in zip(grads, torch.autograd.grad(loss, ref)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
     assert log.ops[0] == ("side", "wait stream", "main"), "the second lane starts after what the caller enqueued"
     calls = [lane for lane, kind, _ in log.ops if kind.startswith("call")]
     assert len(calls) > 4 and calls == ["main", "side"] * (len(calls) // 2) + ["main"] * (len(calls) % 2)
     writes = [i for i, (_, kind, _) in enumerate(log.ops) if kind in ("call writes", "store", "add")]
     kinds = [log.ops[i][1] for i in writes]
-    assert "call writes" in kinds and kinds.count("add") > 2
+    assert kinds.count("add") > 2 and kinds[0] != "add"
     assert kinds.index("add") > max(i for i, kind in enumerate(kinds) if kind != "add"), "stored writes come first"
     before = log.ordered_before()
     for n, i in enumerate(writes):
