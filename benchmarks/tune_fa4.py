@@ -122,10 +122,10 @@ def main(argv=None) -> None:
     cut = [x.reshape(-1, first, x.shape[2], D) for x in (q, k, v)]
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"tune_fa4_{torch.cuda.get_device_name(dev).replace(' ', '_')}.json")
-    record = Record("fa4_forward_options", dev, dict(N=N, heads=H, kv_heads=k.shape[2], head_dim=D, dtype="bfloat16",
-                                                     segment_lengths=segs,
-                                                     dilation_rates=dils, warmup=args.warmup, repeats=args.repeats,
-                                                     rounds=args.rounds, mode=args.mode), json_path=out)
+    name = "fa4_backward_variants" if args.backward else "fa4_forward_options"
+    config = dict(N=N, heads=H, kv_heads=k.shape[2], head_dim=D, dtype="bfloat16", segment_lengths=segs,
+                  dilation_rates=dils, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds, mode=args.mode)
+    record = Record(name, dev, config, json_path=out)
     for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
         if args.backward:
             backward_variants(args, record, inputs, causal, fa, ops)

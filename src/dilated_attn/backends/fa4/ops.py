@@ -72,10 +72,14 @@ OVERLAP_BACKWARD = True
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+def _second_stream(like: torch.Tensor, enabled: bool) -> Optional[torch.cuda.Stream]:
+    """The stream beside the caller's for calls on `like`'s device, or None: on the CPU, where the overlap is off, and
+    while a CUDA graph is being captured (the fork and join have not been run inside a capture)."""
+    if not enabled or not like.is_cuda or torch.cuda.is_current_stream_capturing():
+        return None
+    if like.device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[like.device] = torch.cuda.Stream(like.device)
+    return _SIDE_STREAMS[like.device]
 
 
 class _Lanes:
@@ -97,14 +101,12 @@ class _Lanes:
 
     @classmethod
     def of(cls, like: torch.Tensor) -> "_Lanes":
-        """Two lanes on a GPU, one where there is no second stream to use: CPU, `OVERLAP_BACKWARD` off, a CUDA graph
-        being captured (the fork and join have not been run inside a capture)."""
+        """Two lanes where there is a second stream to use (_second_stream, `OVERLAP_BACKWARD`), else one."""
         if not like.is_cuda:
             return cls([None])
+        side = _second_stream(like, OVERLAP_BACKWARD)
         main = torch.cuda.current_stream(like.device)
-        if not OVERLAP_BACKWARD or torch.cuda.is_current_stream_capturing():
-            return cls([main])
-        return cls([main, _side_stream(like.device)])
+        return cls([main] if side is None else [main, side])
 
     def next(self):
         """The context of the next call's lane."""
@@ -178,14 +180,11 @@ def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, s
     views = [[*(_bshd(x) for x in view[:4]), view[4]] for view in s.views(*tensors)]  # the LSE stays [b, h, s]
     stored, merged = views[:s.stored], views[s.stored:]
     # the merged calls run on a second stream beside the stored ones, which fill the other's last waves and launch
-    # gaps; their results are allocated here, on the caller's stream, which merges them after the stored calls. A
-    # CUDA graph being captured keeps them on its stream: the fork and join have not been run inside a capture.
-    main = torch.cuda.current_stream(q.device) if q.is_cuda else None
-    side = None
-    if OVERLAP_CALLS and main is not None and stored and merged and not torch.cuda.is_current_stream_capturing():
-        side = _side_stream(q.device)
+    # gaps; their results are allocated here, on the caller's stream, which merges them after the stored calls
+    side = _second_stream(q, OVERLAP_CALLS) if stored and merged else None
     parts = []
     if side is not None:
+        main = torch.cuda.current_stream(q.device)
         side.wait_stream(main)
     for qs, ks, vs, _, lses in merged:
         part_out = torch.empty(qs.shape[:-1] + vs.shape[-1:], dtype=q.dtype, device=q.device)
