@@ -117,10 +117,11 @@ def test_calls_cover_every_member_once(index):
         assert len(got) == len(set(got)) and set(got) == want
 
 
-@pytest.mark.parametrize("kv_heads, expected", [(16, [1, 2, 4, 2]), (4, [1, 2, 4, 8]), (1, [1, 2, 4, 8])])
+@pytest.mark.parametrize("kv_heads, expected", [(16, [1, 2, 4, 2]), (4, [1, 2, 4, 8]), (1, [1, 2, 4, 2])])
 def test_longnet_branches_take_few_calls(kv_heads, expected):
-    # H=16, r=8: two calls (one per head within the offset groups of 2), not eight; with grouped-query heads the
-    # two heads of a group share a kv head, and one call per group keeps cuDNN's grouping
+    # H=16, r=8: two calls (one per head within the offset groups of 2), not eight; with 4 kv heads the two heads of
+    # a group share a kv head, and one call per group keeps cuDNN's grouping; with one kv head, each head of the two
+    # calls reads its own view of it
     table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 65536, 16, "all")
     assert [len(ops.branch_calls(br, 65536, 16 // kv_heads)) for br in table] == expected
     # N=16384: r=4 and r=8 have fewer segments (2, 1) than heads within a group: one call per segment
@@ -206,6 +207,24 @@ def test_calls_by_segment_equal_the_reference(layout, causal, pieces, kv_heads, 
     else:
         assert [(c.n_seg, c.n_heads, c.segment_head_step, c.kv_heads) for c in calls] == [(1, 2, 0, 1)] * 8
     _forward_backward_equal_the_reference(case, seed=5)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("causal", [False, True])
+def test_calls_by_head_equal_the_reference(causal, kv_heads, math_loops, monkeypatch):
+    """Calls that take the i-th head of every offset group (n=256 with w=64, r=4 and 8 heads: 4 segments, 2 heads
+    in each of 4 groups, head i of a call at a row shift of i): one kv view head per query head, evenly spaced kv
+    heads (8) or one kv head for all (1, kv head step 0); with 2 kv heads they are not evenly spaced (heads 0-3
+    read kv head 0, 4-7 kv head 1), so each group takes a call, its 2 heads sharing a kv head."""
+    case = dataclasses.replace(LONGNET, seq_len=256, num_kv_heads=kv_heads)
+    calls = ops.branch_calls(branch_table([64], [4], 256, 8, "all")[0], 256, 8 // kv_heads)
+    if kv_heads == 2:
+        assert [(c.n_heads, c.row_step, c.kv_heads) for c in calls] == [(2, 0, 1)] * 4
+    else:
+        assert [(c.n_heads, c.row_step, c.kv_heads, c.kv_head_step) for c in calls] == \
+            [(4, 1, 4, {8: 2, 1: 0}[kv_heads])] * 2
+    _poisoned_empty(monkeypatch)
+    _forward_backward_equal_the_reference(dataclasses.replace(case, causal=causal), seed=6)
 
 
 @pytest.mark.parametrize("kv_heads", [8, 4, 1])

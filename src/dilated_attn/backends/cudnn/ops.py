@@ -9,7 +9,8 @@ grows by one per `c = ceil(H/r)` heads, so the `i`-th head of every offset group
 `(H + c)*D`), and so do all the groups of one segment (group stride `(H + c)*D`): a branch takes
 `min(groups, c, segments)` calls, not one per group. Grouped-query heads (Hkv < Hq) use cuDNN's own grouping (query
 head `i` of a call reads kv head `i // (heads / kv_heads)` of the call's k and v views) wherever a call's heads map
-so; elsewhere the call is cut into runs of query heads that share one kv head and one offset.
+so, and a call of heads at row shifts of their own that all read one kv head (Hkv = 1) gives each a view of it;
+elsewhere the call is cut into runs of query heads that share one kv head and one offset.
 
 The backward passes cuDNN the merged `out` and `lse` of the whole problem: its `P = exp(S - lse)` and
 `delta = rowsum(dO * out)` are then this branch's share of the exact gradient (docs/SPEC.md, "Gradients"), which
@@ -81,6 +82,10 @@ def _with_kv_heads(call: Call, group: int) -> Optional[Call]:
 
     first = [kv(0, i) for i in range(call.n_heads)]
     run = next((i for i, h in enumerate(first) if h != first[0]), call.n_heads)
+    if call.row_step and run == call.n_heads:
+        # heads at row shifts of their own cannot share a kv view head; where all read one kv head, each takes a
+        # view of it at its own rows (kv head step 0)
+        run = 1
     if call.n_heads % run or (run > 1 and call.row_step):
         return None
     starts = first[::run]
