@@ -229,10 +229,8 @@ class _StreamLog:
         return before
 
 
-def _log_lanes(log, math_interface, monkeypatch):
-    """Run the backward's two lanes on `log`'s stand-in streams, logging each call, store and addition there."""
-    monkeypatch.setattr(ops._Lanes, "of", classmethod(lambda cls, like: cls([log.stream("main"), log.stream("side")])))
-
+def _enter_logged_streams(log, monkeypatch):
+    """`with torch.cuda.stream(s)` on `log`'s stand-in streams: what runs inside is logged on `s`."""
     @contextlib.contextmanager
     def on(stream):
         log.current, before = stream.name, log.current
@@ -240,6 +238,12 @@ def _log_lanes(log, math_interface, monkeypatch):
         log.current = before
 
     monkeypatch.setattr(torch.cuda, "stream", on)
+
+
+def _log_lanes(log, math_interface, monkeypatch):
+    """Run the backward's two lanes on `log`'s stand-in streams, logging each call, store and addition there."""
+    monkeypatch.setattr(ops._Lanes, "of", classmethod(lambda cls, like: cls([log.stream("main"), log.stream("side")])))
+    _enter_logged_streams(log, monkeypatch)
     accumulate = ops.compiled.accumulate
 
     def logged_accumulate(targets, parts, store=False):
@@ -303,6 +307,57 @@ def test_backward_lanes_keep_the_writes_in_order(packed, lse_gradient, math_inte
         if log.ops[i][1] == "add":
             assert set(writes[:n]) <= before[i], f"addition {log.ops[i]} may run beside an earlier write"
     assert log.ops[-1] == ("main", "wait stream", "side")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_forward_merges_follow_their_parts(packed, math_interface, monkeypatch):
+    """The forward's merged calls run on a second stream beside the stored ones (ops._run_forward), strided and
+    packed: the second stream starts after what the caller's stream was given, and each merge runs on the caller's
+    stream after every stored call and after its own part's call; the results are one stream's, and the
+    reference's."""
+    segs, dils, scale = [16, 32, 64], [1, 2, 4], 0.3
+    g = torch.Generator().manual_seed(8)
+    if packed:
+        q, k, v = (torch.randn(160, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        args = (torch.tensor([0, 64, 96, 160], dtype=torch.int32), 64, segs, dils, False, False, scale)
+        forward = ops.fa4_varlen_forward
+    else:
+        q, k, v = (torch.randn(1, 64, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        args = (segs, dils, False, False, scale)
+        forward = ops.fa4_forward
+    one_stream = forward(q, k, v, *args)
+    log = _StreamLog()
+    main, side = log.stream("main"), log.stream("side")
+    monkeypatch.setattr(ops, "_second_stream", lambda like, enabled: side if enabled else None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    _enter_logged_streams(log, monkeypatch)
+    attend, merge = math_interface._flash_attn_fwd, ops._merge
+
+    def logged_attend(*a, **kw):
+        log.ops.append((log.current, "call", None))
+        return attend(*a, **kw)
+
+    def logged_merge(*a):
+        log.ops.append((log.current, "merge", None))
+        merge(*a)
+
+    monkeypatch.setattr(math_interface, "_flash_attn_fwd", staticmethod(logged_attend))
+    monkeypatch.setattr(ops, "_merge", logged_merge)
+    results = forward(q, k, v, *args)
+
+    for got, want in zip(results, one_stream):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if not packed:
+        for got, want in zip(results, dilated_attention_reference(q, k, v, segs, dils, scale=scale)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert log.ops[0] == ("side", "wait stream", "main"), "the second stream starts after what the caller enqueued"
+    parts = [i for i, (lane, kind, _) in enumerate(log.ops) if kind == "call" and lane == "side"]
+    stored = [i for i, (lane, kind, _) in enumerate(log.ops) if kind == "call" and lane == "main"]
+    merges = [i for i, (_, kind, _) in enumerate(log.ops) if kind == "merge"]
+    assert len(parts) == len(merges) > 2 and stored and all(log.ops[i][0] == "main" for i in merges)
+    before = log.ordered_before()
+    for part, i in zip(parts, merges):
+        assert set(stored) | {part} <= before[i], f"merge {i} may run before its part or a stored call"
 
 
 def test_fa4_verdict_without_flash_attn(monkeypatch):
@@ -440,7 +495,8 @@ def _use_math_interface(monkeypatch):
 
 # (lengths, Hq, Hkv, segment_lengths, dilation_rates, causal, head_groups): empty sequences, sequences shorter than
 # a segment and than a dilation, starts of every residue, segments not divisible by their dilation, GQA runs cut per
-# kv head, split heads (uncovered rows), r > w
+# kv head, split heads (uncovered rows), r > w; offset groups stacked in one call (the last four: kv heads one
+# (step 0), one per head pair (step 1), not evenly spaced over the groups (not stacked), and, moved, with gaps)
 PACKS = [
     ([5, 0, 17, 40], 4, 2, (8, 16), (1, 2), True, "all"),
     ([5, 0, 17, 3, 40], 4, 2, (8, 16), (1, 2), False, "split"),
@@ -449,6 +505,10 @@ PACKS = [
     ([7, 9, 30, 11, 2], 8, 2, (6, 12, 24), (1, 3, 8), False, "all"),
     ([13, 64, 3, 21], 5, 1, (10, 3), (3, 5), True, "all"),
     ([16, 32, 48], 4, 4, (8, 16, 32), (1, 2, 4), True, "all"),
+    ([16, 32, 48], 8, 1, (8, 16, 32), (1, 2, 8), False, "all"),
+    ([24, 8, 32], 8, 4, (8, 16), (1, 4), True, "all"),
+    ([12, 20, 16], 8, 2, (8, 16, 32), (1, 4, 8), False, "all"),
+    ([12, 20, 16], 4, 1, (8, 16, 32), (1, 4, 8), True, "all"),
 ]
 
 
@@ -516,15 +576,28 @@ def test_packs_of_other_head_dims_run_one_sequence_at_a_time(math_interface, mon
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
-def test_aligned_pack_takes_a_call_per_offset_group():
-    """Sequences whose lengths every dilation divides take, per branch, one call per offset group for the whole
-    pack (a uniform batch's count), the first branch written in place; other starts take a call per residue, or
-    run moved to multiples of the dilations where that saves calls."""
+def test_aligned_pack_takes_a_uniform_batchs_calls():
+    """Sequences whose lengths every dilation divides take, per branch, the calls of a uniform batch for the whole
+    pack: one per offset group, or one per head of a group where the groups stack; the first branch written in
+    place. Other starts take a call per residue and offset group, or run moved to multiples of the dilations where
+    that saves calls."""
+    from dilated_attn.backends.cudnn.ops import plan
     from dilated_attn.backends.fa4 import packs
 
-    aligned = packs.plan_pack((0, 32, 48, 112), (16, 32), (1, 4), 8, 8, False)
+    aligned = packs.plan_pack((0, 32, 48, 112), (16, 32), (1, 4), 16, 16, False)  # 4 heads in each of 4 groups
     assert aligned.starts is None and [len(calls) for calls in aligned.plan.calls] == [1, 4]
     assert aligned.plan.first_stores and all(call.used == 0 for calls in aligned.plan.calls for call in calls)
+    # 8 heads, 2 per offset group: the j-th head of the 4 groups in one call, head i at a row shift of i
+    stacked = packs.plan_pack((0, 32, 48, 112), (16, 32), (1, 4), 8, 8, False).plan.calls[1]
+    assert [(c.head0, c.n_heads, c.head_step, c.row_step, c.kv_heads, c.used) for c in stacked] == [
+        (0, 4, 2, 1, 4, 0), (1, 4, 2, 1, 4, 0)]
+    # LongNet's branches over a pack of 8 sequences (bench_varlen --eight): a uniform batch's 9 calls, not 15
+    eight = (0, *itertools.accumulate([4096, 12288, 2048, 16384, 6144, 10240, 8192, 6144]))
+    longnet = ((2048, 4096, 8192, 16384), (1, 2, 4, 8))
+    for kv_heads in (16, 1):
+        calls = packs.plan_pack(eight, *longnet, 16, kv_heads, False).plan.calls
+        uniform = plan(*longnet, 8192, 16, kv_heads, False).calls
+        assert [len(c) for c in calls] == [1, 2, 4, 2] and len(uniform[3]) <= len(calls[3])
     here = packs.plan_sequences(((0, 31), (31, 17), (48, 65)), 113, (16, 32), (1, 4), 8, 8, False)
     # starts 0, 31 and 48, residues 0, 3 and 0 modulo 4: two calls per offset group, the second sequence's apart
     assert [len(calls) for calls in here.calls] == [1, 8]
@@ -534,6 +607,7 @@ def test_aligned_pack_takes_a_call_per_offset_group():
     assert moved.starts is None  # 4 calls saved: not worth the copies
     many = packs.plan_pack((0, 31, 49, 114, 200), (16, 32), (1, 8), 16, 16, False)
     assert many.starts == (0, 32, 56, 128) and many.total == 216
+    # moved: a call per offset group (lengths off multiples of 8 give the groups runs of unequal lengths: unstacked)
     assert [len(calls) for calls in many.plan.calls] == [1, 8]
 
 

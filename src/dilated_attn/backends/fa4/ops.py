@@ -168,6 +168,41 @@ def _gradients(q: torch.Tensor, k: torch.Tensor, stores: bool):
             make(k.shape, dtype=q.dtype, device=q.device))
 
 
+def _run_forward(like: torch.Tensor, stored: list, merged: list) -> None:
+    """A forward's calls: `stored` (each writing its rows of the results) on the caller's stream, and `merged` (pairs
+    of a call writing its part, allocated by the caller on its stream, and the merge of that part into the results)
+    on a second stream beside them, each merge on the caller's stream after the stored calls and its own part. The
+    parts fill the stored calls' last waves and launch gaps, and each merge runs beside the parts after it. One
+    stream where there is no second (_second_stream) or nothing beside the stored calls."""
+    side = _second_stream(like, OVERLAP_CALLS) if stored and merged else None
+    if side is None:
+        for run in stored:
+            run()
+        for run, merge in merged:
+            run()
+            merge()
+        return
+    main = torch.cuda.current_stream(like.device)
+    side.wait_stream(main)
+    ready = []
+    with torch.cuda.stream(side):
+        for run, _ in merged:
+            run()
+            ready.append(side.record_event())
+    for run in stored:
+        run()
+    for event, (_, merge) in zip(ready, merged):
+        main.wait_event(event)
+        merge()
+
+
+def _store(run, outs: torch.Tensor, lses: torch.Tensor) -> None:
+    """A stored call whose LSE view FlashAttention cannot write in place: its results, copied."""
+    part_out, part_lse = run()[:2]
+    outs.copy_(part_out)
+    lses.copy_(part_lse)
+
+
 @forward_op("fa4_forward")
 def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
@@ -177,37 +212,22 @@ def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, s
     tensors = (q, k, v, out, lse.transpose(1, 2))  # the plan reads LSEs as [B, N, H]
     s = p.schedule(_layouts(*tensors), FORWARD_KV, MAX_CALL_ELEMENTS)
     options = _forward_options(q, causal)
-    views = [[*(_bshd(x) for x in view[:4]), view[4]] for view in s.views(*tensors)]  # the LSE stays [b, h, s]
-    stored, merged = views[:s.stored], views[s.stored:]
-    # the merged calls run on a second stream beside the stored ones, which fill the other's last waves and launch
-    # gaps; their results are allocated here, on the caller's stream, which merges them after the stored calls
-    side = _second_stream(q, OVERLAP_CALLS) if stored and merged else None
-    parts = []
-    if side is not None:
-        main = torch.cuda.current_stream(q.device)
-        side.wait_stream(main)
-    for qs, ks, vs, _, lses in merged:
+    stored, merged = [], []
+    for i, (qs, ks, vs, outs, lses) in enumerate(s.views(*tensors)):
+        qs, ks, vs, outs = _bshd(qs), _bshd(ks), _bshd(vs), _bshd(outs)  # the LSE stays [b, h, s]
+        run = functools.partial(fa._flash_attn_fwd, qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True,
+                                **options)
+        if i < s.stored:
+            in_place = lses.stride(-1) == 1
+            stored.append(functools.partial(run, out=outs, lse=lses) if in_place else
+                          functools.partial(_store, run, outs, lses))
+            continue
         part_out = torch.empty(qs.shape[:-1] + vs.shape[-1:], dtype=q.dtype, device=q.device)
         part_lse = torch.empty(lses.shape, dtype=lse.dtype, device=q.device)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            fa._flash_attn_fwd(qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True, out=part_out,
-                               lse=part_lse, **options)
-        parts.append((part_out, part_lse))
-    if side is not None:
-        done = side.record_event()
-    for qs, ks, vs, outs, lses in stored:
-        if lses.stride(-1) == 1:  # written in place
-            fa._flash_attn_fwd(qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True, out=outs, lse=lses,
-                               **options)
-            continue
-        part_out, part_lse = fa._flash_attn_fwd(qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True,
-                                                **options)[:2]
-        outs.copy_(part_out)
-        lses.copy_(part_lse)
-    if side is not None:
-        main.wait_event(done)
-    for (_, _, _, outs, lses), (part_out, part_lse) in zip(merged, parts):
-        _merge(_bshd(outs), lses, _bshd(part_out), part_lse)  # the merge's views are [b, h, s, d]
+        # the merge's views are [b, h, s, d]
+        merged.append((functools.partial(run, out=part_out, lse=part_lse),
+                       functools.partial(_merge, _bshd(outs), lses, _bshd(part_out), part_lse)))
+    _run_forward(q, stored, merged)
     return out, lse
 
 
@@ -300,17 +320,19 @@ def _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, spli
 
 
 def _pack_view(x: torch.Tensor, call: PackCall, kv: bool = False) -> torch.Tensor:
-    """The call's view `[rows, heads, D]` of `[T, H, D]`: rows `start + dilation*i`, its query or kv heads."""
-    head0, n = (call.kv_head0, call.kv_heads) if kv else (call.head0, call.n_heads)
+    """The call's view `[rows, heads, D]` of `[T, H, D]`: rows `start + dilation*m`, its query or kv heads (each
+    `row_step` rows further than the one before)."""
+    head0, n, step = (call.kv_head0, call.kv_heads, call.kv_head_step) if kv else (
+        call.head0, call.n_heads, call.head_step)
     st, sh, sd = x.stride()
-    return x.as_strided((call.rows, n, x.shape[2]), (call.dilation * st, sh, sd),
+    return x.as_strided((call.rows, n, x.shape[2]), (call.dilation * st, call.row_step * st + step * sh, sd),
                         x.storage_offset() + call.start * st + head0 * sh)
 
 
 def _pack_lse_view(lse: torch.Tensor, call: PackCall) -> torch.Tensor:
     """The call's view `[heads, rows]` of an LSE `[H, T]`."""
     sh, st = lse.stride()
-    return lse.as_strided((call.n_heads, call.rows), (sh, call.dilation * st),
+    return lse.as_strided((call.n_heads, call.rows), (call.row_step * st + call.head_step * sh, call.dilation * st),
                           lse.storage_offset() + call.start * st + call.head0 * sh)
 
 
@@ -340,21 +362,24 @@ def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilatio
     plan, metadata = pack.plan, pack.metadata
     out, lse = _results(q, (q.shape[1], q.shape[0]), plan.first_stores)
     options = _forward_options(q, causal)
+    stored, merged = [], []
     for i, calls in enumerate(plan.calls):
         for call in calls:
-            views = dict(q=_pack_view(q, call), k=_pack_view(k, call, True), v=_pack_view(v, call, True))
+            run = functools.partial(fa._flash_attn_fwd, q=_pack_view(q, call), k=_pack_view(k, call, True),
+                                    v=_pack_view(v, call, True), **_lengths(call, metadata), softmax_scale=scale,
+                                    causal=causal, return_lse=True, **options)
             outs, lses = _pack_view(out, call), _pack_lse_view(lse, call)
             if i == 0 and plan.first_stores:  # every row of the pack once: written in place
-                fa._flash_attn_fwd(**views, **_lengths(call, metadata), softmax_scale=scale, causal=causal,
-                                   return_lse=True, out=outs, lse=lses, **options)
+                stored.append(functools.partial(run, out=outs, lse=lses))
                 continue
-            # the rows between runs keep an LSE of -inf, which the merge passes over
-            part_lse = None
-            if call.used:
-                part_lse = torch.full((call.n_heads, call.rows), float("-inf"), dtype=lse.dtype, device=q.device)
-            part_out, part_lse = fa._flash_attn_fwd(**views, **_lengths(call, metadata), softmax_scale=scale,
-                                                    causal=causal, return_lse=True, lse=part_lse, **options)[:2]
-            _merge(_heads_first(outs), lses[None], _heads_first(part_out), part_lse[None])
+            part_out = torch.empty(outs.shape, dtype=q.dtype, device=q.device)
+            # the rows between runs keep an LSE of -inf, which the merge passes over (their part_out is not read)
+            part_lse = (torch.full((call.n_heads, call.rows), float("-inf"), dtype=lse.dtype, device=q.device)
+                        if call.used else torch.empty((call.n_heads, call.rows), dtype=lse.dtype, device=q.device))
+            merged.append((functools.partial(run, out=part_out, lse=part_lse),
+                           functools.partial(_merge, _heads_first(outs), lses[None], _heads_first(part_out),
+                                             part_lse[None])))
+    _run_forward(q, stored, merged)
     return pack.gather(out), pack.gather(lse, 1)
 
 

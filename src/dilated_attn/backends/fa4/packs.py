@@ -6,10 +6,13 @@ rows `a + o + r*i`. Every such run of rows is one "sequence" of a varlen call ov
 D]` of `[T, H, D]` that starts at row `t` and steps `r` rows: the run starts at view row `(a + o - t) / r`, so the
 runs of all segments of all sequences whose start `a + o` has the residue `t` modulo `r` go in one call. Segment
 lengths divisible by `r` (LongNet's) keep one residue per sequence; a pack whose sequences start at multiples of
-every `r` (lengths divisible by them) then takes, per branch, one call per offset group, as a uniform batch does. In
-a pack of other lengths the starts take several residues, one call each (up to `r` per offset group): where that
-costs more calls than copying the tensors does, the ops run on a copy with each sequence moved to a multiple of the
-dilations (plan_pack).
+every `r` (lengths divisible by them) then takes, per branch, one call per offset group, or fewer where the groups
+stack as a uniform batch's do (the cudnn plan's branch_calls): with `head_groups="all"` and fewer heads per group
+than groups, the `j`-th head of every group goes in one call whose head `i` is group `i`'s, at a row shift of `i`
+(head stride `(H + heads per group)*D`), where every group has the same runs, shifted by its offset. In a pack of
+other lengths the starts take several residues, one call each (up to `r` per offset group): where that costs more
+calls than copying the tensors does, the ops run on a copy with each sequence moved to a multiple of the dilations
+(plan_pack).
 
 A view's rows between the runs (other sequences' rows, or a shorter last segment's) belong to no sequence of the
 call: FlashAttention then takes `seqused` (each run's length, `cu_seqlens` its start) and does not write them, so
@@ -35,10 +38,10 @@ _ALIGN = 4
 
 @dataclass(frozen=True)
 class PackCall:
-    """One varlen call: the view of rows `start + dilation*i` (`rows` of them) and query heads `[head0, head0 +
-    n_heads)` (kv heads `[kv_head0, kv_head0 + kv_heads)`), and its `count` runs, whose starts (then the end of the
-    last) are the plan's `metadata[at : at + count + 1]` and lengths `metadata[at + used : at + used + count]`
-    (`used` 0: no gaps, the starts alone define them)."""
+    """One varlen call: the view of rows `start + dilation*m` (`rows` of them) whose head `i` is query head `head0 +
+    i*head_step` (`n_heads` of them) at rows shifted by `i*row_step` (kv heads: `kv_head0 + i*kv_head_step`, `kv_heads`
+    of them), and its `count` runs, whose starts (then the end of the last) are the plan's `metadata[at : at + count
+    + 1]` and lengths `metadata[at + used : at + used + count]` (`used` 0: no gaps, the starts alone define them)."""
 
     start: int
     dilation: int
@@ -51,6 +54,9 @@ class PackCall:
     at: int
     used: int
     longest: int
+    head_step: int = 1
+    row_step: int = 0
+    kv_head_step: int = 1
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,35 @@ def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, 
     return by_residue
 
 
+def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
+    """Where one call can take the `j`-th head of every offset group (its head `i` group `i`'s, at a row shift of
+    `i`): the residue and runs of the first group, which every group has shifted by its offset, and per call (first
+    head, first kv head, kv head step); else None. It needs more groups than heads per group (else it saves no call),
+    equal groups at consecutive offsets, and kv heads `h // group` evenly spaced over the groups (with the row shifts,
+    each head of the call reads its own kv view, so FlashAttention's grouping cannot share one)."""
+    groups = [(br.offset(h), h, min(br.offset_div, br.head_hi - h))
+              for h in range(br.head_lo, br.head_hi, br.offset_div)]
+    offset, size = groups[0][0], groups[0][2]
+    if len(groups) <= size or any(g != (offset + i, br.head_lo + i * size, size) for i, g in enumerate(groups)):
+        return None
+    first = _runs(br, offset, lengths)
+    if len(first) != 1:
+        return None
+    (t, runs), = first.items()
+    for i in range(1, len(groups)):
+        shifted = sorted(run for same in _runs(br, offset + i, lengths).values() for run in same)
+        if shifted != [(row + i, m) for row, m in runs]:
+            return None
+    heads = []
+    for j in range(size):
+        kv = [(br.head_lo + j + i * size) // group for i in range(len(groups))]
+        step = kv[1] - kv[0]
+        if any(h != kv[0] + i * step for i, h in enumerate(kv)):
+            return None
+        heads.append((br.head_lo + j, kv[0], step))
+    return t, runs, heads
+
+
 def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_lengths: tuple[int, ...],
               dilation_rates: tuple[int, ...], heads: int, kv_heads: int, split_heads: bool, head_start: int = 0,
               global_heads: int = 0) -> PackPlan:
@@ -108,26 +143,42 @@ def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_l
     table = branch_table(list(segment_lengths), list(dilation_rates), longest, heads,
                          "split" if split_heads else "all", head_start, global_heads)
     metadata: list[int] = []
+
+    def runs_of(t: int, r: int, rows: int, runs: list[tuple[int, int]]) -> dict:
+        """The metadata of runs `(first row, members)` in the view of `rows` rows from row `t`, `r` apart: the
+        PackCall fields it gives."""
+        starts = [(row - t) // r for row, _ in runs]
+        counts = [m for _, m in runs]
+        gapless = starts[0] == 0 and starts[-1] + counts[-1] == rows and all(
+            a + m == b for a, m, b in zip(starts, counts, starts[1:]))
+        at = len(metadata)
+        metadata.extend(starts + [starts[-1] + counts[-1]])
+        used = 0
+        if not gapless:
+            metadata.extend([0] * (-len(metadata) % _ALIGN))
+            used = len(metadata) - at
+            metadata.extend(counts)
+        metadata.extend([0] * (-len(metadata) % _ALIGN))
+        return dict(start=t, dilation=r, rows=rows, count=len(runs), at=at, used=used, longest=max(counts))
+
     branches = []
     for br in table:
         r = br.dilation
         calls = []
-        for offset, head0, n_heads, kv_head0, n_kv in _head_runs(br, heads // kv_heads):
-            for t, runs in sorted(_runs(br, offset, lengths).items()):
-                rows = (total - 1 - t) // r + 1
-                starts = [(row - t) // r for row, _ in runs]
-                counts = [m for _, m in runs]
-                gapless = starts[0] == 0 and starts[-1] + counts[-1] == rows and all(
-                    a + m == b for a, m, b in zip(starts, counts, starts[1:]))
-                at = len(metadata)
-                metadata += starts + [starts[-1] + counts[-1]]
-                used = 0
-                if not gapless:
-                    metadata += [0] * (-len(metadata) % _ALIGN)
-                    used = len(metadata) - at
-                    metadata += counts
-                metadata += [0] * (-len(metadata) % _ALIGN)
-                calls.append(PackCall(t, r, rows, head0, n_heads, kv_head0, n_kv, len(runs), at, used, max(counts)))
+        stacked = _stacked(br, heads // kv_heads, lengths)
+        if stacked is not None:
+            t, runs, firsts = stacked
+            n = len(range(br.head_lo, br.head_hi, br.offset_div))  # the groups: the call's heads
+            # the last group's view, `n - 1` rows further, stays inside the tensors
+            where = runs_of(t, r, (total - t - n) // r + 1, runs)
+            size = br.offset_div
+            calls = [PackCall(head0=h, n_heads=n, kv_head0=kv, kv_heads=n, head_step=size, row_step=1,
+                              kv_head_step=step, **where) for h, kv, step in firsts]
+        else:
+            for offset, head0, n_heads, kv_head0, n_kv in _head_runs(br, heads // kv_heads):
+                for t, runs in sorted(_runs(br, offset, lengths).items()):
+                    where = runs_of(t, r, (total - 1 - t) // r + 1, runs)
+                    calls.append(PackCall(head0=head0, n_heads=n_heads, kv_head0=kv_head0, kv_heads=n_kv, **where))
         branches.append(tuple(calls))
     return PackPlan(tuple(branches), bool(table) and covers_everything(table[0], heads), tuple(metadata))
 
