@@ -3,7 +3,7 @@
 # JSON go under $OUT (default ./gpu_out).
 # The build holds Pascal's tile tables in the sm_70+ code too (DILATED_ATTN_PASCAL_PROXY=1), so that the tests, the
 # sanitizers and bench_cuda_kernels.py run them on this GPU (DILATED_ATTN_CUDA_TILES=pascal or gp100).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|fa4|ring|ring_bench|ring_ab|main|tune|first_call|varlen|decode|tile_order|ncu|tune_fa4|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|fa4|ring|ring_bench|ring_ab|ab|main|tune|first_call|varlen|decode|tile_order|ncu|tune_fa4|all]...
 #   fa4: the fa4 backend's GPU tests, then benchmarks/bench_gpu.py on N = 65536 (causal and not, Hkv 16, 4, 1) for the
 #        kernels cudnn and fa4 and their first-branch shape alone (${FA4_ARGS}); needs flash-attn-4 installed or on
 #        PYTHONPATH (the wheels travel as ../shared/tools/carry-wheels.sh prints)
@@ -21,10 +21,12 @@
 #         scaling (--tokens-per-gpu), on each GPU count of RING_GPUS (default "4 2") the machine has; then
 #         `python benchmarks/ring_model.py` on the JSON here (ring_4gpu.json ring_2gpu.json); with RING_TRACE=1 each
 #         profiled call's host and GPU timeline too (--trace), every rank's, packed as ring_traces_<P>gpu.tgz
-#   ring_ab: bench_ring.py ${RING_ARGS} on the first GPU count of RING_GPUS, RING_AB_ROUNDS (default 2) rounds of A then
-#         B in this one call: A the package tree in RING_AB_TREE (a folder holding an older commit's src/, e.g. made by
+#   ab: ${AB_CMD} (a benchmark command taking --out), AB_ROUNDS (default 2) rounds of A then B in this one call: A the
+#         package tree in AB_TREE (a folder holding an older commit's src/, e.g. made by
 #         `git archive COMMIT src | tar -x -C .old/COMMIT` and carried) run with this build's _C, so only the Python
-#         may differ; B this tree. JSON ring_ab_<A|B><round>.json
+#         may differ; B this tree. JSON ab_<A|B><round>.json
+#   ring_ab: ab with bench_ring.py ${RING_ARGS} on the first GPU count of RING_GPUS (RING_AB_TREE, RING_AB_ROUNDS),
+#         JSON ring_ab_<A|B><round>.json
 #   tune: benchmarks/tune.py ${TUNE_ARGS} (the full sweep, merged into the source tree's tuned_configs.json when run
 #         with SKIP_BUILD=1 on a fresh machine, else into the installed package's; copied to $OUT either way)
 #   decode: benchmarks/bench_decode.py ${DECODE_ARGS} (KV-cache decoding against the copy bandwidth)
@@ -132,16 +134,22 @@ for stage in $stages; do
           benchmarks/bench_ring.py --mode heads --out "$OUT/ring_heads_${RING_HEAD_GROUPS}groups.json" 2>&1 \
           | tee -a "$OUT/ring.log"
       fi ;;
-    ring_ab)
+    ab|ring_ab)
+      if [ $stage = ring_ab ]; then
+        gpus=${RING_GPUS:-4 2}
+        tree_a=${RING_AB_TREE:-} rounds=${RING_AB_ROUNDS:-2} log=ring.log
+        cmd="torchrun --standalone --nproc_per_node=${gpus%% *} benchmarks/bench_ring.py ${RING_ARGS:-}"
+      else
+        tree_a=${AB_TREE:-} rounds=${AB_ROUNDS:-2} log=ab.log cmd=${AB_CMD:?AB_CMD: the benchmark command}
+      fi
       site=$(cd /tmp && python3 -c "import dilated_attn, os; print(os.path.dirname(dilated_attn.__file__))")
-      cp "$site"/_C*.so "${RING_AB_TREE:?RING_AB_TREE: the folder holding the older src/}/src/dilated_attn/"
-      gpus=${RING_GPUS:-4 2}
-      for round in $(seq "${RING_AB_ROUNDS:-2}"); do
+      cp "$site"/_C*.so "${tree_a:?AB_TREE / RING_AB_TREE: the folder holding the older src/}/src/dilated_attn/"
+      for round in $(seq "$rounds"); do
         for side in A B; do
-          tree=$([ $side = A ] && echo "$PWD/$RING_AB_TREE/src")
-          PYTHONPATH=${tree:-${PYTHONPATH:-}} torchrun --standalone --nproc_per_node="${gpus%% *}" \
-            benchmarks/bench_ring.py ${RING_ARGS:-} --out "$OUT/ring_ab_${side}${round}.json" 2>&1 \
-            | sed "s/^/$side$round /" | tee -a "$OUT/ring.log"
+          # A's tree first on the path, before what else is there (flash-attn-4's wheels)
+          tree=$([ $side = A ] && echo "$PWD/$tree_a/src")
+          PYTHONPATH=${tree:+$tree${PYTHONPATH:+:}}${PYTHONPATH:-} $cmd --out "$OUT/${stage}_${side}${round}.json" \
+            2>&1 | sed "s/^/$side$round /" | tee -a "$OUT/$log"
         done
       done ;;
     main)
