@@ -454,13 +454,13 @@ def test_gpu_dense_ops_take_unequal_lengths(nq, nk, kv_heads):
 
 
 @pytest.mark.parametrize("installed, causal, kv_heads, backward, first", [
-    (True, False, 16, False, "fa4"), (True, True, 16, False, "cudnn"), (True, False, 4, False, "fa4"),
-    (True, True, 4, False, "cudnn"), (True, True, 4, True, "fa4"), (True, True, 16, True, "fa4"),
-    (False, False, 16, True, "cudnn")])
+    (True, False, 16, False, "fa4"), (True, True, 16, False, "fa4"), (True, False, 4, False, "fa4"),
+    (True, True, 4, False, "fa4"), (True, True, 4, True, "fa4"), (True, True, 16, True, "fa4"),
+    (False, False, 16, True, "cudnn"), (False, True, 4, False, "cudnn")])
 def test_auto_prefers_fa4_where_installed_and_measured_faster(monkeypatch, installed, causal, kv_heads, backward,
                                                                first):
-    """auto's rule, without a GPU: fa4 before cudnn on Hopper where flash-attn-4 is installed, except causal calls
-    without a backward; the verdict imports nothing."""
+    """auto's rule, without a GPU: fa4 before cudnn on Hopper where flash-attn-4 is installed, causal or not, with a
+    backward or not; the verdict imports nothing."""
     import dataclasses
 
     from dilated_attn import dispatch

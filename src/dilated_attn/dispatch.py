@@ -129,12 +129,11 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
 
 
 def fa4_preferred(p: Problem) -> bool:
-    """Where flash-attn-4 is installed and can run `p` (a problem large enough for cudnn), auto prefers it, except for
-    causal forward-only calls: their calls are short, fa4's host time per call shows, and they ran 0.79-1.05x
-    cudnn's speed from run to run on one H200 (LongNet at N = 65536; 0.88x at Hkv = 4), while forward+backward ran
-    1.10-1.17x cudnn's, causal grouped-query heads 0.95-1.12x (benchmarks/README.md, "FlashAttention-4")."""
-    causal_forward = p.causal and not p.records_backward
-    return not causal_forward and fa4_backend.FA4.why_not(p) is None
+    """Where flash-attn-4 is installed and can run `p` (a problem large enough for cudnn), auto prefers it: LongNet at
+    N = 65536 ran forward+backward 1.09-1.17x cudnn's speed on an H100 and an H200, the forward 1.05-1.12x, causal
+    or not, Hkv = 16, 4 and 1, in all but the runs of an H100 host where fa4's host time per call slowed whole rounds
+    of short causal grouped-query calls (0.85x there; benchmarks/README.md, "FlashAttention-4")."""
+    return fa4_backend.FA4.why_not(p) is None
 
 
 @trace_constant
