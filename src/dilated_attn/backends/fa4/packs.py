@@ -104,8 +104,8 @@ def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, 
 
 def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
     """Where one call can take the `j`-th head of every offset group (its head `i` group `i`'s, at a row shift of
-    `i`): the residue and runs of the first group, which every group has shifted by its offset, and per call (first
-    head, first kv head, kv head step); else None. It needs more groups than heads per group (else it saves no call),
+    `i`): the residue and runs of the first group, which every group has shifted by its offset, the number of groups
+    and of heads in each, and per call (first head, first kv head, kv head step); else None. It needs more groups than heads per group (else it saves no call),
     equal groups at consecutive offsets, and kv heads `h // group` evenly spaced over the groups (with the row shifts,
     each head of the call reads its own kv view, so FlashAttention's grouping cannot share one)."""
     groups = [(br.offset(h), h, min(br.offset_div, br.head_hi - h))
@@ -128,7 +128,7 @@ def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
         if any(h != kv[0] + i * step for i, h in enumerate(kv)):
             return None
         heads.append((br.head_lo + j, kv[0], step))
-    return t, runs, heads
+    return t, runs, len(groups), size, heads
 
 
 def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_lengths: tuple[int, ...],
@@ -144,7 +144,7 @@ def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_l
                          "split" if split_heads else "all", head_start, global_heads)
     metadata: list[int] = []
 
-    def runs_of(t: int, r: int, rows: int, runs: list[tuple[int, int]]) -> dict:
+    def call_fields(t: int, r: int, rows: int, runs: list[tuple[int, int]]) -> dict:
         """The metadata of runs `(first row, members)` in the view of `rows` rows from row `t`, `r` apart: the
         PackCall fields it gives."""
         starts = [(row - t) // r for row, _ in runs]
@@ -167,17 +167,15 @@ def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_l
         calls = []
         stacked = _stacked(br, heads // kv_heads, lengths)
         if stacked is not None:
-            t, runs, firsts = stacked
-            n = len(range(br.head_lo, br.head_hi, br.offset_div))  # the groups: the call's heads
+            t, runs, n, size, firsts = stacked  # n groups: the call's heads
             # the last group's view, `n - 1` rows further, stays inside the tensors
-            where = runs_of(t, r, (total - t - n) // r + 1, runs)
-            size = br.offset_div
+            where = call_fields(t, r, (total - t - n) // r + 1, runs)
             calls = [PackCall(head0=h, n_heads=n, kv_head0=kv, kv_heads=n, head_step=size, row_step=1,
                               kv_head_step=step, **where) for h, kv, step in firsts]
         else:
             for offset, head0, n_heads, kv_head0, n_kv in _head_runs(br, heads // kv_heads):
                 for t, runs in sorted(_runs(br, offset, lengths).items()):
-                    where = runs_of(t, r, (total - 1 - t) // r + 1, runs)
+                    where = call_fields(t, r, (total - 1 - t) // r + 1, runs)
                     calls.append(PackCall(head0=head0, n_heads=n_heads, kv_head0=kv_head0, kv_heads=n_kv, **where))
         branches.append(tuple(calls))
     return PackPlan(tuple(branches), bool(table) and covers_everything(table[0], heads), tuple(metadata))
