@@ -376,6 +376,8 @@ GPU_CASES = [
     dict(B=1, N=4096, H=16, D=128, segs=[512, 1024, 2048, 4096], dils=[1, 2, 4, 8], groups="all"),
     dict(B=1, N=4096, H=16, Hkv=4, D=128, segs=[512, 1024, 2048, 4096], dils=[1, 2, 4, 8], groups="all"),
     dict(B=2, N=1000, H=8, Hkv=1, D=64, segs=[128, 300, 1000], dils=[1, 3, 4], groups="all"),
+    # one kv head read at the row shifts of calls that stack the offset groups (kv head step 0)
+    dict(B=1, N=2048, H=8, Hkv=1, D=64, segs=[256, 512, 1024], dils=[1, 2, 4], groups="all"),
     dict(B=2, N=777, H=6, Hkv=2, D=64, segs=[100, 300, 2000], dils=[2, 3, 5], groups="split"),
     dict(B=3, N=513, H=5, D=96, segs=[64, 512], dils=[1, 7], groups="all"),
     dict(B=2, N=1025, H=4, D=64, segs=[256, 1024, 4], dils=[1, 2, 8], groups="all"),  # one-member calls
@@ -611,10 +613,14 @@ def test_aligned_pack_takes_a_uniform_batchs_calls():
     assert [len(calls) for calls in many.plan.calls] == [1, 8]
 
 
-# packs whose starts take several residues modulo the dilations, GQA, split heads, a sequence shorter than a dilation
+# packs whose starts take several residues modulo the dilations, GQA, split heads, a sequence shorter than a dilation;
+# offset groups stacked in one call (packs._stacked: head i at a row shift of i), MHA, and one kv head on the moved
+# copy, whose views have rows between the runs
 GPU_PACKS = [
     ([300, 77, 0, 1000, 5], 8, 2, (64, 256, 1024), (1, 4, 8), "all"),
     ([513, 1030, 2], 4, 4, (128, 512), (2, 4), "split"),
+    ([256, 768, 512, 512], 16, 16, (64, 128, 256), (1, 2, 8), "all"),
+    ([300, 200, 516], 8, 1, (64, 128, 256), (1, 4, 8), "all"),
 ]
 
 
