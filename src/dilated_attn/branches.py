@@ -8,7 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Branch", "covers_everything", "split_group_bounds", "branch_table", "localize_branch"]
+__all__ = ["Branch", "covers_everything", "offset_groups", "groups_stack", "split_group_bounds", "branch_table",
+           "localize_branch"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,18 @@ class Branch:
 def covers_everything(br: Branch, n_heads: int) -> bool:
     """A branch with dilation 1 over all heads has every (head, position) as a member of some segment."""
     return br.dilation == 1 and br.head_lo == 0 and br.head_hi == n_heads
+
+
+def offset_groups(br: Branch) -> list[tuple[int, int, int]]:
+    """(offset, first head, heads) of each run of heads that share an offset (runs of `offset_div` heads)."""
+    return [(br.offset(h), h, min(br.offset_div, br.head_hi - h)) for h in range(br.head_lo, br.head_hi, br.offset_div)]
+
+
+def groups_stack(groups: list[tuple[int, int, int]]) -> bool:
+    """Offset groups of equal size at consecutive offsets: the `i`-th head of every group is one strided view (head
+    `j` of the view is group `j`'s, one row further than the one before), so one call can take them."""
+    offset, head0, size = groups[0]
+    return all(g == (offset + j, head0 + j * size, size) for j, g in enumerate(groups))
 
 
 def split_group_bounds(num_heads: int, num_groups: int, group: int) -> tuple[int, int]:

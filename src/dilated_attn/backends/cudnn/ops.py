@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ...branches import Branch, branch_table, covers_everything
+from ...branches import Branch, branch_table, covers_everything, groups_stack, offset_groups
 from ...spec import lse_dtype
 from ..autograd import register_attention_autograd
 from ..signature import backward_op, forward_op
@@ -66,11 +66,6 @@ class Call:
         if kv:
             return self.kv_head0, self.kv_heads, self.kv_head_step, self.kv_segment_head_step
         return self.head0, self.n_heads, self.head_step, self.segment_head_step
-
-
-def _offset_groups(br: Branch) -> list[tuple[int, int, int]]:
-    """(offset, first head, heads) for each run of heads that share an offset (runs of `offset_div` heads)."""
-    return [(br.offset(h), h, min(br.offset_div, br.head_hi - h)) for h in range(br.head_lo, br.head_hi, br.offset_div)]
 
 
 def _with_kv_heads(call: Call, group: int) -> Optional[Call]:
@@ -122,14 +117,13 @@ def branch_calls(br: Branch, seq_len: int, group: int = 1) -> list[Call]:
     group of one segment in one call). Fewer calls cost less host time, which bounds small problems."""
     s, r = br.seg_len, br.dilation
     n_full, tail = divmod(seq_len, s)
-    groups = _offset_groups(br)
+    groups = offset_groups(br)
     size = groups[0][2]
     calls = []
     for first_row, n_seg, length in ((0, n_full, s), (n_full * s, 1, tail)):
         if n_seg == 0 or length == 0:
             continue
-        stackable = (len(groups) > 1 and length % r == 0
-                     and all(g == (groups[0][0] + i, br.head_lo + i * size, size) for i, g in enumerate(groups)))
+        stackable = len(groups) > 1 and length % r == 0 and groups_stack(groups)
         stacked = None
         if stackable and n_seg < min(size, len(groups)):
             stacked = [Call(first_row + j * s + groups[0][0], len(groups), 1, length // r, r, br.head_lo, size,

@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ...branches import Branch, branch_table, covers_everything
+from ...branches import Branch, branch_table, covers_everything, groups_stack, offset_groups
+from ..cudnn.ops import Call, _with_kv_heads
 
 __all__ = ["Pack", "PackCall", "PackPlan", "plan_pack", "plan_sequences"]
 
@@ -74,16 +75,15 @@ def _head_runs(br: Branch, group: int) -> list[tuple[int, int, int, int, int]]:
     call can take: FlashAttention has query head `i` of a call read kv head `i // (heads / kv_heads)`, so a run
     whose heads do not map so onto kv heads `h // group` is cut into runs of one kv head."""
     runs = []
-    for h in range(br.head_lo, br.head_hi, br.offset_div):
-        n = min(br.offset_div, br.head_hi - h)
+    for offset, h, n in offset_groups(br):
         kv0, kv_end = h // group, (h + n - 1) // group + 1
         per_kv = n // (kv_end - kv0)
         if n % (kv_end - kv0) == 0 and all((h + i) // group == kv0 + i // per_kv for i in range(n)):
-            runs.append((br.offset(h), h, n, kv0, kv_end - kv0))
+            runs.append((offset, h, n, kv0, kv_end - kv0))
             continue
         for kv in range(kv0, kv_end):
             lo, hi = max(h, kv * group), min(h + n, (kv + 1) * group)
-            runs.append((br.offset(h), lo, hi - lo, kv, 1))
+            runs.append((offset, lo, hi - lo, kv, 1))
     return runs
 
 
@@ -105,13 +105,13 @@ def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, 
 def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
     """Where one call can take the `j`-th head of every offset group (its head `i` group `i`'s, at a row shift of
     `i`): the residue and runs of the first group, which every group has shifted by its offset, the number of groups
-    and of heads in each, and per call (first head, first kv head, kv head step); else None. It needs more groups than heads per group (else it saves no call),
-    equal groups at consecutive offsets, and kv heads `h // group` evenly spaced over the groups (with the row shifts,
-    each head of the call reads its own kv view, so FlashAttention's grouping cannot share one)."""
-    groups = [(br.offset(h), h, min(br.offset_div, br.head_hi - h))
-              for h in range(br.head_lo, br.head_hi, br.offset_div)]
-    offset, size = groups[0][0], groups[0][2]
-    if len(groups) <= size or any(g != (offset + i, br.head_lo + i * size, size) for i, g in enumerate(groups)):
+    and of heads in each, and per call (first head, first kv head, kv head step); else None. It needs more groups
+    than heads per group (else it saves no call), groups that stack (branches.groups_stack), and kv views as the
+    cudnn plan gives such a call (each head reads its own, at its row shift: kv heads `h // group` evenly spaced
+    over the groups, or one for all)."""
+    groups = offset_groups(br)
+    offset, _, size = groups[0]
+    if len(groups) <= size or not groups_stack(groups):
         return None
     first = _runs(br, offset, lengths)
     if len(first) != 1:
@@ -123,11 +123,11 @@ def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
             return None
     heads = []
     for j in range(size):
-        kv = [(br.head_lo + j + i * size) // group for i in range(len(groups))]
-        step = kv[1] - kv[0]
-        if any(h != kv[0] + i * step for i, h in enumerate(kv)):
+        call = _with_kv_heads(Call(0, 1, 0, 1, br.dilation, br.head_lo + j, len(groups), head_step=size, row_step=1),
+                              group)
+        if call is None:
             return None
-        heads.append((br.head_lo + j, kv[0], step))
+        heads.append((call.head0, call.kv_head0, call.kv_head_step))
     return t, runs, len(groups), size, heads
 
 
