@@ -117,12 +117,14 @@ def test_calls_cover_every_member_once(index):
         assert len(got) == len(set(got)) and set(got) == want
 
 
-@pytest.mark.parametrize("kv_heads, expected", [(16, [1, 2, 4, 2]), (4, [1, 2, 4, 8]), (1, [1, 2, 4, 2])])
+@pytest.mark.parametrize("kv_heads, expected", [(16, [1, 2, 4, 2, 1]), (4, [1, 2, 4, 4, 4]), (2, [1, 2, 4, 4, 2]),
+                                                 (1, [1, 2, 4, 2, 1])])
 def test_longnet_branches_take_few_calls(kv_heads, expected):
-    # H=16, r=8: two calls (one per head within the offset groups of 2), not eight; with 4 kv heads the two heads of
-    # a group share a kv head, and one call per group keeps cuDNN's grouping; with one kv head, each head of the two
-    # calls reads its own view of it
-    table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 65536, 16, "all")
+    # H=16, r=8: two calls (one per head within the offset groups of 2), not eight; with 4 kv heads the heads of
+    # groups j and j+1 share a kv head, so each call takes every other group (4 calls); with 2 kv heads, runs of 4
+    # groups whose heads read one kv head (4 calls); with one kv head, each head of the two calls reads its own view
+    # of it. r=16 (groups of one head): 4 interleaved classes with 4 kv heads, 2 runs with 2.
+    table = branch_table([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], 65536, 16, "all")
     assert [len(ops.branch_calls(br, 65536, 16 // kv_heads)) for br in table] == expected
     # N=16384: r=4 and r=8 have fewer segments (2, 1) than heads within a group: one call per segment
     table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 16384, 16, "all")
@@ -225,6 +227,21 @@ def test_calls_by_head_equal_the_reference(causal, kv_heads, math_loops, monkeyp
             [(4, 1, 4, {8: 2, 1: 0}[kv_heads])] * 2
     _poisoned_empty(monkeypatch)
     _forward_backward_equal_the_reference(dataclasses.replace(case, causal=causal), seed=6)
+
+
+@pytest.mark.parametrize("kv_heads, cut", [(4, (2, 2, 1)), (2, (1, 1, 0))])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_query_calls_by_class_equal_the_reference(causal, kv_heads, cut, math_loops, monkeypatch):
+    """Groups of one head (n=256 with w=64, r=8 and 8 heads) whose heads do not step through the kv heads one by one
+    in a call of every group: with 4 kv heads (groups 2j and 2j+1 share one), two calls of every other group (head
+    step 2, row shift 2, kv head step 1); with 2 kv heads, two calls of the 4 groups that read one kv head (kv head
+    step 0). Both cuts take 2 calls, not 8."""
+    case = dataclasses.replace(LONGNET, seq_len=256, segment_lengths=(64,), dilation_rates=(8,), num_kv_heads=kv_heads,
+                               causal=causal)
+    calls = ops.branch_calls(branch_table([64], [8], 256, 8, "all")[0], 256, 8 // kv_heads)
+    assert [(c.n_heads, c.head_step, c.row_step, c.kv_head_step) for c in calls] == [(4, *cut)] * 2
+    _poisoned_empty(monkeypatch)
+    _forward_backward_equal_the_reference(case, seed=7)
 
 
 @pytest.mark.parametrize("kv_heads", [8, 4, 1])

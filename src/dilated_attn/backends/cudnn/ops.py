@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -109,12 +110,40 @@ def _group_calls(first_row: int, n_seg: int, s: int, length: int, r: int, offset
     return [dataclasses.replace(call, head0=h, n_heads=n, kv_head0=h // group, kv_heads=1) for h, n in runs]
 
 
+def _by_head(first_row: int, n_seg: int, s: int, members: int, r: int, groups: list, group: int) -> Optional[list]:
+    """Calls that each take the `i`-th head of several offset groups (head `t` of a call is that of group
+    `first + t*step`, `t*step` rows further), with their kv views; None where no cut below maps onto kv heads in
+    fewer calls than there are groups. All the groups in one call (step 1) where their heads map; else, with
+    grouped-query heads, the fewer calls of two cuts that do: the groups in `m` interleaved classes (groups
+    `p, p + m, ...`), `m` such that `m` groups' heads span whole kv heads, so each class's heads read evenly spaced
+    kv heads; or runs of the groups whose heads read one kv head (kv head step 0)."""
+    offset0, head_lo, size = groups[0]
+    n = len(groups)
+    cuts = [[(0, 1, n)]]  # (first group, step, groups) of each call per head within the groups
+    if group > 1:
+        m = group // math.gcd(size, group)
+        cuts.append([(p, m, -(-(n - p) // m)) for p in range(min(m, n))])
+        if group % size == 0:
+            run = group // size
+            cuts.append([(b, 1, min(run, n - b)) for b in range(0, n, run)])
+    for cut in sorted(cuts, key=len):
+        if size * len(cut) >= n:  # no fewer calls than one per group
+            break
+        calls = [_with_kv_heads(Call(first_row + offset0 + first, n_seg, s, members, r, head_lo + first * size + i,
+                                     count, head_step=step * size, row_step=step), group)
+                 for i in range(size) for first, step, count in cut]
+        if all(c is not None for c in calls):
+            return calls
+    return None
+
+
 def branch_calls(br: Branch, seq_len: int, group: int = 1) -> list[Call]:
     """The calls that cover branch `br` (query heads reading kv head `h // group`): the full segments, then the
     shorter last one (if any), each by offset group, unless another cut takes fewer calls where the groups allow it
     (equal groups, consecutive offsets, every offset with the same number of members, and heads that map onto kv
-    heads): by head within the groups (the `i`-th head of every group and segment in one call), or by segment (every
-    group of one segment in one call). Fewer calls cost less host time, which bounds small problems."""
+    heads): by head within the groups (the `i`-th head of every group and segment in one call, or of every group of
+    a class: _by_head), or by segment (every group of one segment in one call). Fewer calls cost less host time,
+    which bounds small problems."""
     s, r = br.seg_len, br.dilation
     n_full, tail = divmod(seq_len, s)
     groups = offset_groups(br)
@@ -126,16 +155,14 @@ def branch_calls(br: Branch, seq_len: int, group: int = 1) -> list[Call]:
         stackable = len(groups) > 1 and length % r == 0 and groups_stack(groups)
         stacked = None
         if stackable and n_seg < min(size, len(groups)):
-            stacked = [Call(first_row + j * s + groups[0][0], len(groups), 1, length // r, r, br.head_lo, size,
-                            segment_head_step=size) for j in range(n_seg)]
+            stacked = [_with_kv_heads(Call(first_row + j * s + groups[0][0], len(groups), 1, length // r, r,
+                                           br.head_lo, size, segment_head_step=size), group) for j in range(n_seg)]
+            stacked = stacked if all(c is not None for c in stacked) else None
         elif stackable and size < len(groups):
-            stacked = [Call(first_row + groups[0][0], n_seg, s, length // r, r, br.head_lo + i, len(groups),
-                            head_step=size, row_step=1) for i in range(size)]
+            stacked = _by_head(first_row, n_seg, s, length // r, r, groups, group)
         if stacked is not None:
-            mapped = [_with_kv_heads(c, group) for c in stacked]
-            if all(c is not None for c in mapped):
-                calls += mapped
-                continue
+            calls += stacked
+            continue
         for offset, head0, n_heads in groups:
             if offset < length:
                 calls += _group_calls(first_row, n_seg, s, length, r, offset, head0, n_heads, group)
