@@ -25,7 +25,9 @@ every row also gives its fraction of it. Times are medians over --repeats runs a
 (dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run), after a few seconds of load that
 bring the GPU to its sustained clock (settle_clock); with --rounds R the providers of a configuration are timed in
 turn R times, each round starting with the next provider, and a row gives the median of its R medians; TFLOP/s use
-FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; "extra memory"
+FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; with --gpu-state each
+round also records the GPU's SM clock, power draw, temperature and clock-event reasons read while it ran
+(dilated_attn.benchmarking.GpuSampler), which tell a GPU's state from the host's in rounds of unequal speed; "extra memory"
 is the peak allocated above the inputs during one call, "working memory" that less the results every provider must
 hold (out, and with the backward its float32 LSE, dQ, dK and dV: results_bytes). Before timing, the Triton kernels
 (shipped configs) and the cudnn backend are checked against dilated_attn.reference at N = 16384. The JSON
@@ -50,6 +52,7 @@ from dilated_attn import backends
 from dilated_attn.benchmarking import (
     LONGNET,
     LONGNET_LONG,
+    GpuSampler,
     Record,
     attention_call,
     in_turn,
@@ -206,6 +209,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=20, help="timed runs per round; their median is the round's")
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds, each timing every provider in turn; a row reports the median of its rounds")
+    ap.add_argument("--gpu-state", action="store_true",
+                    help="read the GPU's SM clock, power, temperature and clock-event reasons during each round "
+                    "(nvidia-smi on a thread, every 0.2 s): each row's round_gpu_state")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/gpu_<device>_<dtype>.json)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -242,7 +248,7 @@ def main(argv=None):
             runnable[name] = attention
         for mode in ("fwd", "fwd+bwd"):
             backward = mode == "fwd+bwd"
-            rounds, extra = {name: [] for name in runnable}, {}
+            rounds, extra, states = {name: [] for name in runnable}, {}, {name: [] for name in runnable}
             settle_clock("cuda")
             for name in in_turn(runnable, args.rounds):
                 if name not in rounds:
@@ -250,7 +256,10 @@ def main(argv=None):
                 call = attention_call(runnable[name], inputs, mode)
                 try:
                     with full_sweep(name == "triton_sweep"):
-                        rounds[name].append(median_ms(call, "cuda", args.warmup, args.repeats))
+                        with GpuSampler("cuda") if args.gpu_state else contextlib.nullcontext() as sampler:
+                            rounds[name].append(median_ms(call, "cuda", args.warmup, args.repeats))
+                        if sampler is not None:
+                            states[name].append(sampler.summary())
                         if name not in extra:
                             extra[name] = peak_memory_bytes(call, "cuda")
                 except Exception as exc:  # noqa: BLE001 - a baseline that cannot run this configuration
@@ -273,11 +282,17 @@ def main(argv=None):
                            fraction_of_fp32_peak=rate / peak)
                 if args.rounds > 1:
                     row["round_medians_ms"] = samples
+                if args.gpu_state:
+                    row["round_gpu_state"] = states[name]
                 record.add(row)
                 spread = f" (rounds {min(samples):.3f}-{max(samples):.3f})" if len(samples) > 1 else ""
                 say(f"{where} {name:>20} {mode:>7}: {ms:9.3f} ms{spread} {rate:7.1f} TFLOP/s"
                     f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
                     f"  extra {row['extra_memory_gib']:.2f} GiB (working {row['working_memory_gib']:.2f})")
+                if args.gpu_state:
+                    say(f"{where} {name:>20} {mode:>7}: by round, ms / SM MHz / W / event reasons: " + ", ".join(
+                        f"{t:.2f} / {st.get('sm_clock_mhz', '?')} / {st.get('power_w', '?')} / "
+                        f"{st.get('clock_event_reasons', '?')}" for t, st in zip(samples, states[name])))
         del inputs
         torch.cuda.empty_cache()
 

@@ -4,6 +4,7 @@ seeded inputs, the call to time, records, number formats. Its GPU timing runs in
 import csv
 import json
 import os
+import subprocess
 import time
 
 import pytest
@@ -64,3 +65,54 @@ def test_format_ms_keeps_four_digits_without_exponents():
     """Benchmark times print alike at every size: no `1160.` and no `1.668e+04`."""
     assert [benchmarking.format_ms(x) for x in (16680.4, 1160.2, 999.96, 72.346, 1.6, 0.43101)] == [
         "16680", "1160", "1000", "72.35", "1.600", "0.4310"]
+
+
+def test_gpu_state_reads_nvidia_smi_by_uuid(monkeypatch):
+    """gpu_state asks nvidia-smi for the device by UUID (CUDA's numbering follows CUDA_VISIBLE_DEVICES), parses its
+    CSV (the clock-event reasons as a hex mask, "[N/A]" left out), falls back to the fields an older driver knows,
+    and gives {} where nvidia-smi is missing; GpuSampler summarises a round's readings. On the CPU: nothing."""
+    assert benchmarking.gpu_state("cpu") == {}
+    with benchmarking.GpuSampler("cpu") as sampler:
+        pass
+    assert sampler.summary() == {}
+
+    class Props:
+        uuid = "58bd63f5-0000-1111-2222-333344445555"
+
+    asked = []
+
+    def smi(args, **kwargs):
+        asked.append(args)
+        query = args[1]
+        if "clocks_event_reasons" in query and len(asked) == 1:  # an older driver: the reasons are unknown
+            return subprocess.CompletedProcess(args, 2, "", "Field not valid")
+        answer = "1755, 612.40, 61, 0x0000000000000004" if "clocks_event_reasons" in query else "1980, [N/A], 55"
+        return subprocess.CompletedProcess(args, 0, answer + "\n", "")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(subprocess, "run", smi)
+    monkeypatch.setattr(benchmarking, "_SMI_FIELDS", None)
+    benchmarking._smi_id.cache_clear()
+    assert benchmarking.gpu_state("cuda:0") == {"sm_clock_mhz": 1980.0, "temperature_c": 55.0}
+    assert asked[0][-2:] == ["-i", "GPU-58bd63f5-0000-1111-2222-333344445555"]
+    assert "clocks_event_reasons" not in asked[1][1]
+    monkeypatch.setattr(benchmarking, "_SMI_FIELDS", None)  # a driver that knows the reasons
+    assert benchmarking.gpu_state("cuda:0") == {"sm_clock_mhz": 1755.0, "power_w": 612.4, "temperature_c": 61.0,
+                                                "clock_event_reasons": 4}
+    with benchmarking.GpuSampler("cuda:0", interval=0.01) as sampler:  # reads on its thread until the block ends
+        time.sleep(0.1)
+    assert sampler.summary()["samples"] >= 2 and sampler.summary()["clock_event_reasons"] == "0x4"
+
+    def missing(args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    monkeypatch.setattr(benchmarking, "_SMI_FIELDS", None)
+    assert benchmarking.gpu_state("cuda:0") == {}
+
+    sampler = benchmarking.GpuSampler("cpu")
+    sampler.samples = [dict(sm_clock_mhz=1700.0, power_w=600.0, clock_event_reasons=4),
+                       dict(sm_clock_mhz=1900.0, power_w=500.0, clock_event_reasons=0x20),
+                       dict(sm_clock_mhz=1800.0, power_w=550.0)]
+    assert sampler.summary() == {"sm_clock_mhz": 1800.0, "power_w": 550.0, "clock_event_reasons": "0x24",
+                                 "samples": 3}

@@ -5,6 +5,7 @@
                             sustained clock, not at the boost of a GPU that was idle
     in_turn                 the order in which a comparison's rounds time its providers
     peak_memory_bytes       the most one call allocates on a GPU above what was allocated before it
+    gpu_state, GpuSampler   the GPU's SM clock, power draw, temperature and clock-event reasons, now or over a round
     random_inputs           seeded q, k, v (requiring grad) and an output gradient, GQA-capable
     attention_call          a forward, or forward and backward, of an attention function, as one call to time
     LONGNET, ...            branch presets (segment_lengths, dilation_rates)
@@ -21,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import json
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
@@ -38,7 +42,8 @@ from .spec import BACKEND_NAMES, Problem, host_offsets, sequence_problem
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
-    "say", "median_ms", "settle_clock", "in_turn", "run_times_ms", "format_ms", "peak_memory_bytes", "Inputs",
+    "say", "median_ms", "settle_clock", "in_turn", "run_times_ms", "format_ms", "peak_memory_bytes", "gpu_state",
+    "GpuSampler", "Inputs",
     "random_inputs", "attention_call", "tflops",
     "device_info", "versions", "triton_version", "command_line", "Record", "applicable_backends",
 ]
@@ -172,6 +177,101 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str) -> O
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
+
+
+# What gpu_state reads (nvidia-smi --query-gpu fields) and the keys it gives them. Clock-event reasons (a bit mask:
+# 0x4 the power cap, 0x20 and 0x40 thermal slowdowns) tell why the SM clock is below its maximum.
+GPU_STATE_FIELDS = (("clocks.sm", "sm_clock_mhz"), ("power.draw", "power_w"), ("temperature.gpu", "temperature_c"),
+                    ("clocks_event_reasons.active", "clock_event_reasons"))
+_SMI_FIELDS: Optional[tuple] = None  # the fields this machine's nvidia-smi answered (older drivers lack the reasons)
+
+
+@functools.lru_cache(maxsize=None)
+def _smi_id(device: torch.device) -> str:
+    """The device as nvidia-smi names it: by UUID, since CUDA's numbering follows CUDA_VISIBLE_DEVICES and
+    nvidia-smi's does not."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+def gpu_state(device: torch.device | str) -> dict:
+    """The GPU's SM clock (MHz), power draw (W), temperature (C) and clock-event reasons (an int mask) now, from
+    nvidia-smi (about 50 ms of the host's time); {} on the CPU or where nvidia-smi does not answer, and without a
+    field it does not know."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    try:
+        ident = _smi_id(device)
+    except (RuntimeError, AttributeError, AssertionError):
+        return {}
+    global _SMI_FIELDS
+    for fields in (_SMI_FIELDS,) if _SMI_FIELDS else (GPU_STATE_FIELDS, GPU_STATE_FIELDS[:3]):
+        query = ",".join(field for field, _ in fields)
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", ident],
+                                  capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return {}
+        if done.returncode == 0:
+            _SMI_FIELDS = fields
+            break
+    else:
+        return {}
+    values = [v.strip() for v in done.stdout.strip().splitlines()[0].split(",")] if done.stdout.strip() else []
+    state = {}
+    for (_, key), value in zip(fields, values):
+        try:
+            state[key] = int(value, 16) if key == "clock_event_reasons" else float(value)
+        except ValueError:  # "[N/A]" and the like
+            continue
+    return state
+
+
+class GpuSampler:
+    """gpu_state read on a thread every `interval` seconds while the `with` block runs (and once at its start):
+    what a round's timings ran at, without a reading inside the timed region's host code. `summary()`: the median
+    of each reading, the readings' count and the union of the clock-event reasons; {} on the CPU."""
+
+    def __init__(self, device: torch.device | str, interval: float = 0.2):
+        self.device = torch.device(device)
+        self.interval = interval
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        while True:
+            state = gpu_state(self.device)
+            if state:
+                self.samples.append(state)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> "GpuSampler":
+        if self.device.type == "cuda":
+            self._thread = threading.Thread(target=self._run, name="gpu-state", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        out = {key: statistics.median(s[key] for s in self.samples if key in s)
+               for _, key in GPU_STATE_FIELDS[:3] if any(key in s for s in self.samples)}
+        reasons = [s["clock_event_reasons"] for s in self.samples if "clock_event_reasons" in s]
+        if reasons:
+            mask = 0
+            for r in reasons:
+                mask |= r
+            out["clock_event_reasons"] = hex(mask)
+        out["samples"] = len(self.samples)
+        return out
 
 
 class Inputs(NamedTuple):
