@@ -27,11 +27,11 @@ bring the GPU to its sustained clock (settle_clock); with --rounds R the provide
 turn R times, each round starting with the next provider, and a row gives the median of its R medians; TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; with --gpu-state each
 round also records the GPU's SM clock, power draw, temperature and clock-event reasons read while it ran
-(dilated_attn.benchmarking.GpuSampler), which tell a GPU's state from the host's in rounds of unequal speed; "extra memory"
-is the peak allocated above the inputs during one call, "working memory" that less the results every provider must
-hold (out, and with the backward its float32 LSE, dQ, dK and dV: results_bytes). Before timing, the Triton kernels
-(shipped configs) and the cudnn backend are checked against dilated_attn.reference at N = 16384. The JSON
-(benchmarks/results/gpu_<device>_<dtype>.json, or --out) is rewritten after every row.
+(dilated_attn.benchmarking.GpuSampler), which tell a GPU's state from the host's in rounds of unequal speed;
+"extra memory" is the peak allocated above the inputs during one call, "working memory" that less the results every
+provider must hold (out, and with the backward its float32 LSE, dQ, dK and dV: results_bytes). Before timing, the
+Triton kernels (shipped configs) and the cudnn backend are checked against dilated_attn.reference at N = 16384. The
+JSON (benchmarks/results/gpu_<device>_<dtype>.json, or --out) is rewritten after every row.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 seeded inputs, the call to time, records, number formats. Its GPU timing runs in test_cli.py's GPU test."""
 
 import csv
+import functools
 import json
 import os
 import subprocess
@@ -92,7 +93,8 @@ def test_gpu_state_reads_nvidia_smi_by_uuid(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     monkeypatch.setattr(subprocess, "run", smi)
     monkeypatch.setattr(benchmarking, "_SMI_FIELDS", None)
-    benchmarking._smi_id.cache_clear()
+    # a fresh cache of the UUIDs, which monkeypatch puts back: the fake UUID must not outlive the test
+    monkeypatch.setattr(benchmarking, "_smi_id", functools.lru_cache(maxsize=None)(benchmarking._smi_id.__wrapped__))
     assert benchmarking.gpu_state("cuda:0") == {"sm_clock_mhz": 1980.0, "temperature_c": 55.0}
     assert asked[0][-2:] == ["-i", "GPU-58bd63f5-0000-1111-2222-333344445555"]
     assert "clocks_event_reasons" not in asked[1][1]
