@@ -346,6 +346,10 @@ GPU_CASES = [
     dict(B=2, N=1000, H=8, Hkv=1, D=64, segs=[128, 300, 1000], dils=[1, 3, 4], groups="all"),
     # one kv head read at the row shifts of calls that stack the offset groups (kv head step 0)
     dict(B=1, N=2048, H=8, Hkv=1, D=64, segs=[256, 512, 1024], dils=[1, 2, 4], groups="all"),
+    # offset groups in interleaved classes (r = 8 and 16 at Hkv = 4: row shift 2 and 4, kv head step 1) and in runs
+    # of groups reading one kv head (Hkv = 2: kv head step 0)
+    dict(B=1, N=2048, H=16, Hkv=4, D=64, segs=[256, 512, 1024], dils=[1, 8, 16], groups="all"),
+    dict(B=1, N=2048, H=16, Hkv=2, D=64, segs=[256, 512, 1024], dils=[1, 8, 16], groups="all"),
     dict(B=2, N=777, H=6, Hkv=2, D=64, segs=[100, 300, 2000], dils=[2, 3, 5], groups="split"),
     dict(B=2, N=1000, H=6, D=64, segs=[128, 300, 1000], dils=[1, 3, 4], groups="all"),  # odd lengths
     dict(B=2, N=777, H=6, D=64, segs=[100, 300, 2000], dils=[2, 3, 5], groups="split"),
