@@ -110,6 +110,12 @@ def _group_calls(first_row: int, n_seg: int, s: int, length: int, r: int, offset
     return [dataclasses.replace(call, head0=h, n_heads=n, kv_head0=h // group, kv_heads=1) for h, n in runs]
 
 
+def _mapped(calls: list[Call], group: int) -> Optional[list[Call]]:
+    """`calls` with their kv views (_with_kv_heads), or None where one of them does not map onto kv heads."""
+    mapped = [_with_kv_heads(c, group) for c in calls]
+    return mapped if all(c is not None for c in mapped) else None
+
+
 def _by_head(first_row: int, n_seg: int, s: int, members: int, r: int, groups: list, group: int) -> Optional[list]:
     """Calls that each take the `i`-th head of several offset groups (head `t` of a call is that of group
     `first + t*step`, `t*step` rows further), with their kv views; None where no cut below maps onto kv heads in
@@ -129,10 +135,10 @@ def _by_head(first_row: int, n_seg: int, s: int, members: int, r: int, groups: l
     for cut in sorted(cuts, key=len):
         if size * len(cut) >= n:  # no fewer calls than one per group
             break
-        calls = [_with_kv_heads(Call(first_row + offset0 + first, n_seg, s, members, r, head_lo + first * size + i,
-                                     count, head_step=step * size, row_step=step), group)
-                 for i in range(size) for first, step, count in cut]
-        if all(c is not None for c in calls):
+        calls = _mapped([Call(first_row + offset0 + first, n_seg, s, members, r, head_lo + first * size + i, count,
+                              head_step=step * size, row_step=step) for i in range(size) for first, step, count in cut],
+                        group)
+        if calls is not None:
             return calls
     return None
 
@@ -155,9 +161,8 @@ def branch_calls(br: Branch, seq_len: int, group: int = 1) -> list[Call]:
         stackable = len(groups) > 1 and length % r == 0 and groups_stack(groups)
         stacked = None
         if stackable and n_seg < min(size, len(groups)):
-            stacked = [_with_kv_heads(Call(first_row + j * s + groups[0][0], len(groups), 1, length // r, r,
-                                           br.head_lo, size, segment_head_step=size), group) for j in range(n_seg)]
-            stacked = stacked if all(c is not None for c in stacked) else None
+            stacked = _mapped([Call(first_row + j * s + groups[0][0], len(groups), 1, length // r, r, br.head_lo, size,
+                                    segment_head_step=size) for j in range(n_seg)], group)
         elif stackable and size < len(groups):
             stacked = _by_head(first_row, n_seg, s, length // r, r, groups, group)
         if stacked is not None:
