@@ -3,10 +3,13 @@ FlashAttention-4's contract in float64 on CPU (CI has no flash-attn-4), and the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import itertools
 import math
 import random
+import types
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from cases import make_qkv, random_case
 from parity import case_inputs, math_attend, math_attend_backward, poison_allocator
 
 import dilated_attn
-from dilated_attn.backends.fa4 import ops
+from dilated_attn.backends.fa4 import direct, ops
 from dilated_attn.reference import allowed_error, dilated_attention_reference, max_error
 
 CASES = [random_case(random.Random(4700 + i), max_seq=80) for i in range(24)]
@@ -186,6 +189,101 @@ def test_longnet_first_branch_stores_in_place(math_interface):
     ref_out, ref_lse = dilated_attention_reference(q, k, v, [16, 32, 64], [1, 2, 4], scale=0.3)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def kernel_interface(copies: bool = False) -> types.SimpleNamespace:
+    """FlashAttention-4's interface in miniature, in flash_attn.cute.interface's shape: each function with a compile
+    cache (keyed by what its kernel is built for), the kernels called with the call's tensors, tensors it makes (a
+    zeroed workspace, results not given) and plain arguments; MathInterface's math in the kernels. With `copies`, the
+    forward hands its kernel a copy of q (as FlashAttention does with an input it must make contiguous). Counts its
+    calls and its kernels' calls in `counts`."""
+    counts = collections.Counter()
+
+    def forward_kernel(causal, q, k, v, out, lse, scale, workspace, *plain):
+        assert plain == (None, (None, 4)) and not workspace.any()
+        counts["kernel"] += 1
+        rows, rows_lse = math_attend(_bhsd(q), _bhsd(k), _bhsd(v), causal, scale)
+        out.copy_(_bhsd(rows))
+        lse.copy_(rows_lse)
+        workspace.fill_(1)
+
+    def _flash_attn_fwd(q, k, v, softmax_scale, causal=False, return_lse=False, out=None, lse=None):
+        counts["interface"] += 1
+        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype) if out is None else out
+        lse = torch.empty(q.shape[:-1], dtype=torch.float64).transpose(1, 2) if lse is None else lse
+        workspace = torch.zeros(q.shape[1], dtype=torch.int32)
+        key = (q.dtype, q.shape[-1], causal)
+        if key not in _flash_attn_fwd.compile_cache:
+            _flash_attn_fwd.compile_cache[key] = functools.partial(forward_kernel, causal)
+        _flash_attn_fwd.compile_cache[key](q.clone() if copies else q.detach(), k, v, out, lse, softmax_scale,
+                                           workspace, None, (None, 4))
+        return out, lse, None, None, None
+
+    def backward_kernel(causal, q, k, v, out, dout, lse, dlse, dq, dk, dv, scale, accumulator, deterministic):
+        assert not accumulator.any()
+        counts["kernel"] += 1
+        grads = MathInterface._flash_attn_bwd(q, k, v, out, dout, lse, scale, causal, deterministic, dlse)
+        for target, g in zip((dq, dk, dv), grads):
+            target.copy_(g)
+        accumulator.fill_(1)
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal=False, deterministic=False, dlse=None,
+                        dq=None, dk=None, dv=None):
+        counts["interface"] += 1
+        assert lse.is_contiguous() and (dlse is None or dlse.is_contiguous())
+        dq, dk, dv = (torch.empty_like(x) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv)))
+        accumulator = torch.empty(q.shape[1], dtype=torch.float32)
+        accumulator.zero_()
+        key = (q.dtype, q.shape[-1], causal, dlse is None)
+        if key not in _flash_attn_bwd.compile_cache:
+            _flash_attn_bwd.compile_cache[key] = functools.partial(backward_kernel, causal)
+        _flash_attn_bwd.compile_cache[key](q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale, accumulator,
+                                           deterministic)
+        return dq, dk, dv
+
+    _flash_attn_fwd.compile_cache, _flash_attn_bwd.compile_cache = {}, {}
+    return types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd, _flash_attn_bwd=_flash_attn_bwd, counts=counts,
+                                 __version__=direct.VERIFIED_VERSIONS[0])
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_kernels_called_directly_equal_the_reference(copies, monkeypatch):
+    """A call of shapes and layouts seen before repeats the interface's program with its own tensors: its kernels, a
+    fresh zeroed workspace (a kernel would find the last call's writes in a reused one), its results; new inputs give
+    their own exact results, forward and backward with the LSE's gradient. Where the interface gave a kernel a tensor
+    it copied, every call goes through the interface."""
+    interface = kernel_interface(copies)
+    monkeypatch.setattr(ops, "fa", interface)
+    for name in ("FORWARD", "BACKWARD"):
+        monkeypatch.setattr(direct, name, direct.Direct())
+    _poisoned_empty(monkeypatch)
+    segs, dils = [16, 32, 64], [1, 2, 4]
+    for seed, causal in [(0, False), (1, False), (2, True), (3, True)]:
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(2, 64, h, 8, generator=g, dtype=torch.float64) for h in (8, 2, 2))
+        before = collections.Counter(interface.counts)
+        out, lse = ops.fa4_forward(q, k, v, segs, dils, False, causal, 0.3)
+        grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        grad_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+        grads = ops.fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segs, dils, False, causal, 0.3)
+        ref = [x.detach().requires_grad_() for x in (q, k, v)]
+        ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, causal=causal, scale=0.3)
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+        want = torch.autograd.grad((ref_out * grad_out).sum() + (ref_lse * grad_lse).sum(), ref)
+        for got, exp in zip(grads, want):
+            torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-10)
+        kernels = interface.counts["kernel"] - before["kernel"]
+        through_interface = interface.counts["interface"] - before["interface"]
+        assert kernels > 2
+        if copies:  # the forward's calls through the interface; the backward's direct
+            assert 0 < through_interface < kernels
+        elif seed % 2:  # the second call of each causal setting: every shape seen before
+            assert through_interface == 0
+        else:  # the first: once per shape and layout
+            assert 0 < through_interface < kernels
+    assert all(program is None for program in direct.FORWARD.programs.values()) == copies
+    assert all(direct.BACKWARD.programs.values())
 
 
 class _StreamLog:
@@ -435,6 +533,40 @@ def test_gpu_parity(index, causal, dtype, lse_gradient):
     for name, a, b, lo in zip("qkv", grads, ref_grads, low_grads):
         largest = b.abs().max().item()
         assert max_error(a, b) <= allowed_error(dtype, max_error(lo, b), gradient=True, largest=largest), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [16, 4])
+def test_gpu_direct_calls_equal_the_interface(kv_heads, causal, monkeypatch):
+    """The kernels called directly (backends/fa4/direct.py) give the interface's results bit for bit (the backward
+    under deterministic algorithms), on new inputs of the shapes seen before: stored calls, merged parts, gradient
+    additions, grouped-query heads, the LSE's gradient. Every call of these problems can be repeated directly."""
+    _skip_without_fa4()
+    dilated_attn.backends.FA4.ops()  # flash-attn-4 loaded
+    for name in ("FORWARD", "BACKWARD"):
+        monkeypatch.setattr(direct, name, direct.Direct())
+    args = ([512, 1024, 2048], [1, 2, 8], False, causal, 64 ** -0.5)
+    g = torch.Generator().manual_seed(kv_heads + causal)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):  # the first inputs' calls are watched, the second's repeated
+            q, k, v = (torch.randn(1, 4096, h, 64, generator=g).to("cuda", torch.bfloat16)
+                       for h in (16, kv_heads, kv_heads))
+            grad_out = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+            grad_lse = torch.randn(1, 16, 4096, generator=g).to("cuda")
+            results = []
+            for enabled in (False, True):
+                monkeypatch.setattr(direct, "ENABLED", enabled)
+                out, lse = ops.fa4_forward(q, k, v, *args)
+                results.append((out, lse, *ops.fa4_backward(grad_out, grad_lse, q, k, v, out, lse, *args)))
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+                assert torch.equal(a, b), name
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    for calls in (direct.FORWARD, direct.BACKWARD):
+        assert calls.hits > 0 and all(calls.programs.values()), calls.why_not
 
 
 @pytest.mark.gpu

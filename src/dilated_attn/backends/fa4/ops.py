@@ -33,6 +33,7 @@ from ..base import device_capability
 from ..cudnn.ops import _cudnn_layout as _aligned
 from ..cudnn.ops import _layouts, _plan_of
 from ..signature import backward_op, forward_op
+from . import direct
 from .packs import PackCall, PackPlan, plan_pack
 
 __all__ = ["fa4_forward", "fa4_backward", "fa4_varlen_forward", "fa4_varlen_backward", "dense_forward",
@@ -196,9 +197,11 @@ def _run_forward(like: torch.Tensor, stored: list, merged: list) -> None:
         merge()
 
 
-def _store(run, outs: torch.Tensor, lses: torch.Tensor) -> None:
+def _store(into, outs: torch.Tensor, lses: torch.Tensor) -> None:
     """A stored call whose LSE view FlashAttention cannot write in place: its results, copied."""
-    part_out, part_lse = run()[:2]
+    part_out = torch.empty(outs.shape, dtype=outs.dtype, device=outs.device)
+    part_lse = torch.empty(lses.shape, dtype=lses.dtype, device=lses.device)
+    into(out=part_out, lse=part_lse)
     outs.copy_(part_out)
     lses.copy_(part_lse)
 
@@ -215,17 +218,16 @@ def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, s
     stored, merged = [], []
     for i, (qs, ks, vs, outs, lses) in enumerate(s.views(*tensors)):
         qs, ks, vs, outs = _bshd(qs), _bshd(ks), _bshd(vs), _bshd(outs)  # the LSE stays [b, h, s]
-        run = functools.partial(fa._flash_attn_fwd, qs, ks, vs, softmax_scale=scale, causal=causal, return_lse=True,
-                                **options)
+        into = functools.partial(direct.forward, fa, qs, ks, vs, scale, causal, options)
         if i < s.stored:
             in_place = lses.stride(-1) == 1
-            stored.append(functools.partial(run, out=outs, lse=lses) if in_place else
-                          functools.partial(_store, run, outs, lses))
+            stored.append(functools.partial(into, out=outs, lse=lses) if in_place else
+                          functools.partial(_store, into, outs, lses))
             continue
         part_out = torch.empty(qs.shape[:-1] + vs.shape[-1:], dtype=q.dtype, device=q.device)
         part_lse = torch.empty(lses.shape, dtype=lse.dtype, device=q.device)
         # the merge's views are [b, h, s, d]
-        merged.append((functools.partial(run, out=part_out, lse=part_lse),
+        merged.append((functools.partial(into, out=part_out, lse=part_lse),
                        functools.partial(_merge, _bshd(outs), lses, _bshd(part_out), part_lse)))
     _run_forward(q, stored, merged)
     return out, lse
@@ -250,13 +252,12 @@ def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilatio
         gos, qs, ks, vs, outs, lses, dqs, dks, dvs = views[:9]
         dlse = views[9] if grad_lse is not None else None
         stored = i < s.stored
-        direct = stored and all(_bshd(t).is_contiguous() for t in (dqs, dks, dvs))
-        given = dict(dq=_bshd(dqs), dk=_bshd(dks), dv=_bshd(dvs)) if direct else {}
+        written = stored and all(_bshd(t).is_contiguous() for t in (dqs, dks, dvs))
+        given = dict(dq=_bshd(dqs), dk=_bshd(dks), dv=_bshd(dvs)) if written else {}
         with lanes.next():
-            grads = fa._flash_attn_bwd(_bshd(qs), _bshd(ks), _bshd(vs), _bshd(outs), _bshd(gos), lses,
-                                       softmax_scale=scale, causal=causal, deterministic=deterministic, dlse=dlse,
-                                       **given)[:3]
-            if not direct:
+            grads = direct.backward(fa, _bshd(qs), _bshd(ks), _bshd(vs), _bshd(outs), _bshd(gos), lses, scale, causal,
+                                    deterministic, dlse=dlse, **given)
+            if not written:
                 lanes.write(adds=not stored)
                 compiled.accumulate((dqs, dks, dvs), [_bshd(g) for g in grads], stored)
             lanes.wrote()
@@ -365,9 +366,8 @@ def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilatio
     stored, merged = [], []
     for i, calls in enumerate(plan.calls):
         for call in calls:
-            run = functools.partial(fa._flash_attn_fwd, q=_pack_view(q, call), k=_pack_view(k, call, True),
-                                    v=_pack_view(v, call, True), **_lengths(call, metadata), softmax_scale=scale,
-                                    causal=causal, return_lse=True, **options)
+            run = functools.partial(direct.forward, fa, _pack_view(q, call), _pack_view(k, call, True),
+                                    _pack_view(v, call, True), scale, causal, options, **_lengths(call, metadata))
             outs, lses = _pack_view(out, call), _pack_lse_view(lse, call)
             if i == 0 and plan.first_stores:  # every row of the pack once: written in place
                 stored.append(functools.partial(run, out=outs, lse=lses))
@@ -402,21 +402,20 @@ def fa4_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_s
         stored = i == 0 and plan.first_stores
         for call in calls:
             targets = (_pack_view(grad_q, call), _pack_view(grad_k, call, True), _pack_view(grad_v, call, True))
-            direct = stored and all(t.is_contiguous() for t in targets)
+            written = stored and all(t.is_contiguous() for t in targets)
             with lanes.next():
-                if direct:
+                if written:
                     given = dict(zip(("dq", "dk", "dv"), targets))
                 elif call.used:  # FlashAttention does not write the rows between runs: zeros, which add nothing
                     given = {name: torch.zeros_like(t) for name, t in zip(("dq", "dk", "dv"), targets)}
                 else:
                     given = {}
                 dlse = None if grad_lse is None else _pack_lse_view(grad_lse, call)
-                grads = fa._flash_attn_bwd(_pack_view(q, call), _pack_view(k, call, True),
-                                           _pack_view(v, call, True), _pack_view(out, call),
-                                           _pack_view(grad_out, call), _pack_lse_view(lse, call),
-                                           softmax_scale=scale, causal=causal, deterministic=deterministic,
-                                           dlse=dlse, **_lengths(call, metadata), **given)[:3]
-                if not direct:
+                grads = direct.backward(fa, _pack_view(q, call), _pack_view(k, call, True),
+                                        _pack_view(v, call, True), _pack_view(out, call), _pack_view(grad_out, call),
+                                        _pack_lse_view(lse, call), scale, causal, deterministic, dlse=dlse,
+                                        **_lengths(call, metadata), **given)
+                if not written:
                     lanes.write(adds=not stored)
                     compiled.accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads],
                                         stored)
@@ -431,9 +430,7 @@ register_attention_autograd("dilated_attn::fa4_varlen_forward", "fa4_varlen_back
 def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Full (non-causal) attention of q `[B, nq, H, D]` over k, v `[B, nk, Hk, D]` in one call, the lengths unequal
     where they are: `(out [B, nq, H, D], lse [B, H, nq])` (the ring's blocks over several ranks' keys)."""
-    out, lse = fa._flash_attn_fwd(_aligned(q), _aligned(k), _aligned(v), softmax_scale=scale, return_lse=True,
-                                  **_forward_options(q, False))[:2]
-    return out, lse
+    return direct.forward(fa, _aligned(q), _aligned(k), _aligned(v), scale, False, _forward_options(q, False))
 
 
 def dense_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -441,5 +438,5 @@ def dense_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """The gradients `(dq, dk, dv)` of dense_forward given the merged out and LSE of the rows (each block's share of
     the exact gradient)."""
     q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
-    return tuple(fa._flash_attn_bwd(q, k, v, out, grad_out, lse.to(torch.float32), softmax_scale=scale,
-                                    deterministic=torch.are_deterministic_algorithms_enabled())[:3])
+    return direct.backward(fa, q, k, v, out, grad_out, lse.to(torch.float32), scale, False,
+                           torch.are_deterministic_algorithms_enabled())

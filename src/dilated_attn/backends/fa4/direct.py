@@ -1,0 +1,302 @@
+"""FlashAttention-4's kernels called without its Python interface's per-call work.
+
+`flash_attn.cute.interface` spends most of a call's host time on what is the same for every call of one shape: it
+checks the inputs, chooses tiles and schedulers, builds keys of some sixty entries and looks up the compiled kernels,
+allocates its workspace, then calls the kernels. On an H200 machine's host that took 70-125 us per forward call and
+about 350 us per backward call (a backward runs three to five kernels). A LongNet forward+backward at N = 65536 makes
+some twenty-five such calls: where the GPU finishes them faster than the host enqueues them (causal masks halve the
+GPU's work) the host bounds the call.
+
+So the first call of each shape and layout goes through the interface, watched: the kernels it runs (through its
+compile caches, each kernel with its arguments), the tensors it makes (and what it fills them with) and every other
+tensor operation it does, in order. Later calls of that shape and layout repeat that program with their own tensors:
+the same kernels, the same other arguments, fresh tensors where the interface made them. A call is repeated only
+where its program is plainly that of these tensors: every tensor a kernel takes is one of the call's own (the same
+memory, shape and strides) or one the interface made, every other argument a plain value (numbers, None, tuples of
+them), and the interface did nothing else to a tensor (no copy of an input, no write into one). Anything else (a call
+that copies an input first, another version's interface) leaves that shape on the interface. The kernels were
+compiled for any strides of the shapes they took (the interface's own caches reuse them so), and each kernel's call
+checks its tensors' dtype, rank and alignment against what it was compiled for. Only flash-attn-4 versions whose
+programs the GPU tests have compared with the interface's results are called directly (`VERIFIED_VERSIONS`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+__all__ = ["ENABLED", "VERIFIED_VERSIONS", "Direct", "backward", "forward"]
+
+# Off: every call through the interface (benchmarks/bench_gpu.py's `fa4_interface` measures both)
+ENABLED = True
+VERIFIED_VERSIONS = ("4.0.0b36",)
+
+aten = torch.ops.aten
+_FACTORIES = {aten.empty, aten.empty_like, aten.empty_strided, aten.zeros, aten.zeros_like, aten.new_empty,
+              aten.new_zeros, aten.new_empty_strided}
+_FILLS = {aten.zero_, aten.fill_}
+_VIEWS = {aten.detach, aten.alias, aten.view, aten.transpose, aten.permute, aten.t, aten.unsqueeze, aten.squeeze,
+          aten.select, aten.slice, aten.as_strided}
+
+
+def _same(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
+    return (b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def _plain(x) -> bool:
+    """Whether `x` means the same for every call: no tensor, nothing mutable but tuples of values."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return True
+    return isinstance(x, tuple) and all(_plain(y) for y in x)
+
+
+class _Watch(TorchDispatchMode):
+    """One interface call's tensor operations, onto `steps` in order: each tensor it makes (`("make", tensor)`), each
+    fill of such a tensor (`("fill", tensor, value)`); the first other operation that is not a view, in `other`."""
+
+    def __init__(self, steps: list):
+        super().__init__()
+        self.steps = steps
+        self.other: Optional[str] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in _FACTORIES:
+            self.steps.append(("make", result))
+            if packet in (aten.zeros, aten.zeros_like, aten.new_zeros):
+                self.steps.append(("fill", result, 0))
+        elif packet in _FILLS and any(s[0] == "make" and _same(s[1], args[0]) for s in self.steps):
+            self.steps.append(("fill", args[0], 0 if packet is aten.zero_ else args[1]))
+        elif packet not in _VIEWS and self.other is None:
+            self.other = str(func)
+        return result
+
+
+class _NotingCache:
+    """A compile cache of the interface during one watched call: looked up as the cache is, each kernel the watched
+    thread runs noted onto `steps` (`("kernel", kernel, args)`)."""
+
+    def __init__(self, cache, steps: list, thread: int):
+        self.cache, self.steps, self.thread = cache, steps, thread
+
+    def __contains__(self, key) -> bool:
+        return key in self.cache
+
+    def __setitem__(self, key, kernel) -> None:
+        self.cache[key] = kernel
+
+    def __getitem__(self, key):
+        kernel = self.cache[key]
+        if threading.get_ident() != self.thread:
+            return kernel
+
+        def noted(*args):
+            self.steps.append(("kernel", kernel, args))
+            with _disable_current_modes():  # the kernel's own work is not the interface's
+                return kernel(*args)
+
+        return noted
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+@dataclass(frozen=True)
+class _Program:
+    """What one interface call did, to repeat with other tensors of its shapes: `made` (shape, strides, dtype,
+    device) of each tensor it makes; `steps` in order, `("make", i)`, `("fill", i, value)` or `("kernel", kernel,
+    template, slots)` where `slots` puts given (0) or made (1) tensor `index` at each tensor position of the
+    template; `result`, each returned element's (0 or 1, index), or None."""
+
+    made: tuple
+    steps: tuple
+    result: tuple
+
+    def __call__(self, given: tuple):
+        made: list = [None] * len(self.made)
+        sources = (given, made)
+        for step in self.steps:
+            if step[0] == "kernel":
+                _, kernel, template, slots = step
+                args = list(template)
+                for position, kind, index in slots:
+                    args[position] = sources[kind][index]
+                kernel(*args)
+            elif step[0] == "make":
+                shape, stride, dtype, device = self.made[step[1]]
+                made[step[1]] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            else:
+                made[step[1]].fill_(step[2])
+        return tuple(None if r is None else sources[r[0]][r[1]] for r in self.result)
+
+
+def _program(steps: list, given: tuple, result) -> tuple[Optional[_Program], str]:
+    """The program of a watched call's steps, or None and why it cannot be repeated."""
+    made, program = [], []
+
+    def source(t: torch.Tensor):
+        for i, g in enumerate(given):
+            if _same(t, g):
+                return 0, i
+        for i, m in enumerate(made):
+            if _same(t, m):
+                return 1, i
+        return None
+
+    for step in steps:
+        if step[0] == "make":
+            made.append(step[1])
+            program.append(("make", len(made) - 1))
+        elif step[0] == "fill":
+            index = next(i for i, m in enumerate(made) if _same(step[1], m))
+            if not _plain(step[2]):
+                return None, "a fill with a tensor"
+            program.append(("fill", index, step[2]))
+        else:
+            _, kernel, args = step
+            template, slots = list(args), []
+            for position, arg in enumerate(args):
+                if isinstance(arg, torch.Tensor):
+                    found = source(arg)
+                    if found is None:
+                        return None, f"kernel argument {position} is neither a given tensor nor one it made"
+                    slots.append((position, *found))
+                    template[position] = None
+                elif not _plain(arg):
+                    return None, f"kernel argument {position} is a {type(arg).__name__}"
+            program.append(("kernel", kernel, tuple(template), tuple(slots)))
+    if not any(step[0] == "kernel" for step in program):
+        return None, "no kernel ran"
+    returned = []
+    for r in result if isinstance(result, tuple) else (result,):
+        if r is None:
+            returned.append(None)
+        elif not isinstance(r, torch.Tensor) or source(r) is None:
+            return None, "it returned a tensor it did not make"
+        else:
+            returned.append(source(r))
+    specs = tuple((tuple(m.shape), tuple(m.stride()), m.dtype, m.device) for m in made)
+    return _Program(specs, tuple(program), tuple(returned)), ""
+
+
+_WATCHING = threading.Lock()
+
+
+def _watched(interface, given: tuple, run: Callable[[], object]):
+    """run() (an interface call on the `given` tensors) watched: (its result, its program or None, why not)."""
+    steps: list = []
+    thread = threading.get_ident()
+    functions = [f for f in vars(interface).values() if callable(f) and hasattr(f, "compile_cache")]
+    with _WATCHING:
+        caches = [f.compile_cache for f in functions]
+        watch = _Watch(steps)
+        try:
+            for f, cache in zip(functions, caches):
+                f.compile_cache = _NotingCache(cache, steps, thread)
+            with watch:
+                result = run()
+        finally:
+            for f, cache in zip(functions, caches):
+                f.compile_cache = cache
+    if watch.other is not None:
+        return result, None, f"it ran {watch.other}"
+    program, why = _program(steps, given, result)
+    return result, program, why
+
+
+def _signature(tensors: tuple) -> tuple:
+    """The layouts of the given tensors, and which are the same memory as one before them (a program repeats its
+    tensors' roles: k given as v stays so)."""
+    pointers = [None if t is None else t.data_ptr() for t in tensors]
+    return (tuple(None if t is None else (t.shape, t.stride(), t.dtype, p % 16 == 0) for t, p in zip(tensors, pointers)),
+            tuple(pointers.index(p) for p in pointers))
+
+
+class Direct:
+    """One interface function called directly where it can be: `call(given, key, run)` runs the program noted for
+    `key` and the given tensors' layouts on `given`, or run() (the interface on `given`) and notes its program."""
+
+    def __init__(self):
+        self.programs: dict = {}  # key -> _Program, or None where the interface must run
+        self.why_not: dict = {}  # key -> why its calls go through the interface
+        self.hits = 0  # calls made directly
+
+    def call(self, interface, given: tuple, key: tuple, run: Callable[[], object]):
+        if not (ENABLED and _verified(interface)):
+            return run()
+        key = (key, _signature(given), given[0].device)
+        program = self.programs.get(key)
+        if program is not None:
+            self.hits += 1
+            return program(given)
+        if key in self.programs:
+            return run()
+        result, program, why = _watched(interface, given, run)
+        self.programs[key] = program
+        if program is None:
+            self.why_not[key] = why
+        return result
+
+
+def _verified(interface) -> bool:
+    version = _VERSIONS.get(id(interface))
+    if version is None:
+        version = _VERSIONS[id(interface)] = _version_of(interface)
+    return version in VERIFIED_VERSIONS
+
+
+_VERSIONS: dict = {}
+
+
+def _version_of(interface) -> str:
+    """The flash-attn-4 version of `interface` (a stand-in may say its own, as `__version__`)."""
+    given = getattr(interface, "__version__", None)
+    if given is not None:
+        return given
+    from importlib import metadata
+
+    try:
+        return metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+FORWARD, BACKWARD = Direct(), Direct()
+_LENGTHS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+
+
+def _aligned(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`x` contiguous at a 16-byte aligned address, as FlashAttention takes an LSE (it copies one that is not)."""
+    if x is None or (x.is_contiguous() and x.data_ptr() % 16 == 0):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def forward(interface, q, k, v, scale: float, causal: bool, options: dict, out=None, lse=None, **lengths):
+    """FlashAttention's forward `(out, lse)` of q, k, v (`[b, s, h, d]`, or `[total, h, d]` with `lengths`, its
+    varlen arguments), written into out and lse where they are given."""
+    given = (q, k, v, out, lse) + tuple(lengths.get(name) for name in _LENGTHS)
+    key = (bool(causal), float(scale), tuple(sorted(options.items())), lengths.get("max_seqlen_q"),
+           lengths.get("max_seqlen_k"))
+    result = FORWARD.call(interface, given, key, lambda: interface._flash_attn_fwd(
+        q, k, v, softmax_scale=scale, causal=causal, return_lse=True, out=out, lse=lse, **options, **lengths))
+    return result[0], result[1]
+
+
+def backward(interface, q, k, v, out, dout, lse, scale: float, causal: bool, deterministic: bool, dlse=None,
+             dq=None, dk=None, dv=None, **lengths) -> tuple:
+    """FlashAttention's backward `(dq, dk, dv)` (with `lengths`, its varlen arguments), written into dq, dk, dv where
+    they are given. The LSE and its gradient go in contiguous and aligned, as FlashAttention would copy them."""
+    lse, dlse = _aligned(lse), _aligned(dlse)
+    given = (q, k, v, out, dout, lse, dlse, dq, dk, dv) + tuple(lengths.get(name) for name in _LENGTHS)
+    key = (bool(causal), float(scale), bool(deterministic), lengths.get("max_seqlen_q"), lengths.get("max_seqlen_k"))
+    result = BACKWARD.call(interface, given, key, lambda: interface._flash_attn_bwd(
+        q, k, v, out, dout, lse, softmax_scale=scale, causal=causal, deterministic=deterministic, dlse=dlse, dq=dq,
+        dk=dk, dv=dv, **lengths))
+    return tuple(result[:3])
