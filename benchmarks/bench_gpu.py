@@ -11,6 +11,8 @@ causal; N = 16384 with the same branches; N = 262144 with the long branches (204
 
 Providers (each measured in the same process, on the same inputs):
   triton, cudnn, fa4, cuda    dilated_attn's backends (where they can run); triton with the shipped configs
+  fa4_interface               fa4 with every FlashAttention-4 forward call through its Python interface (the
+                              direct calls of backends/fa4/direct.py off)
   triton_sweep                triton with DILATED_ATTN_AUTOTUNE's full sweep instead of the shipped configs
   sdpa_recipe                 gather + flash SDPA + LSE merge (torchscale's recipe, benchmarks/baselines.py)
   sdpa_recipe_cudnn           the same with cuDNN attention
@@ -28,10 +30,12 @@ turn R times, each round starting with the next provider, and a row gives the me
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; with --gpu-state each
 round also records the GPU's SM clock, power draw, temperature and clock-event reasons read while it ran
 (dilated_attn.benchmarking.GpuSampler), which tell a GPU's state from the host's in rounds of unequal speed;
-"extra memory" is the peak allocated above the inputs during one call, "working memory" that less the results every
-provider must hold (out, and with the backward its float32 LSE, dQ, dK and dV: results_bytes). Before timing, the
-Triton kernels (shipped configs) and the cudnn backend are checked against dilated_attn.reference at N = 16384. The
-JSON (benchmarks/results/gpu_<device>_<dtype>.json, or --out) is rewritten after every row.
+"host" is the median time one call takes to return, started on an idle GPU (host_ms; where it nears the GPU time,
+the host bounds the call); "extra memory" is the peak allocated above the inputs during one call, "working memory"
+that less the results every provider must hold (out, and with the backward its float32 LSE, dQ, dK and dV:
+results_bytes). Before timing, the Triton kernels (shipped configs) and the cudnn backend are checked against
+dilated_attn.reference at N = 16384. The JSON (benchmarks/results/gpu_<device>_<dtype>.json, or --out) is rewritten
+after every row.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from dilated_attn.benchmarking import (
     GpuSampler,
     Record,
     attention_call,
+    host_ms,
     in_turn,
     median_ms,
     peak_memory_bytes,
@@ -87,6 +92,20 @@ def results_bytes(inputs, backward: bool) -> int:
     return q.numel() * q.element_size() + lse + sum(x.numel() * x.element_size() for x in (q, k, v))
 
 
+def without_direct_calls(attention):
+    """`attention` with every FlashAttention-4 forward call through its Python interface (backends/fa4/direct.py
+    off): the host time the direct calls save."""
+    def run(q, k, v):
+        from dilated_attn.backends.fa4 import direct
+
+        direct.ENABLED = False
+        try:
+            return attention(q, k, v)
+        finally:
+            direct.ENABLED = True
+    return run
+
+
 def providers(N, segs, dils, causal):
     """name -> attention(q, k, v) for this configuration."""
     def ours(backend):
@@ -97,6 +116,7 @@ def providers(N, segs, dils, causal):
         "triton_sweep": ours("triton"),  # run with configs.AUTOTUNE set (main)
         "cudnn": ours("cudnn"),
         "fa4": ours("fa4"),
+        "fa4_interface": without_direct_calls(ours("fa4")),
         "cuda": ours("cuda"),
         "sdpa_recipe": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal),
         "sdpa_recipe_cudnn": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal, kernel="cudnn"),
@@ -241,14 +261,15 @@ def main(argv=None):
         for name, attention in providers(N, segs, dils, causal).items():
             if args.providers and name not in args.providers.split(","):
                 continue
-            reason = backends.get(name).why_not(problem) if name in backends.REGISTRY else None
+            backend = "fa4" if name == "fa4_interface" else name
+            reason = backends.get(backend).why_not(problem) if backend in backends.REGISTRY else None
             if reason:
                 say(f"{where} {name:>20}: skipped ({reason})")
                 continue
             runnable[name] = attention
         for mode in ("fwd", "fwd+bwd"):
             backward = mode == "fwd+bwd"
-            rounds, extra, states = {name: [] for name in runnable}, {}, {name: [] for name in runnable}
+            rounds, extra, host, states = {name: [] for name in runnable}, {}, {}, {name: [] for name in runnable}
             settle_clock("cuda")
             for name in in_turn(runnable, args.rounds):
                 if name not in rounds:
@@ -262,6 +283,7 @@ def main(argv=None):
                             states[name].append(sampler.summary())
                         if name not in extra:
                             extra[name] = peak_memory_bytes(call, "cuda")
+                            host[name] = host_ms(call, "cuda")
                 except Exception as exc:  # noqa: BLE001 - a baseline that cannot run this configuration
                     say(f"{where} {name:>20} {mode:>7}: failed ({type(exc).__name__}: "
                         f"{str(exc)[:120]})")
@@ -279,7 +301,7 @@ def main(argv=None):
                            provider=name, mode=mode,
                            median_ms=ms, tflops=rate, extra_memory_gib=extra[name] / 2**30,
                            working_memory_gib=(extra[name] - results_bytes(inputs, backward)) / 2**30,
-                           fraction_of_fp32_peak=rate / peak)
+                           fraction_of_fp32_peak=rate / peak, host_ms=host[name])
                 if args.rounds > 1:
                     row["round_medians_ms"] = samples
                 if args.gpu_state:
@@ -288,7 +310,8 @@ def main(argv=None):
                 spread = f" (rounds {min(samples):.3f}-{max(samples):.3f})" if len(samples) > 1 else ""
                 say(f"{where} {name:>20} {mode:>7}: {ms:9.3f} ms{spread} {rate:7.1f} TFLOP/s"
                     f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
-                    f"  extra {row['extra_memory_gib']:.2f} GiB (working {row['working_memory_gib']:.2f})")
+                    f"  extra {row['extra_memory_gib']:.2f} GiB (working {row['working_memory_gib']:.2f})"
+                    f"  host {row['host_ms']:.3f} ms")
                 if args.gpu_state:
                     say(f"{where} {name:>20} {mode:>7}: by round, ms / SM MHz / W / event reasons: " + ", ".join(
                         f"{t:.2f} / {st.get('sm_clock_mhz', '?')} / {st.get('power_w', '?')} / "

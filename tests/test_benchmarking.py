@@ -62,6 +62,18 @@ def test_record_rewrites_json_and_csv_after_every_row(tmp_path):
 
 
 
+def test_host_ms_times_until_the_call_returns():
+    """host_ms: the median of the runs' times until the call returns, with the call made once per run."""
+    calls = []
+
+    def call():
+        calls.append(1)
+        time.sleep(0.002 * len(calls))  # 2, 4 and 6 ms: the median is the second
+
+    ms = benchmarking.host_ms(call, "cpu", repeats=3)
+    assert len(calls) == 3 and 3.9 <= ms < 6
+
+
 def test_format_ms_keeps_four_digits_without_exponents():
     """Benchmark times print alike at every size: no `1160.` and no `1.668e+04`."""
     assert [benchmarking.format_ms(x) for x in (16680.4, 1160.2, 999.96, 72.346, 1.6, 0.43101)] == [

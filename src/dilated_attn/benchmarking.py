@@ -133,6 +133,21 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, warmup: int,
     return statistics.median(run_times_ms(fn, device, warmup, repeats, before_run=before_run, combine=combine))
 
 
+def host_ms(fn: Callable[[], object], device: torch.device | str, repeats: int = 5) -> float:
+    """Median milliseconds until `fn()` returns, each run started with the device idle: the host's share of a call
+    (on a GPU the kernels it enqueues may still run after it returns)."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    sync(device)
+    return statistics.median(times)
+
+
 def settle_clock(device: torch.device | str, seconds: float = 3.0) -> None:
     """Keeps a GPU busy with bf16 matrix products for `seconds`: an idle GPU starts at its boost clock and settles
     lower under sustained load, so a comparison's first provider timed on a rested GPU would be favoured. (It does not
