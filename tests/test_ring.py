@@ -451,6 +451,8 @@ def _bad_rank(case, rank):
                 *(dilated_attn.shard(x) for x in (q, k, v)), [4, 16], [1, 2], causal=True, **kw).mode != "heads":
             return {"error": "the valid call did not run the heads mode"}
         return {"error": (dilated_attn.unshard(out) - want).abs().max().item()}
+    # the group's first collective sets up its communicator (about 10 s with NCCL on some hosts): before the clock
+    dist.all_reduce(torch.zeros(1, device=device))
     a = dict(L=16, r=1, dtype="float32", layout="contiguous", device=device)
     a.update(case["args"])
     if rank == case["bad_rank"]:
