@@ -146,7 +146,10 @@ def p2p_bandwidth(mib: int = 256) -> float:
     return mib * 2**20 / timed_ranks(transfer, 2, 5)[0] / 1e6
 
 
-ATTENTION_KERNELS = ("sdpa", "_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel", "dot_do_o", "convert_dq")
+# Kernel names of attention (its pre- and post-processing included): cuDNN's SDPA, the Triton kernels, and
+# FlashAttention-4's CuTe kernels (`...FlashAttentionForwardSm90...`, `...FlashAttentionBackwardPostprocess...`)
+ATTENTION_KERNELS = ("sdpa", "_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel", "dot_do_o", "convert_dq",
+                     "FlashAttention")
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
