@@ -4,6 +4,7 @@ forward) timed on the fa4 backend's LongNet forward, beside the cudnn backend, i
     python benchmarks/tune_fa4.py                      # bf16, H=16, D=128, N=65536, LongNet branches, causal and not
     python benchmarks/tune_fa4.py --rounds 6 --candidates 0,7,9 --mode both   # three candidates, also fwd+bwd
     python benchmarks/tune_fa4.py --backward --rounds 5                          # the backward's variants
+    python benchmarks/tune_fa4.py --backward --variants 0,1 --causal yes         # one stream against two
 
 Rows, for each causal setting:
   cudnn         the cudnn backend's forward (the yardstick of the fa4 backend's forward)
@@ -102,6 +103,7 @@ def main(argv=None) -> None:
                     help="also each candidate with the forward's calls on one stream (ops.OVERLAP_CALLS off)")
     ap.add_argument("--backward", action="store_true",
                     help="the backward's variants (BACKWARD_VARIANTS), forward+backward, instead of forward tiles")
+    ap.add_argument("--variants", default=None, help="with --backward: indices into BACKWARD_VARIANTS (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -237,7 +239,8 @@ def backward_variants(args, record, inputs, causal, fa, ops) -> None:
     providers = {"cudnn fwd+bwd": cudnn}
     facts = {"cudnn fwd+bwd": dict(extra_memory_gib=peak_memory_bytes(cudnn, dev) / 2**30)}
     reference = None
-    for variant in BACKWARD_VARIANTS:
+    chosen = [BACKWARD_VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else BACKWARD_VARIANTS
+    for variant in chosen:
         lanes, pieces, tile = variant
         name = f"fa4 fwd+bwd {'two streams' if lanes else 'one stream'}, 2^{pieces}, {tile} tile"
         try:
