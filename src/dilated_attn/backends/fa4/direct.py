@@ -2,10 +2,9 @@
 
 `flash_attn.cute.interface` spends most of a call's host time on what is the same for every call of one shape: it
 checks the inputs, chooses tiles and schedulers, builds keys of some sixty entries and looks up the compiled kernels,
-allocates its workspace, then calls the kernels. On an H200 machine's host that took 70-125 us per forward call and
-about 350 us per backward call (a backward runs three to five kernels). A LongNet forward+backward at N = 65536 makes
-some twenty-five such calls: where the GPU finishes them faster than the host enqueues them (causal masks halve the
-GPU's work) the host bounds the call.
+allocates its workspace, then calls the kernels (a backward runs three to five). A LongNet forward at N = 65536
+makes about ten such calls, 1.4-3.3 ms of host time on an H100's and an H200's hosts: where the GPU finishes them
+faster (a causal forward, 2.1-2.3 ms), the host bounds the call.
 
 So the first call of each shape and layout goes through the interface, watched: the kernels it runs (through its
 compile caches, each kernel with its arguments), the tensors it makes (and what it fills them with) and every other
@@ -14,14 +13,15 @@ the same kernels, the same other arguments, fresh tensors where the interface ma
 where its program is plainly that of these tensors: every tensor a kernel takes is one of the call's own (the same
 memory, shape and strides) or one the interface made, every other argument a plain value (numbers, None, tuples of
 them), and the interface did nothing else to a tensor (no copy of an input, no write into one). Anything else (a call
-that copies an input first, another version's interface) leaves that shape on the interface. The kernels were
-compiled for any strides of the shapes they took (the interface's own caches reuse them so), and each kernel's call
-checks its tensors' dtype, rank and alignment against what it was compiled for. Only flash-attn-4 versions whose
-programs the GPU tests have compared with the interface's results are called directly (`VERIFIED_VERSIONS`).
+that copies an input first, another version's interface) leaves that shape on the interface. A program is keyed by
+the call's other arguments and its tensors' shapes, strides, dtypes, 16-byte alignment and which of them share
+memory, so it is repeated only on tensors laid out as the watched call's. Only flash-attn-4 versions whose programs
+the GPU tests have compared with the interface's results are called directly (`VERIFIED_VERSIONS`).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -214,8 +214,9 @@ def _signature(tensors: tuple) -> tuple:
     """The layouts of the given tensors, and which are the same memory as one before them (a program repeats its
     tensors' roles: k given as v stays so)."""
     pointers = [None if t is None else t.data_ptr() for t in tensors]
-    return (tuple(None if t is None else (t.shape, t.stride(), t.dtype, p % 16 == 0) for t, p in zip(tensors, pointers)),
-            tuple(pointers.index(p) for p in pointers))
+    layouts = tuple(None if t is None else (t.shape, t.stride(), t.dtype, p % 16 == 0)
+                    for t, p in zip(tensors, pointers))
+    return layouts, tuple(pointers.index(p) for p in pointers)
 
 
 class Direct:
@@ -245,20 +246,14 @@ class Direct:
 
 
 def _verified(interface) -> bool:
-    version = _VERSIONS.get(id(interface))
-    if version is None:
-        version = _VERSIONS[id(interface)] = _version_of(interface)
-    return version in VERIFIED_VERSIONS
+    """Whether `interface` is of a flash-attn-4 version in VERIFIED_VERSIONS (a stand-in may say its own, as
+    `__version__`; FlashAttention's interface module has none)."""
+    version = getattr(interface, "__version__", None)
+    return (_installed_version() if version is None else version) in VERIFIED_VERSIONS
 
 
-_VERSIONS: dict = {}
-
-
-def _version_of(interface) -> str:
-    """The flash-attn-4 version of `interface` (a stand-in may say its own, as `__version__`)."""
-    given = getattr(interface, "__version__", None)
-    if given is not None:
-        return given
+@functools.lru_cache(maxsize=1)
+def _installed_version() -> str:
     from importlib import metadata
 
     try:

@@ -44,13 +44,13 @@ __all__ = ["fa4_forward", "fa4_backward", "fa4_varlen_forward", "fa4_varlen_back
 # the LSE's gradient and strided views, which its autograd functions do not expose.
 fa = None
 
-# The most elements of one call. FlashAttention's Python interface takes enough host time per call (70-125 us on an
-# H200 machine's host) that fewer, larger calls ran faster (an H100, LongNet at N = 65536: 2^25 against 2^24). In
-# the backward, calls of 2^24 cut the extra memory of a forward+backward from 1.51 to 1.26 GiB at no cost where the
-# calls are long (MHA), but with grouped-query heads and causal masks the step's 24 short calls were bound by the
-# host: 0.80-0.82x the cudnn backend on an H100, where calls of 2^25 gave 0.95-1.12x (benchmarks/README.md,
-# "FlashAttention-4"). A call's float32 dQ accumulator and its gradients before they are added take 10 bytes per
-# element.
+# The most elements of one call. FlashAttention's Python interface took enough host time per call (70-125 us on an
+# H200 machine's host, before the direct calls of direct.py) that fewer, larger calls ran faster (an H100, LongNet
+# at N = 65536: 2^25 against 2^24). In the backward, calls of 2^24 cut the extra memory of a forward+backward from
+# 1.51 to 1.26 GiB at no cost where the calls are long (MHA), but with grouped-query heads and causal masks the
+# step's 24 short calls were bound by the host: 0.80-0.82x the cudnn backend on an H100, where calls of 2^25 gave
+# 0.95-1.12x (benchmarks/README.md, "FlashAttention-4"). A call's float32 dQ accumulator and its gradients before
+# they are added take 10 bytes per element.
 MAX_CALL_ELEMENTS = 1 << 25
 MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
 
