@@ -11,8 +11,8 @@ causal; N = 16384 with the same branches; N = 262144 with the long branches (204
 
 Providers (each measured in the same process, on the same inputs):
   triton, cudnn, fa4, cuda    dilated_attn's backends (where they can run); triton with the shipped configs
-  fa4_interface               fa4 with every FlashAttention-4 forward call through its Python interface (the
-                              direct calls of backends/fa4/direct.py off)
+  fa4_interface               fa4 with every FlashAttention-4 call, forward and backward, through its Python
+                              interface (the direct calls of backends/fa4/direct.py off)
   triton_sweep                triton with DILATED_ATTN_AUTOTUNE's full sweep instead of the shipped configs
   sdpa_recipe                 gather + flash SDPA + LSE merge (torchscale's recipe, benchmarks/baselines.py)
   sdpa_recipe_cudnn           the same with cuDNN attention
@@ -92,20 +92,6 @@ def results_bytes(inputs, backward: bool) -> int:
     return q.numel() * q.element_size() + lse + sum(x.numel() * x.element_size() for x in (q, k, v))
 
 
-def without_direct_calls(attention):
-    """`attention` with every FlashAttention-4 forward call through its Python interface (backends/fa4/direct.py
-    off): the host time the direct calls save."""
-    def run(q, k, v):
-        from dilated_attn.backends.fa4 import direct
-
-        direct.ENABLED = False
-        try:
-            return attention(q, k, v)
-        finally:
-            direct.ENABLED = True
-    return run
-
-
 def providers(N, segs, dils, causal):
     """name -> attention(q, k, v) for this configuration."""
     def ours(backend):
@@ -116,7 +102,7 @@ def providers(N, segs, dils, causal):
         "triton_sweep": ours("triton"),  # run with configs.AUTOTUNE set (main)
         "cudnn": ours("cudnn"),
         "fa4": ours("fa4"),
-        "fa4_interface": without_direct_calls(ours("fa4")),
+        "fa4_interface": ours("fa4"),  # timed with direct calls off (without_direct_calls)
         "cuda": ours("cuda"),
         "sdpa_recipe": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal),
         "sdpa_recipe_cudnn": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal, kernel="cudnn"),
@@ -145,6 +131,23 @@ def providers(N, segs, dils, causal):
         table["segments_cudnn"] = segments("cudnn")
         table["segments_fa4"] = segments("fa4")
     return table
+
+
+@contextlib.contextmanager
+def without_direct_calls(on: bool):
+    """Inside, with `on`, every FlashAttention-4 call of the fa4 backend, forward and backward, goes through its Python
+    interface (backends/fa4/direct.py off): the `fa4_interface` provider, whose backward runs after its call
+    returns."""
+    if not on:
+        yield
+        return
+    from dilated_attn.backends.fa4 import direct
+
+    direct.ENABLED = False
+    try:
+        yield
+    finally:
+        direct.ENABLED = True
 
 
 @contextlib.contextmanager
@@ -276,7 +279,7 @@ def main(argv=None):
                     continue
                 call = attention_call(runnable[name], inputs, mode)
                 try:
-                    with full_sweep(name == "triton_sweep"):
+                    with full_sweep(name == "triton_sweep"), without_direct_calls(name == "fa4_interface"):
                         with GpuSampler("cuda") if args.gpu_state else contextlib.nullcontext() as sampler:
                             rounds[name].append(median_ms(call, "cuda", args.warmup, args.repeats))
                         if sampler is not None:
