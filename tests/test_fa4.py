@@ -286,6 +286,21 @@ def test_kernels_called_directly_equal_the_reference(copies, monkeypatch):
     assert all(direct.BACKWARD.programs.values())
 
 
+def test_direct_programs_stay_bounded(monkeypatch):
+    """Past MAX_PROGRAMS shapes the programs are dropped and noted anew (packs of ever new lengths)."""
+    interface = kernel_interface()
+    monkeypatch.setattr(direct, "FORWARD", direct.Direct())
+    monkeypatch.setattr(direct, "MAX_PROGRAMS", 2)
+    for n in (16, 24, 32, 16):
+        q = torch.randn(1, n, 2, 8, dtype=torch.float64)
+        out, lse = direct.forward(interface, q, q, q, 0.3, False, {})
+        want, want_lse = math_attend(_bhsd(q), _bhsd(q), _bhsd(q), False, 0.3)
+        torch.testing.assert_close(out, _bhsd(want), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+        assert len(direct.FORWARD.programs) <= 2
+    assert direct.FORWARD.hits == 0 and interface.counts["interface"] == 4
+
+
 class _StreamLog:
     """Stand-in CUDA streams that log what each lane runs, in the order the host enqueues it: `(lane, kind, x)`."""
 

@@ -34,6 +34,9 @@ __all__ = ["ENABLED", "VERIFIED_VERSIONS", "Direct", "backward", "forward"]
 # Off: every call through the interface (benchmarks/bench_gpu.py's `fa4_interface` measures both)
 ENABLED = True
 VERIFIED_VERSIONS = ("4.0.0b36",)
+# The most programs kept per function; then they are dropped and noted anew (packs of ever new lengths would grow them
+# without end)
+MAX_PROGRAMS = 1024
 
 aten = torch.ops.aten
 _FACTORIES = {aten.empty, aten.empty_like, aten.empty_strided, aten.zeros, aten.zeros_like, aten.new_empty,
@@ -239,6 +242,9 @@ class Direct:
         if key in self.programs:
             return run()
         result, program, why = _watched(interface, given, run)
+        if len(self.programs) >= MAX_PROGRAMS:
+            self.programs.clear()
+            self.why_not.clear()
         self.programs[key] = program
         if program is None:
             self.why_not[key] = why
