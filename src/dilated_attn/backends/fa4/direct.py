@@ -178,12 +178,10 @@ def _program(steps: list, given: tuple, result) -> tuple[Optional[_Program], str
         return None, "no kernel ran"
     returned = []
     for r in result if isinstance(result, tuple) else (result,):
-        if r is None:
-            returned.append(None)
-        elif not isinstance(r, torch.Tensor) or source(r) is None:
+        found = source(r) if isinstance(r, torch.Tensor) else None
+        if r is not None and found is None:
             return None, "it returned a tensor it did not make"
-        else:
-            returned.append(source(r))
+        returned.append(found)
     specs = tuple((tuple(m.shape), tuple(m.stride()), m.dtype, m.device) for m in made)
     return _Program(specs, tuple(program), tuple(returned)), ""
 
@@ -272,7 +270,7 @@ FORWARD, BACKWARD = Direct(), Direct()
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
 
 
-def _aligned(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _contiguous_aligned(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """`x` contiguous at a 16-byte aligned address, as FlashAttention takes an LSE (it copies one that is not)."""
     if x is None or (x.is_contiguous() and x.data_ptr() % 16 == 0):
         return x
@@ -294,7 +292,7 @@ def backward(interface, q, k, v, out, dout, lse, scale: float, causal: bool, det
              dq=None, dk=None, dv=None, **lengths) -> tuple:
     """FlashAttention's backward `(dq, dk, dv)` (with `lengths`, its varlen arguments), written into dq, dk, dv where
     they are given. The LSE and its gradient go in contiguous and aligned, as FlashAttention would copy them."""
-    lse, dlse = _aligned(lse), _aligned(dlse)
+    lse, dlse = _contiguous_aligned(lse), _contiguous_aligned(dlse)
     given = (q, k, v, out, dout, lse, dlse, dq, dk, dv) + tuple(lengths.get(name) for name in _LENGTHS)
     key = (bool(causal), float(scale), bool(deterministic), lengths.get("max_seqlen_q"), lengths.get("max_seqlen_k"))
     result = BACKWARD.call(interface, given, key, lambda: interface._flash_attn_bwd(
