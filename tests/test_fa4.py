@@ -648,8 +648,9 @@ def _use_math_interface(monkeypatch):
 
 # (lengths, Hq, Hkv, segment_lengths, dilation_rates, causal, head_groups): empty sequences, sequences shorter than
 # a segment and than a dilation, starts of every residue, segments not divisible by their dilation, GQA runs cut per
-# kv head, split heads (uncovered rows), r > w; offset groups stacked in one call (the last four: kv heads one
-# (step 0), one per head pair (step 1), not evenly spaced over the groups (not stacked), and, moved, with gaps)
+# kv head, split heads (uncovered rows), r > w; offset groups stacked in one call (the last six: kv heads one
+# (step 0), one per head pair (step 1), not evenly spaced over the groups (not stacked), and, moved, with gaps;
+# then in calls of interleaved classes of groups, and in runs of groups reading one kv head: cudnn's group_cuts)
 PACKS = [
     ([5, 0, 17, 40], 4, 2, (8, 16), (1, 2), True, "all"),
     ([5, 0, 17, 3, 40], 4, 2, (8, 16), (1, 2), False, "split"),
@@ -662,6 +663,8 @@ PACKS = [
     ([24, 8, 32], 8, 4, (8, 16), (1, 4), True, "all"),
     ([12, 20, 16], 8, 2, (8, 16, 32), (1, 4, 8), False, "all"),
     ([12, 20, 16], 4, 1, (8, 16, 32), (1, 4, 8), True, "all"),
+    ([16, 32, 48], 16, 4, (8, 16, 32), (1, 2, 8), True, "all"),
+    ([16, 32, 48], 8, 2, (8, 16, 32), (1, 4, 8), False, "all"),
 ]
 
 
@@ -744,13 +747,14 @@ def test_aligned_pack_takes_a_uniform_batchs_calls():
     stacked = packs.plan_pack((0, 32, 48, 112), (16, 32), (1, 4), 8, 8, False).plan.calls[1]
     assert [(c.head0, c.n_heads, c.head_step, c.row_step, c.kv_heads, c.used) for c in stacked] == [
         (0, 4, 2, 1, 4, 0), (1, 4, 2, 1, 4, 0)]
-    # LongNet's branches over a pack of 8 sequences (bench_varlen --eight): a uniform batch's 9 calls, not 15
+    # LongNet's branches over a pack of 8 sequences (bench_varlen --eight): a uniform batch's calls (9, not 15; with
+    # 4 kv heads the last branch's 8 groups in two interleaved classes, 11 calls, not 15)
     eight = (0, *itertools.accumulate([4096, 12288, 2048, 16384, 6144, 10240, 8192, 6144]))
     longnet = ((2048, 4096, 8192, 16384), (1, 2, 4, 8))
-    for kv_heads in (16, 1):
+    for kv_heads, counts in ((16, [1, 2, 4, 2]), (4, [1, 2, 4, 4]), (1, [1, 2, 4, 2])):
         calls = packs.plan_pack(eight, *longnet, 16, kv_heads, False).plan.calls
-        uniform = plan(*longnet, 8192, 16, kv_heads, False).calls
-        assert [len(c) for c in calls] == [1, 2, 4, 2] and len(uniform[3]) <= len(calls[3])
+        uniform = plan(*longnet, 65536, 16, kv_heads, False).calls
+        assert [len(c) for c in calls] == [len(c) for c in uniform] == counts
     here = packs.plan_sequences(((0, 31), (31, 17), (48, 65)), 113, (16, 32), (1, 4), 8, 8, False)
     # starts 0, 31 and 48, residues 0, 3 and 0 modulo 4: two calls per offset group, the second sequence's apart
     assert [len(calls) for calls in here.calls] == [1, 8]
@@ -765,13 +769,14 @@ def test_aligned_pack_takes_a_uniform_batchs_calls():
 
 
 # packs whose starts take several residues modulo the dilations, GQA, split heads, a sequence shorter than a dilation;
-# offset groups stacked in one call (packs._stacked: head i at a row shift of i), MHA, and one kv head on the moved
-# copy, whose views have rows between the runs
+# offset groups stacked in one call (packs._stacked: head i at a row shift of i), MHA, one kv head on the moved copy,
+# whose views have rows between the runs, and 4 kv heads (two interleaved classes of groups per call)
 GPU_PACKS = [
     ([300, 77, 0, 1000, 5], 8, 2, (64, 256, 1024), (1, 4, 8), "all"),
     ([513, 1030, 2], 4, 4, (128, 512), (2, 4), "split"),
     ([256, 768, 512, 512], 16, 16, (64, 128, 256), (1, 2, 8), "all"),
     ([300, 200, 516], 8, 1, (64, 128, 256), (1, 4, 8), "all"),
+    ([256, 768, 512, 512], 16, 4, (64, 128, 256), (1, 2, 8), "all"),
 ]
 
 

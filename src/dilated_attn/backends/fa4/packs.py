@@ -9,7 +9,9 @@ lengths divisible by `r` (LongNet's) keep one residue per sequence; a pack whose
 every `r` (lengths divisible by them) then takes, per branch, one call per offset group, or fewer where the groups
 stack as a uniform batch's do (the cudnn plan's branch_calls): with `head_groups="all"` and fewer heads per group
 than groups, the `j`-th head of every group goes in one call whose head `i` is group `i`'s, at a row shift of `i`
-(head stride `(H + heads per group)*D`), where every group has the same runs, shifted by its offset. In a pack of
+(head stride `(H + heads per group)*D`), where every group has the same runs, shifted by its offset; with
+grouped-query heads whose groups do not map so onto kv heads, the `j`-th head of each class of groups `p, p + m, ...`
+(or of each run of groups reading one kv head) goes in one call, as cudnn's group_cuts cuts them. In a pack of
 other lengths the starts take several residues, one call each (up to `r` per offset group): where that costs more
 calls than copying the tensors does, the ops run on a copy with each sequence moved to a multiple of the dilations
 (plan_pack).
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...branches import Branch, branch_table, covers_everything, groups_stack, offset_groups
-from ..cudnn.ops import Call, _with_kv_heads
+from ..cudnn.ops import Call, _mapped, group_cuts
 
 __all__ = ["Pack", "PackCall", "PackPlan", "plan_pack", "plan_sequences"]
 
@@ -103,15 +105,16 @@ def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, 
 
 
 def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
-    """Where one call can take the `j`-th head of every offset group (its head `i` group `i`'s, at a row shift of
-    `i`): the residue and runs of the first group, which every group has shifted by its offset, the number of groups
-    and of heads in each, and per call (first head, first kv head, kv head step); else None. It needs more groups
-    than heads per group (else it saves no call), groups that stack (branches.groups_stack), and kv views as the
-    cudnn plan gives such a call (each head reads its own, at its row shift: kv heads `h // group` evenly spaced
-    over the groups, or one for all)."""
+    """Where calls can each take the `j`-th head of several offset groups (its head `t` that of group `first +
+    t*step`, at a row shift of `t*step`; cudnn's group_cuts): the residue and runs of the first group, which every
+    group has shifted by its offset, the heads in each group, and per call (first group, step, groups, first head,
+    first kv head, kv head step); else None. It needs groups that stack (branches.groups_stack), a cut of fewer calls
+    than one per group, and kv views as the cudnn plan gives such calls (each head reads its own, at its row shift:
+    kv heads evenly spaced over the call's groups, or one for all)."""
     groups = offset_groups(br)
     offset, _, size = groups[0]
-    if len(groups) <= size or not groups_stack(groups):
+    cuts = group_cuts(len(groups), size, group) if groups_stack(groups) else []
+    if not cuts:
         return None
     first = _runs(br, offset, lengths)
     if len(first) != 1:
@@ -121,14 +124,13 @@ def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
         shifted = sorted(run for same in _runs(br, offset + i, lengths).values() for run in same)
         if shifted != [(row + i, m) for row, m in runs]:
             return None
-    heads = []
-    for j in range(size):
-        call = _with_kv_heads(Call(0, 1, 0, 1, br.dilation, br.head_lo + j, len(groups), head_step=size, row_step=1),
-                              group)
-        if call is None:
-            return None
-        heads.append((call.head0, call.kv_head0, call.kv_head_step))
-    return t, runs, len(groups), size, heads
+    for cut in cuts:
+        shapes = [(first, step, count) for _ in range(size) for first, step, count in cut]
+        calls = _mapped([Call(0, 1, 0, 1, br.dilation, br.head_lo + first * size + j, count, head_step=step * size,
+                              row_step=step) for j in range(size) for first, step, count in cut], group)
+        if calls is not None:
+            return t, runs, size, [(*shape, c.head0, c.kv_head0, c.kv_head_step) for shape, c in zip(shapes, calls)]
+    return None
 
 
 def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_lengths: tuple[int, ...],
@@ -167,11 +169,16 @@ def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_l
         calls = []
         stacked = _stacked(br, heads // kv_heads, lengths)
         if stacked is not None:
-            t, runs, n, size, firsts = stacked  # n groups: the call's heads
-            # the last group's view, `n - 1` rows further, stays inside the tensors
-            where = call_fields(t, r, (total - t - n) // r + 1, runs)
-            calls = [PackCall(head0=h, n_heads=n, kv_head0=kv, kv_heads=n, head_step=size, row_step=1,
-                              kv_head_step=step, **where) for h, kv, step in firsts]
+            t, runs, size, per_call = stacked
+            wheres = {}
+            for first, step, n, h, kv, kv_step in per_call:  # n groups, the call's heads
+                if (first, step, n) not in wheres:
+                    # the view of group `first`, its runs `first` rows further; the last head's view, `(n - 1)*step`
+                    # rows further still, stays inside the tensors
+                    wheres[first, step, n] = call_fields(t + first, r, (total - 1 - t - first - (n - 1) * step) // r
+                                                         + 1, [(row + first, m) for row, m in runs])
+                calls.append(PackCall(head0=h, n_heads=n, kv_head0=kv, kv_heads=n, head_step=step * size,
+                                      row_step=step, kv_head_step=kv_step, **wheres[first, step, n]))
         else:
             for offset, head0, n_heads, kv_head0, n_kv in _head_runs(br, heads // kv_heads):
                 for t, runs in sorted(_runs(br, offset, lengths).items()):
