@@ -5,6 +5,7 @@ padding the pack to a batch.
     python benchmarks/bench_varlen.py --causal --out varlen.json
     python benchmarks/bench_varlen.py --eight --backends triton,cudnn,fa4   # 8 sequences, 64K tokens, per backend
     python benchmarks/bench_varlen.py --eight --ragged --backends triton,fa4  # their lengths off multiples of 2
+    python benchmarks/bench_varlen.py --eight --kv-heads 4 --backends fa4      # grouped-query heads
 
 Rows (each measured in this process, on the same GPU, forward and forward+backward):
   pack      dilated_attention_varlen over 16 sequences of 1K-16K tokens, 128K in all (LENGTHS; --eight: EIGHT;
@@ -54,6 +55,7 @@ RAGGED_EIGHT = [4001, 12289, 2085, 16373, 6150, 10233, 8275, 6130]
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--causal", action="store_true")
@@ -67,6 +69,9 @@ def main(argv=None) -> None:
                     help="comma-separated backends, each timed on the pack and the uniform sequence (padded: the first)")
     args = ap.parse_args(argv)
     dtype, H, D = getattr(torch, args.dtype), args.heads, args.dim
+    Hkv = args.kv_heads or H
+    if H % Hkv:
+        raise ValueError(f"--kv-heads ({Hkv}) must divide --heads ({H})")
     dev = torch.cuda.get_device_name()
     say(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}")
     segs, dils = LONGNET
@@ -79,10 +84,10 @@ def main(argv=None) -> None:
         return torch.randn(shape, generator=g, device="cuda", dtype=dtype).requires_grad_()
 
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
-    packed = (randn(T, H, D), randn(T, H, D), randn(T, H, D), torch.randn(T, H, D, device="cuda", dtype=dtype))
+    packed = (randn(T, H, D), randn(T, Hkv, D), randn(T, Hkv, D), torch.randn(T, H, D, device="cuda", dtype=dtype))
     uniform = tuple(x.detach().unsqueeze(0).requires_grad_(x.requires_grad) for x in packed)
-    padded = (randn(len(lengths), longest, H, D), randn(len(lengths), longest, H, D),
-              randn(len(lengths), longest, H, D), torch.randn(len(lengths), longest, H, D, device="cuda", dtype=dtype))
+    padded = (randn(len(lengths), longest, H, D), randn(len(lengths), longest, Hkv, D),
+              randn(len(lengths), longest, Hkv, D), torch.randn(len(lengths), longest, H, D, device="cuda", dtype=dtype))
     work = flops(validate_varlen(*packed[:3], cu, segs, dils, causal=args.causal))
     names = args.backends.split(",")
     providers = {}
@@ -97,9 +102,10 @@ def main(argv=None) -> None:
         q, k, v, segs, dils, causal=args.causal, backend=names[0]), padded, work)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"varlen_{dev.replace(' ', '_')}.json")
-    record = Record("varlen_pack", "cuda", dict(lengths=lengths, backends=names, heads=H, head_dim=D, dtype=args.dtype,
-                                                causal=args.causal, segment_lengths=segs, dilation_rates=dils,
-                                                warmup=args.warmup, repeats=args.repeats, rounds=args.rounds),
+    record = Record("varlen_pack", "cuda", dict(lengths=lengths, backends=names, heads=H, kv_heads=Hkv, head_dim=D,
+                                                dtype=args.dtype, causal=args.causal, segment_lengths=segs,
+                                                dilation_rates=dils, warmup=args.warmup, repeats=args.repeats,
+                                                rounds=args.rounds),
                     json_path=out)
     for mode in ("fwd", "fwd+bwd"):
         samples = {name: [] for name in providers}
