@@ -651,7 +651,7 @@ def _use_math_interface(monkeypatch):
 # kv head, split heads (uncovered rows), r > w; offset groups stacked in one call (the last six: kv heads one
 # (step 0), one per head pair (step 1), groups that do not stack (no cut saves a call, or their runs differ), and,
 # moved, with gaps; then in calls of interleaved classes of groups, and in runs of groups reading one kv head:
-# cudnn's group_cuts)
+# the cudnn plan's _by_head)
 PACKS = [
     ([5, 0, 17, 40], 4, 2, (8, 16), (1, 2), True, "all"),
     ([5, 0, 17, 3, 40], 4, 2, (8, 16), (1, 2), False, "split"),

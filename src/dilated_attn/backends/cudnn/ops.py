@@ -116,28 +116,25 @@ def _mapped(calls: list[Call], group: int) -> Optional[list[Call]]:
     return mapped if all(c is not None for c in mapped) else None
 
 
-def group_cuts(n: int, size: int, group: int) -> list[list[tuple[int, int, int]]]:
-    """The ways to take the `i`-th head of `n` offset groups of `size` heads in fewer calls than one per group, fewest
-    calls first, each a `(first group, step, groups)` per call (head `t` of a call is that of group `first + t*step`):
-    all the groups in one call (step 1); with grouped-query heads (query head `h` reading kv head `h // group`) also
-    the groups in `m` interleaved classes (groups `p, p + m, ...`), `m` such that `m` groups' heads span whole kv
-    heads, so each class's heads read evenly spaced kv heads; and runs of the groups whose heads read one kv head
-    (kv head step 0). Whether a cut's heads map onto kv heads is _with_kv_heads' to say."""
-    cuts = [[(0, 1, n)]]
+def _by_head(first_row: int, n_seg: int, s: int, members: int, r: int, groups: list, group: int) -> Optional[list]:
+    """Calls that each take the `i`-th head of several offset groups (head `t` of a call is that of group
+    `first + t*step`, `t*step` rows further), with their kv views; None where no cut below maps onto kv heads in
+    fewer calls than there are groups. All the groups in one call (step 1) where their heads map; else, with
+    grouped-query heads, the fewer calls of two cuts that do: the groups in `m` interleaved classes (groups
+    `p, p + m, ...`), `m` such that `m` groups' heads span whole kv heads, so each class's heads read evenly spaced
+    kv heads; or runs of the groups whose heads read one kv head (kv head step 0)."""
+    offset0, head_lo, size = groups[0]
+    n = len(groups)
+    cuts = [[(0, 1, n)]]  # (first group, step, groups) of each call per head within the groups
     if group > 1:
         m = group // math.gcd(size, group)
         cuts.append([(p, m, -(-(n - p) // m)) for p in range(min(m, n))])
         if group % size == 0:
             run = group // size
             cuts.append([(b, 1, min(run, n - b)) for b in range(0, n, run)])
-    return [cut for cut in sorted(cuts, key=len) if size * len(cut) < n]
-
-
-def _by_head(first_row: int, n_seg: int, s: int, members: int, r: int, groups: list, group: int) -> Optional[list]:
-    """Calls that each take the `i`-th head of several offset groups (group_cuts; head `t` of a call `t*step` rows
-    further), with their kv views: those of the first cut whose heads map onto kv heads, or None."""
-    offset0, head_lo, size = groups[0]
-    for cut in group_cuts(len(groups), size, group):
+    for cut in sorted(cuts, key=len):
+        if size * len(cut) >= n:  # no fewer calls than one per group
+            break
         calls = _mapped([Call(first_row + offset0 + first, n_seg, s, members, r, head_lo + first * size + i, count,
                               head_step=step * size, row_step=step) for i in range(size) for first, step, count in cut],
                         group)

@@ -11,7 +11,7 @@ stack as a uniform batch's do (the cudnn plan's branch_calls): with `head_groups
 than groups, the `j`-th head of every group goes in one call whose head `i` is group `i`'s, at a row shift of `i`
 (head stride `(H + heads per group)*D`), where every group has the same runs, shifted by its offset; with
 grouped-query heads whose groups do not map so onto kv heads, the `j`-th head of each class of groups `p, p + m, ...`
-(or of each run of groups reading one kv head) goes in one call, as cudnn's group_cuts cuts them. In a pack of
+(or of each run of groups reading one kv head) goes in one call, as the cudnn plan's _by_head cuts them. In a pack of
 other lengths the starts take several residues, one call each (up to `r` per offset group): where that costs more
 calls than copying the tensors does, the ops run on a copy with each sequence moved to a multiple of the dilations
 (plan_pack).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...branches import Branch, branch_table, covers_everything, groups_stack, offset_groups
-from ..cudnn.ops import Call, _mapped, group_cuts
+from ..cudnn.ops import _by_head
 
 __all__ = ["Pack", "PackCall", "PackPlan", "plan_pack", "plan_sequences"]
 
@@ -105,16 +105,16 @@ def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, 
 
 
 def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
-    """Where calls can each take the `j`-th head of several offset groups (its head `t` that of group `first +
-    t*step`, at a row shift of `t*step`; cudnn's group_cuts): the residue and runs of the first group, which every
-    group has shifted by its offset, the heads in each group, and per call (first group, step, groups, first head,
-    first kv head, kv head step); else None. It needs groups that stack (branches.groups_stack), a cut of fewer calls
-    than one per group, and kv views as the cudnn plan gives such calls (each head reads its own, at its row shift:
-    kv heads evenly spaced over the call's groups, or one for all)."""
+    """Where calls can each take the `j`-th head of several offset groups as the cudnn plan cuts them (its
+    _by_head: head `t` of a call that of group `first + t*step`, at a row shift of `t*step`, with its kv heads): the
+    residue and runs of the first group, which every group has shifted by its offset, that group's offset, and the
+    calls (their `first_row` the offset of their first group); else None. It needs groups that stack
+    (branches.groups_stack) and a cut of fewer calls than one per group whose heads map onto kv heads."""
     groups = offset_groups(br)
-    offset, _, size = groups[0]
-    cuts = group_cuts(len(groups), size, group) if groups_stack(groups) else []
-    if not cuts:
+    offset = groups[0][0]
+    # one segment of one member from row 0: the calls' rows are their first groups' offsets
+    calls = _by_head(0, 1, 0, 1, br.dilation, groups, group) if groups_stack(groups) else None
+    if calls is None:
         return None
     first = _runs(br, offset, lengths)
     if len(first) != 1:
@@ -124,13 +124,7 @@ def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
         shifted = sorted(run for same in _runs(br, offset + i, lengths).values() for run in same)
         if shifted != [(row + i, m) for row, m in runs]:
             return None
-    for cut in cuts:
-        shapes = [(first, step, count) for _ in range(size) for first, step, count in cut]
-        calls = _mapped([Call(0, 1, 0, 1, br.dilation, br.head_lo + first * size + j, count, head_step=step * size,
-                              row_step=step) for j in range(size) for first, step, count in cut], group)
-        if calls is not None:
-            return t, runs, size, [(*shape, c.head0, c.kv_head0, c.kv_head_step) for shape, c in zip(shapes, calls)]
-    return None
+    return t, runs, offset, calls
 
 
 def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_lengths: tuple[int, ...],
@@ -169,16 +163,18 @@ def plan_sequences(sequences: tuple[tuple[int, int], ...], total: int, segment_l
         calls = []
         stacked = _stacked(br, heads // kv_heads, lengths)
         if stacked is not None:
-            t, runs, size, per_call = stacked
+            t, runs, offset, stacked_calls = stacked
             wheres = {}
-            for first, step, n, h, kv, kv_step in per_call:  # n groups, the call's heads
-                if (first, step, n) not in wheres:
-                    # the view of group `first`, its runs `first` rows further; the last head's view, `(n - 1)*step`
-                    # rows further still, stays inside the tensors
-                    wheres[first, step, n] = call_fields(t + first, r, (total - 1 - t - first - (n - 1) * step) // r
-                                                         + 1, [(row + first, m) for row, m in runs])
-                calls.append(PackCall(head0=h, n_heads=n, kv_head0=kv, kv_heads=n, head_step=step * size,
-                                      row_step=step, kv_head_step=kv_step, **wheres[first, step, n]))
+            for c in stacked_calls:
+                # the call's first group: its runs those of the first group, `shift` rows further
+                shift, n, step = c.first_row - offset, c.n_heads, c.row_step
+                if (shift, n, step) not in wheres:
+                    # its view; the last head's view, `(n - 1)*step` rows further still, stays inside the tensors
+                    wheres[shift, n, step] = call_fields(t + shift, r, (total - 1 - t - shift - (n - 1) * step) // r
+                                                         + 1, [(row + shift, m) for row, m in runs])
+                calls.append(PackCall(head0=c.head0, n_heads=n, kv_head0=c.kv_head0, kv_heads=c.kv_heads,
+                                      head_step=c.head_step, row_step=step, kv_head_step=c.kv_head_step,
+                                      **wheres[shift, n, step]))
         else:
             for offset, head0, n_heads, kv_head0, n_kv in _head_runs(br, heads // kv_heads):
                 for t, runs in sorted(_runs(br, offset, lengths).items()):
