@@ -143,11 +143,11 @@ def without_direct_calls(on: bool):
         return
     from dilated_attn.backends.fa4 import direct
 
-    direct.ENABLED = False
+    enabled, direct.ENABLED = direct.ENABLED, False
     try:
         yield
     finally:
-        direct.ENABLED = True
+        direct.ENABLED = enabled
 
 
 @contextlib.contextmanager
