@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 import dilated_attn
 from dilated_attn.ring import ring_plan
+from dilated_attn.ring.layout import chunks
 from dilated_attn.ring.plan import BranchRun, segment_ranges
 
 # float64 on both sides: only summation order differs (merges, blocks), a few ulps of values of order 1.
@@ -84,12 +85,13 @@ def _attention(case, q, k, v, ring: bool, backend="auto"):
     return (out[None], lse[None]) if packed else (out, lse)
 
 
-def _run(case, q, k, v, grad_out, grad_lse, ring: bool, backend="auto"):
-    """(out, lse, dq, dk, dv) of one call; ring=True treats the inputs as this rank's shards."""
+def _run(case, q, k, v, grad_out, grad_lse, ring: bool, backend="auto", lse_gradient: bool = True):
+    """(out, lse, dq, dk, dv) of one call; ring=True treats the inputs as this rank's shards. `lse_gradient=False`:
+    this rank's loss does not use the LSE (where the case's does)."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse = _attention(case, *leaves, ring=ring, backend=backend)
     finite = torch.isfinite(lse)
-    if case.get("lse_gradient", True):
+    if case.get("lse_gradient", True) and lse_gradient:
         torch.autograd.backward((out, lse), (grad_out, torch.where(finite, grad_lse, 0)))
     else:  # the usual training step: only the output has a gradient
         out.backward(grad_out)
@@ -143,8 +145,15 @@ def _compare_f64(case, rank):
 
 def _compare_in_group(case):
     q, k, v, go, gl = _global_inputs(case, torch.float64, "cpu")
+    using = case.get("lse_gradient_ranks")  # the ranks whose loss uses the LSE (default: every rank's)
+    if using is not None:  # the others' positions take no LSE gradient in the reference either
+        P, N = dist.get_world_size(), q.shape[1]
+        for j in set(range(P)) - set(using):
+            for a, b in chunks(j, P, N // P, case.get("layout", "contiguous")):
+                gl[..., a:b] = 0
     want = _run(case, q, k, v, go, gl, ring=False, backend="cpu")
-    got = _run(case, *(_local(x, case) for x in (q, k, v, go)), _local(gl, case, dim=2), ring=True)
+    got = _run(case, *(_local(x, case) for x in (q, k, v, go)), _local(gl, case, dim=2), ring=True,
+               lse_gradient=using is None or dist.get_rank() in using)
     errors = _errors(got, [_local(b, case, dim) for b, dim in zip(want, (1, 2, 1, 1, 1))])
     if "lengths" in case:  # a pack: the mode that ran (auto: heads where it runs, else case["ran"])
         local = [_local(x, case)[0] for x in (q, k, v)]
@@ -192,7 +201,7 @@ def _worker(rank, world, port, backend, job, cases, outdir):
                             "traceback": traceback.format_exc()})
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    if job != "die":  # the group lost a member: tearing it down would wait for it
+    if job not in ("die", "release"):  # the group lost a member, or the job tore it down
         # every rank done with its collectives before any tears its connections down (a gloo rank whose peer
         # left first can abort at exit)
         dist.barrier()
@@ -364,6 +373,8 @@ def _mismatch(case, rank):
         q = torch.randn(B, L_mine, 2 * Hq, D, dtype=dtype)
     if case.get("inner"):
         kw.update(group=_mesh_pair(case["inner"]), mode="2d")
+    if field == "return_lse":  # the head-parallel modes send the LSE back only where it is returned
+        kw.update(return_lse=rank == 1, mode=case.get("mode", "heads"))
     if field == "offsets":  # a pack whose offsets differ on rank 1
         q, k = q[0], k[0]
         kw["cu_seqlens"] = torch.tensor([0, 5 + (rank == 1), N])
@@ -429,6 +440,11 @@ BAD_RANK_CASES = [
          rule="q must have a floating-point dtype, got torch.int64"),
     dict(name="unknown layout", bad_rank=0, args={}, bad=dict(layout="diagonal"), error="ValueError",
          rule="layout must be one of ('contiguous', 'zigzag'), got 'diagonal'"),
+    dict(name="unknown mode", bad_rank=1, args={}, bad=dict(mode="both"), error="ValueError",
+         rule="mode must be one of ('auto', 'ring', 'heads', '2d'), got 'both'"),
+    # the 2-D mode with one group: its peers, which pass one group too, learn it in that group's check
+    dict(name="2d without a mesh", bad_rank=0, args={}, bad=dict(mode="2d", group=None), error="ValueError",
+         rule="mode='2d' needs group=a 2-D DeviceMesh or the pair"),
 ]
 
 
@@ -457,6 +473,7 @@ def _bad_rank(case, rank):
     a.update(case["args"])
     if rank == case["bad_rank"]:
         a.update(case["bad"])
+        kw.update({name: a[name] for name in ("mode", "group") if name in a})
     q = torch.ones(1, a["L"], 4, 4, dtype=getattr(torch, a["dtype"]), device=a["device"])
     start = time.monotonic()
     try:
@@ -508,7 +525,61 @@ def _packed_cases(P: int) -> list:
     return cases
 
 
-JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank}
+def _twice(case, rank):
+    """Two backwards through one graph, the first retaining it, with different output gradients: each gives the
+    gradients that dilated_attention's graph gives (its own, not their sum)."""
+    global _GROUP
+    _GROUP = _mesh_pair(case["inner"]) if case.get("mode") == "2d" else None
+    try:
+        q, k, v, go, _ = _global_inputs(case, torch.float64, "cpu")
+        go2 = torch.randn(go.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+        results = []
+        for ring in (False, True):
+            inputs = [_local(x, case) if ring else x for x in (q, k, v, go, go2)]
+            leaves = [x.detach().clone().requires_grad_() for x in inputs[:3]]
+            out, _ = _attention(case, *leaves, ring=ring, backend="cpu")
+            grads = []
+            for d_out, retain in ((inputs[3], True), (inputs[4], False)):
+                out.backward(d_out, retain_graph=retain)
+                grads += [x.grad.clone() for x in leaves]
+                for x in leaves:
+                    x.grad = None
+            results.append(grads)
+        want, got = results
+        errors = {}
+        for n, (a, b) in enumerate(zip(got, want)):
+            err = (a - _local(b, case)).abs().max().item()
+            if not err <= TOL_F64:
+                errors[f"backward {n // 3 + 1}, d{'qkv'[n % 3]}"] = err
+        return errors
+    finally:
+        _GROUP = None
+
+
+def _release(case, rank):
+    """ring_attention with group=dist.group.WORLD in every mode, packed and not, then destroy_process_group: the
+    package must not keep the group alive (gloo's teardown of a group that outlives it can abort the process)."""
+    import gc
+    import weakref
+
+    world = dist.group.WORLD
+    q, k, v, _, _ = _global_inputs(case, torch.float64, "cpu")
+    local = [_local(x, case).requires_grad_() for x in (q, k, v)]
+    cu = _pack_offsets(dict(lengths=[5, q.shape[1] - 5]), "cpu")
+    for mode in ("ring", "heads"):
+        dilated_attn.ring_attention(*local, case["w"], case["r"], group=world, mode=mode).sum().backward()
+        dilated_attn.ring_attention(*(x[0] for x in local), case["w"], case["r"], group=world, mode=mode,
+                                    cu_seqlens=cu).sum().backward()
+    kept = weakref.ref(world)
+    del world
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    return {} if kept() is None else {"kept": "the group outlived destroy_process_group"}
+
+
+JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank,
+        "twice": _twice, "release": _release}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -550,6 +621,34 @@ def test_packed_sequences_match_dilated_attention_varlen_gloo(world, tmp_path):
         dilated_attn.ring_attention(q[None], q[None], q[None], [4], [1], cu_seqlens=torch.tensor([0, 3, 8]))
 
 
+def test_lse_gradient_on_some_ranks_only_gloo(tmp_path):
+    """return_lse=True where only some ranks' losses use the LSE: exact gradients in every mode (each rank's
+    backward must take part in the same exchanges whether or not its LSE has a gradient)."""
+    P = 4
+    named = [c for c in _named_cases(P) if c["name"] == "mixed causal zigzag"]
+    packed = [c for c in _packed_cases(P) if c["name"] == "pack"]
+    cases = [dict(c, mode=mode, inner=2 if mode == "2d" else 0, lse_gradient_ranks=ranks,
+                  name=f"{c['name']} [{mode}, LSE gradient on ranks {ranks}]")
+             for c in named + packed for mode in ("ring", "heads", "2d") for ranks in ([0], [1, 3])]
+    _check(_spawn(P, "gloo", "compare_f64", cases, tmp_path), cases)
+
+
+def test_second_backward_through_one_graph_gloo(tmp_path):
+    """A second backward through a retained ring_attention graph gives the exact gradients, in every mode, packed
+    and not."""
+    P = 4
+    named = [c for c in _named_cases(P) if c["name"] in ("mixed causal zigzag", "LongNet, joined blocks")]
+    packed = [c for c in _packed_cases(P) if c["name"] == "pack"]
+    cases = [dict(c, mode=mode, inner=2 if mode == "2d" else 0, name=f"{c['name']} [{mode}]")
+             for c in named + packed for mode in ("ring", "heads", "2d")]
+    _check(_spawn(P, "gloo", "twice", cases, tmp_path), cases)
+
+
+def test_a_group_is_not_kept_alive_gloo(tmp_path):
+    case = dict(shape=(1, 16, 4, 2, 3), w=[4, 16], r=[1, 2])
+    _check(_spawn(2, "gloo", "release", [case], tmp_path), [case])
+
+
 def test_ring_on_subgroups_gloo(tmp_path):
     """Four ranks as two independent 2-rank groups (peers addressed by their global ranks)."""
     cases = [dict(c, subgroups=True) for c in _named_cases(2) if c["name"] in (
@@ -564,7 +663,7 @@ def test_ring_three_ranks_gloo(tmp_path):
 
 
 def test_mismatched_configuration_raises_on_every_rank(tmp_path):
-    fields = ["length", "dtype", "causal", "branches", "layout", "scale", "heads", "offsets"]
+    fields = ["length", "dtype", "causal", "branches", "layout", "scale", "heads", "offsets", "return_lse"]
     cases = [dict(shape=(1, 16, 2, 2, 4), field=f) for f in fields]
     results = _spawn(2, "gloo", "mismatch", cases, tmp_path)
     for rank, per_rank in enumerate(results):
@@ -575,8 +674,8 @@ def test_mismatched_configuration_raises_on_every_rank(tmp_path):
 
 def test_mismatched_configuration_raises_on_every_rank_2d(tmp_path):
     """2 x 2: ranks 0 and 1 (one inner group) differ; ranks 2 and 3, whose own group agrees, raise too."""
-    fields = ["length", "causal", "branches", "scale"]
-    cases = [dict(shape=(1, 16, 2, 2, 4), field=f, inner=2) for f in fields]
+    fields = ["length", "causal", "branches", "scale", "return_lse"]
+    cases = [dict(shape=(1, 16, 2, 2, 4), field=f, inner=2, mode="2d") for f in fields]
     results = _spawn(4, "gloo", "mismatch", cases, tmp_path)
     for rank, per_rank in enumerate(results):
         for field, res in zip(fields, per_rank):
@@ -590,8 +689,10 @@ def test_bad_arguments_on_one_rank_raise_on_every_rank_gloo(tmp_path):
 
 
 def test_bad_arguments_on_one_rank_raise_on_every_rank_head_modes_gloo(tmp_path):
-    """The head-parallel modes on 4 ranks (2d: 2 x 2, where the bad rank shares a group with only some peers)."""
-    cases = [dict(c, mode=mode) for mode in ("heads", "2d") for c in [*BAD_RANK_CASES, dict(name="valid call")]]
+    """The head-parallel modes on 4 ranks (2d: 2 x 2, where the bad rank shares a group with only some peers; a
+    rank passing one group where its peers pass a pair has no check in common with them: not a case)."""
+    cases = [dict(c, mode=mode) for mode in ("heads", "2d") for c in [*BAD_RANK_CASES, dict(name="valid call")]
+             if not (mode == "2d" and "group" in c.get("bad", {}))]
     _check_bad_rank(_spawn(4, "gloo", "bad_rank", cases, tmp_path), cases)
 
 

@@ -45,7 +45,8 @@ _CODES = {
     "mode": {n: i for i, n in enumerate(MODES)},
 }
 _FIELDS = ("batch", "local length", "query heads", "kv heads", "head_dim", "dtype", "device type", "causal",
-           "layout", "head_groups", "backend", "scale", "segment_lengths/dilation_rates/cu_seqlens", "mode")
+           "layout", "head_groups", "backend", "scale", "segment_lengths/dilation_rates/cu_seqlens", "mode",
+           "return_lse")
 # A rank's row of the gather, as bytes: whether it carries invalid arguments, the rank (its shard's index) whose
 # arguments they are, the fields, then the length and the UTF-8 text of that error (cut to _MESSAGE_BYTES), so that
 # its peers can say what was wrong.
@@ -169,7 +170,8 @@ def _config_fields(call, q, segment_lengths, options: dict, cu_seqlens) -> tuple
         p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
         ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(options["causal"]),
         _CODES["layout"][options["layout"]], _CODES["head_groups"][options["head_groups"]],
-        _CODES["backend"][options["backend"]], scale_bits, digest, _CODES["mode"][call.mode])
+        _CODES["backend"][options["backend"]], scale_bits, digest, _CODES["mode"][call.mode],
+        int(options["return_lse"]))
 
 
 # A model calls ring_attention with the same sizes and arguments in every layer and step. Such a call is validated and
@@ -182,7 +184,9 @@ _PLAIN = (bool, int, float, str, type(None))
 
 def _plan_key(groups, q, k, v, segment_lengths, dilation_rates, options: dict) -> Optional[tuple]:
     """The key of a call's kept plan, or None where some argument is not plain data (an int subclass, a tensor of
-    lengths, a tensor subclass, a call being compiled): such a call is planned afresh."""
+    lengths, a tensor subclass, a call being compiled): such a call is planned afresh. The plan reads the groups'
+    sizes and this rank's place in them, not the groups: neither key nor plan holds a group, which would outlive
+    the user's destroy_process_group."""
     if torch.compiler.is_compiling():
         return None
     tensors = []
@@ -199,7 +203,7 @@ def _plan_key(groups, q, k, v, segment_lengths, dilation_rates, options: dict) -
         return None
     # with the types: causal=1 equals causal=True as a key, but only the bool is valid
     arguments = tuple((type(x), x) for x in options.values())
-    return (groups, *tensors, *branches, arguments, torch.is_grad_enabled(), dispatch.state())
+    return (groups.ranks, groups.sizes, *tensors, *branches, arguments, torch.is_grad_enabled(), dispatch.state())
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
@@ -276,7 +280,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
                                           layout="zigzag")
         dist.destroy_process_group()
     """
-    groups = resolve_groups(group, mode)  # raises alone: without valid groups there are no peers to tell
+    # raises alone: without valid groups there are no peers to tell (a mode they cannot run raises in plan_call, on
+    # every rank)
+    groups = resolve_groups(group)
     P = groups.size
     options = dict(causal=causal, scale=scale, head_groups=head_groups, layout=layout, return_lse=return_lse,
                    backend=backend, mode=mode)
@@ -309,10 +315,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     if packed:  # the shards [L, H, D] as a batch of one
         q, k, v = q[None], k[None], v[None]
     if call.mode == "ring":  # checked before its first transfer, after its local branches are queued
-        out, lse = RingAttention.apply(q, k, v, call.ring, functools.partial(_deferred_check, groups, q, fields))
+        out, lse = RingAttention.apply(q, k, v, call.ring, groups.all[0],
+                                       functools.partial(_deferred_check, groups, q, fields))
     else:  # checked after the copies into the first exchange's send buffer are queued
-        out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel, _deferred_check(groups, q, fields),
-                                              return_lse)
+        out, lse = HeadParallelFunction.apply(q, k, v, call.head_parallel, groups.all,
+                                              _deferred_check(groups, q, fields), return_lse)
     if packed:
         out, lse = out[0], lse if lse is None else lse[0]
     return (out, lse) if return_lse else out

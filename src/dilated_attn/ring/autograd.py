@@ -11,6 +11,7 @@ summed in float32 and sent back to their owner, dQ local.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -212,12 +213,12 @@ def _joined_buffers(plan: RingPlan, rank: int, joined: dict, kc, vc):
 
 @dataclass(frozen=True)
 class RingConfig:
-    """One rank's part of a ring call: the plan, this rank and its group, the problem of the local branches and
-    the backend that runs them and the blocks."""
+    """One rank's part of a ring call: the plan, this rank, the problem of the local branches and the backend that
+    runs them and the blocks. It holds no process group (the call passes its own): configurations are kept between
+    calls, and a kept group would outlive the user's destroy_process_group."""
 
     plan: RingPlan
     rank: int
-    group: object
     local_problem: Problem
     backend: str
     scale: float
@@ -226,21 +227,75 @@ class RingConfig:
 
 @dataclass
 class Exchanged:
-    """What a forward keeps for its backward: its exchange (its own compacted rows, the joined blocks and their
-    buffers) and received rows: every step's where it posted every step at once (eager: at most the bytes of the
-    shard's q, k, v and output, RingComm.eager), else the last step's, which the backward computes first while its
-    first step travels again."""
+    """What a forward keeps for its backward: this rank's compacted rows and their K/V, whether every step was
+    posted at once, the joined blocks and their buffers, and the received rows: every step's where it posted every
+    step at once (eager: at most the bytes of the shard's q, k, v and output, RingComm.eager), else the last step's,
+    which the backward computes first while its first step travels again."""
 
-    exchange: _Exchange
+    rows: list
+    kc: list
+    vc: list
+    eager: bool
+    joined: dict
+    buffers: dict
     received: dict  # step t >= 1 -> (keys, values) per stack
+
+
+@dataclass(frozen=True)
+class _Saved:
+    index: int  # of the tensor in ctx.saved_tensors
+
+
+def _split_tensors(tree, tensors: list):
+    """`tree` (lists, tuples, dicts and dataclasses of tensors and other values) with each tensor replaced by a
+    _Saved of its index in `tensors`, where it is appended."""
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return _Saved(len(tensors) - 1)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_split_tensors(x, tensors) for x in tree)
+    if isinstance(tree, dict):
+        return {key: _split_tensors(x, tensors) for key, x in tree.items()}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: _split_tensors(getattr(tree, f.name), tensors)
+                                            for f in dataclasses.fields(tree) if f.init})
+    return tree
+
+
+def _join_tensors(tree, tensors):
+    """The inverse of _split_tensors."""
+    if isinstance(tree, _Saved):
+        return tensors[tree.index]
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_join_tensors(x, tensors) for x in tree)
+    if isinstance(tree, dict):
+        return {key: _join_tensors(x, tensors) for key, x in tree.items()}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: _join_tensors(getattr(tree, f.name), tensors)
+                                            for f in dataclasses.fields(tree) if f.init})
+    return tree
+
+
+def save_state(ctx, state) -> None:
+    """Keep what a forward hands its backward (`state`: tensors in lists, tuples, dicts and dataclasses) in ctx:
+    its tensors through ctx.save_for_backward, so that autograd frees them with the graph and a second backward
+    through a retained graph finds them again."""
+    tensors: list = []
+    ctx.state = _split_tensors(state, tensors)
+    ctx.save_for_backward(*tensors)
+
+
+def saved_state(ctx):
+    """What save_state kept, a fresh copy of its containers (a backward may empty them as it goes)."""
+    return _join_tensors(ctx.state, ctx.saved_tensors)
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Callable[[], None]]] = None):
-        out, lse, ctx.exchanged = ring_forward(q, k, v, cfg, post_check=post_check)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = cfg
+    def forward(ctx, q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[[], Callable[[], None]]] = None):
+        out, lse, exchanged = ring_forward(q, k, v, cfg, group, post_check=post_check)
+        save_state(ctx, (q, k, v, out, lse, exchanged))
+        ctx.cfg, ctx.group = cfg, group
         # An output without a gradient arrives as None, not as zeros: the blocks then get no LSE gradient, which
         # the cudnn backend's backward needs in order to run at all.
         ctx.set_materialize_grads(False)
@@ -248,9 +303,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        exchanged, ctx.exchanged = ctx.exchanged, None
-        return (*ring_backward(q, k, v, out, lse, d_out, d_lse, ctx.cfg, exchanged), None, None)
+        q, k, v, out, lse, exchanged = saved_state(ctx)
+        return (*ring_backward(q, k, v, out, lse, d_out, d_lse, ctx.cfg, ctx.group, exchanged), None, None, None)
 
 
 @dataclass
@@ -286,8 +340,8 @@ def _run_arguments(cfg: RingConfig, run: BranchRun) -> dict:
                 scale=cfg.scale, head_start=p.head_start, global_heads=p.global_heads)
 
 
-def _prepare_exchange(cfg: RingConfig, q, k, v) -> _Exchange:
-    comm = RingComm(cfg.plan, cfg.rank, cfg.group, q.shape[0], q.shape[3], q.device)
+def _prepare_exchange(cfg: RingConfig, group, q, k, v) -> _Exchange:
+    comm = RingComm(cfg.plan, cfg.rank, group, q.shape[0], q.shape[3], q.device)
     rows = compacted_rows(cfg.plan, cfg.rank, q.device)
     kc = [cp.kv.gather(k) for cp in rows]
     vc = [cp.kv.gather(v) for cp in rows]
@@ -301,9 +355,9 @@ def _prepare_exchange(cfg: RingConfig, q, k, v) -> _Exchange:
     return _Exchange(comm, rows, kc, vc, True, joined, buffers, (send_k, send_v), copies)
 
 
-def ring_forward(q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Callable[[], None]]] = None):
-    """(out, lse, the Exchanged rows for ring_backward) of this rank's shard: the local branches, then every head
-    stack's blocks.
+def ring_forward(q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[[], Callable[[], None]]] = None):
+    """(out, lse, the Exchanged rows for ring_backward) of this rank's shard (`group`: the ring's process group):
+    the local branches, then every head stack's blocks.
 
     post_check(): posts ring_attention's configuration check and returns the call that waits for it and raises
     where the ranks' calls differ, which runs before the first transfer is posted. The local branches read no
@@ -313,7 +367,7 @@ def ring_forward(q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Cal
     ops = block_ops(cfg.backend, q.shape[3])
     B, L, H, D = q.shape
     lse_type = lse_dtype(q.dtype)
-    ex = _prepare_exchange(cfg, q, k, v)
+    ex = _prepare_exchange(cfg, group, q, k, v)
     comm, rows, kc, vc, eager, joined, buffers = ex.comm, ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
     # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
     # result merges into its rows: in place where a stack's rows are a view of the result, else into the stack's
@@ -361,10 +415,10 @@ def ring_forward(q, k, v, cfg: RingConfig, post_check: Optional[Callable[[], Cal
             merge_block(cur_out, cur_lse, acc_out, acc_lse)
             cp.q.put(out, cur_out)
             cp.q.put_lse(lse, cur_lse)
-    return out, lse, Exchanged(ex, received)
+    return out, lse, Exchanged(rows, kc, vc, eager, joined, buffers, received)
 
 
-def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: Exchanged):
+def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, group, exchanged: Exchanged):
     """(dq, dk, dv) of this rank's shards, from the merged out and lse (d_out or d_lse may be None); `exchanged`:
     what the forward kept (ring_forward's)."""
     plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
@@ -377,8 +431,8 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, exchanged: E
     acc_dtype = lse_dtype(q.dtype)
     d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
     # the forward's rows; this backward's transfers wait for what is queued now (a comm of their own)
-    ex, kept = exchanged.exchange, exchanged.received
-    comm = RingComm(plan, rank, cfg.group, B, D, q.device)
+    ex, kept = exchanged, exchanged.received
+    comm = RingComm(plan, rank, group, B, D, q.device)
     rows, kc, vc, eager, joined, buffers = ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
     # Eager: every step's K/V are kept. Stepwise: the last step's are kept and computed first; the others travel
     # again, each while the step before it computes: step 1's are posted now, each later step's in one batch with

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..spec import lse_dtype
+from .autograd import save_state, saved_state
 
 __all__ = ["HeadShare", "head_share", "HeadParallelAttention"]
 
@@ -210,21 +211,23 @@ def _lse_rows(lse: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class HeadParallelAttention:
-    """Attention of a head-parallel mode on this rank. `attend(g, q, k, v)` gives (out, lse) of head group g on the
-    gathered [B, P*L, h, D] tensors (plus whatever its backward keeps), `attend_backward(g, kept, d_out, d_lse)`
-    that group's (dq, dk, dv); both run on the sequence of the whole group (the single-device ops for "heads", the
-    outer ring for "2d")."""
+    """Attention of a head-parallel mode on this rank. `attend(g, q, k, v, groups)` gives (out, lse) of head group g
+    on the gathered [B, P*L, h, D] tensors (plus whatever its backward keeps), `attend_backward(g, kept, d_out,
+    d_lse, groups)` that group's (dq, dk, dv); both run on the sequence of the whole group (the single-device ops
+    for "heads", the outer ring for "2d"). `groups`: the call's process groups, the head-parallel one first (a
+    configuration is kept between calls and holds none: a kept group would outlive destroy_process_group); "head
+    group" below is a run of this rank's heads."""
 
     share: HeadShare
-    group: object
     attend: Callable
     attend_backward: Callable
 
-    def forward(self, q, k, v, check: Optional[Callable[[], None]] = None, with_lse: bool = True):
+    def forward(self, q, k, v, process_groups: tuple, check: Optional[Callable[[], None]] = None,
+                with_lse: bool = True):
         """(out [B, L, Hq, D], lse [B, Hq, L] or None without `with_lse`, what the backward keeps). `check()`:
         ring_attention's configuration check, read before the first transfer. The backward needs only what it keeps
         (each head group's LSE at every position), so the LSE travels back only where the caller returns it."""
-        share, group = self.share, self.group
+        share, group = self.share, process_groups[0]
         B, L, H, D = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, L), dtype=lse_dtype(q.dtype), device=q.device) if with_lse else None
@@ -250,7 +253,7 @@ class HeadParallelAttention:
                 k_h, v_h = arrived[1], arrived[2]
             if g + 1 < len(groups):
                 pending = post(g + 1)
-            o_h, l_h, keep = self.attend(g, q_h, k_h, v_h)
+            o_h, l_h, keep = self.attend(g, q_h, k_h, v_h, process_groups)
             kept.append(keep)
             returning.append((qs, to_positions([o_h], share, group),
                               to_positions([_lse_rows(l_h)], share, group) if with_lse else None))
@@ -261,15 +264,19 @@ class HeadParallelAttention:
                 lse.view(B, share.P, share.hq, L)[:, :, qs] = lses.wait()[0][..., 0].permute(1, 0, 3, 2)
         return out, lse, kept
 
-    def backward(self, kept, d_out, d_lse, q, k, v):
-        """(dq, dk, dv) of this rank's shards; d_out [B, L, Hq, D] (zeros where None), d_lse [B, Hq, L] or None."""
-        share, group = self.share, self.group
+    def backward(self, kept, d_out, d_lse, q, k, v, process_groups: tuple, with_lse: bool):
+        """(dq, dk, dv) of this rank's shards; d_out [B, L, Hq, D] (zeros where None), d_lse [B, Hq, L] or None.
+        `with_lse`: the call returned the LSE. Then its gradient travels from every rank, zeros where a rank's has
+        none: whether a rank's loss used the LSE is its own, and every rank must post the same exchanges."""
+        share, group = self.share, process_groups[0]
         B, L, H, D = q.shape
         acc = lse_dtype(q.dtype)
         groups = share.groups
         if d_out is None:
             d_out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         d_out = d_out.to(q.dtype)
+        if with_lse and d_lse is None:
+            d_lse = torch.zeros((B, H, L), dtype=acc, device=q.device)
 
         def post(g):
             heads = _query_heads(share, groups[g][0])
@@ -290,7 +297,7 @@ class HeadParallelAttention:
             dl_h = None if pending[1] is None else pending[1].wait()[0][..., 0].transpose(1, 2)
             if g + 1 < len(groups):
                 pending = post(g + 1)
-            gq, gk, gv = self.attend_backward(g, kept[g], do_h, dl_h)
+            gq, gk, gv = self.attend_backward(g, kept[g], do_h, dl_h, process_groups)
             kept[g] = None
             if (share.hkv > 1 or len(groups) == 1) and gq.dtype == gk.dtype == gv.dtype:  # one exchange of all
                 returning.append((qs, ks, to_positions([gq, gk, gv], share, group)))
@@ -319,16 +326,16 @@ class HeadParallelAttention:
 
 class HeadParallelFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attention: HeadParallelAttention, check: Optional[Callable[[], None]] = None,
-                with_lse: bool = True):
-        out, lse, kept = attention.forward(q, k, v, check, with_lse)
-        ctx.save_for_backward(q, k, v)
-        ctx.attention, ctx.kept = attention, kept
+    def forward(ctx, q, k, v, attention: HeadParallelAttention, groups: tuple,
+                check: Optional[Callable[[], None]] = None, with_lse: bool = True):
+        out, lse, kept = attention.forward(q, k, v, groups, check, with_lse)
+        save_state(ctx, (q, k, v, kept))
+        ctx.attention, ctx.groups, ctx.with_lse = attention, groups, with_lse
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
-        return (*ctx.attention.backward(kept, d_out, d_lse, q, k, v), None, None, None)
+        q, k, v, kept = saved_state(ctx)
+        grads = ctx.attention.backward(kept, d_out, d_lse, q, k, v, ctx.groups, ctx.with_lse)
+        return (*grads, None, None, None, None)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LAYOUTS", "MODES", "Groups", "resolve_groups", "check_layout", "chunks", "group_size_rank", "shard",
-           "unshard"]
+__all__ = ["LAYOUTS", "MODES", "Groups", "resolve_groups", "check_mode", "check_layout", "chunks", "group_size_rank",
+           "shard", "unshard"]
 
 LAYOUTS = ("contiguous", "zigzag")
 MODES = ("auto", "ring", "heads", "2d")
@@ -30,14 +31,26 @@ class Groups:
         return len(self.all) == 2
 
 
-def resolve_groups(group, mode: str = "auto") -> Groups:
-    """The groups of `group`: a ProcessGroup or None (the default group; one process where torch.distributed is not
-    initialised), or for the 2-D mode a 2-D DeviceMesh (dim 0 the ring, dim 1 the heads) or the pair
-    (ring_group, heads_group). Raises TypeError/ValueError for anything else, or a `mode` these cannot run."""
+def check_mode(mode, two_d: bool) -> str:
+    """`mode` if the groups (a pair or a 2-D mesh where `two_d`, else one group) can run it, else TypeError or
+    ValueError naming the rule."""
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a str, one of {MODES}, got {type(mode).__name__}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not two_d and mode == "2d":
+        raise ValueError("mode='2d' needs group=a 2-D DeviceMesh or the pair (ring_group, heads_group)")
+    if two_d and mode in ("ring", "heads"):
+        raise ValueError(f"mode={mode!r} runs on one ProcessGroup; a DeviceMesh or a pair of groups is for "
+                         f"mode='2d' (or 'auto')")
+    return mode
+
+
+def resolve_groups(group, mode: Optional[str] = None) -> Groups:
+    """The groups of `group`: a ProcessGroup or None (the default group; one process where torch.distributed is not
+    initialised), or for the 2-D mode a 2-D DeviceMesh (dim 0 the ring, dim 1 the heads) or the pair
+    (ring_group, heads_group). Raises TypeError/ValueError for anything else, or with `mode` a mode these cannot
+    run (check_mode)."""
     pair = None
     if type(group).__name__ == "DeviceMesh":
         if group.ndim != 2:
@@ -51,11 +64,8 @@ def resolve_groups(group, mode: str = "auto") -> Groups:
     elif group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, a 2-D DeviceMesh, a pair (ring_group, "
                         f"heads_group) or None, got {type(group).__name__}")
-    if pair is None and mode == "2d":
-        raise ValueError("mode='2d' needs group=a 2-D DeviceMesh or the pair (ring_group, heads_group)")
-    if pair is not None and mode in ("ring", "heads"):
-        raise ValueError(f"mode={mode!r} runs on one ProcessGroup; a DeviceMesh or a pair of groups is for "
-                         f"mode='2d' (or 'auto')")
+    if mode is not None:
+        check_mode(mode, pair is not None)
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("group was given, but torch.distributed is not initialised (init_process_group)")

@@ -28,7 +28,7 @@ from .. import backends, dispatch
 from ..spec import Problem, check_cu_seqlens, check_packed_tensors, host_offsets, validate
 from .autograd import RingConfig, ring_backward, ring_forward
 from .heads import HeadParallelAttention, HeadShare, head_share
-from .layout import MODES, Groups, check_layout, resolve_groups
+from .layout import MODES, Groups, check_layout, check_mode, resolve_groups
 from .plan import ring_plan
 
 __all__ = ["MODES", "RingCall", "plan_call", "explain_ring", "resolve_groups"]
@@ -53,7 +53,7 @@ class RingCall:
         return f"mode {self.mode!r} with the {self.backend!r} kernels: {self.reason}{sent}"
 
 
-def _ring_config(q_like: Problem, plan, rank: int, group, gw, gr, head_groups: str, backend: str,
+def _ring_config(q_like: Problem, plan, rank: int, gw, gr, head_groups: str, backend: str,
                  head_start: int = 0, global_heads: int = 0, packed=None) -> RingConfig:
     """The ring's config for a local problem `q_like` (the shard's sizes): its local branches' problem and
     backend. With `packed` (cu_seqlens, max_seqlen) the backend is the one a pack's call would run (its internal
@@ -70,7 +70,7 @@ def _ring_config(q_like: Problem, plan, rank: int, group, gw, gr, head_groups: s
     asked = local_problem if packed is None else dataclasses.replace(local_problem, cu_seqlens=packed[0],
                                                                         max_seqlen=packed[1])
     chosen = dispatch.select(asked, backend).name
-    return RingConfig(plan, rank, group, local_problem, chosen, q_like.scale, q_like.causal)
+    return RingConfig(plan, rank, local_problem, chosen, q_like.scale, q_like.causal)
 
 
 def _heads_bytes(p: Problem, share: HeadShare) -> int:
@@ -85,6 +85,7 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
               mode, groups: Groups, cu_seqlens=None, max_seqlen=None) -> RingCall:
     """Validate a call on this rank and choose its mode (ValueError/TypeError as the spec says). Packed sequences
     (`cu_seqlens`, q `[L, Hq, D]`) are validated as the shard `[1, L, Hq, D]` of a pack of P*L rows."""
+    mode = check_mode(mode, groups.two_d)
     if cu_seqlens is not None:
         check_packed_tensors(q, k, v)
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -111,12 +112,12 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     gw, gr = (tuple(x) for x in p.op_branches(N))  # bounded by the global sequence (the plan's ints stay small)
     Hq, Hkv = p.num_heads, p.num_kv_heads
     if groups.two_d:
-        (inner, outer), (ri, ro), (Pi, Po) = groups.all, groups.ranks, groups.sizes
+        (ri, ro), (Pi, Po) = groups.ranks, groups.sizes
         share = heads_share(p, N, Pi, ri, layout)
-        attention, chosen = _two_d(p, share, inner, outer, ro, Po, Pi * L, gw, gr, layout, backend, packed, offsets)
+        attention, chosen = _two_d(p, share, ro, Po, Pi * L, gw, gr, layout, backend, packed, offsets)
         return RingCall("2d", f"a 2-D group: heads across the inner {Pi} ranks, ring across the outer {Po}", p,
                         (gw, gr), chosen, head_parallel=attention)
-    group, rank = groups.all[0], groups.rank
+    rank = groups.rank
     plan = ring_plan(P, L, Hq, Hkv, gw, gr, head_groups, causal, layout, offsets=offsets)
     ring_bytes = max(plan.bytes_sent(j, p.batch, p.head_dim, p.dtype.itemsize) for j in range(P))
     share, why_not = None, None
@@ -135,11 +136,11 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     if mode == "ring" or (mode == "auto" and not heads_wins):
         reason = ("asked for" if mode == "ring" else
                   f"heads cannot run ({why_not})" if share is None else "it sends fewer bytes than heads")
-        cfg = _ring_config(p, plan, rank, group, gw, gr, head_groups, backend, packed=packed)
+        cfg = _ring_config(p, plan, rank, gw, gr, head_groups, backend, packed=packed)
         return RingCall("ring", reason, p, (gw, gr), cfg.backend, sent, ring=cfg)
     reason = ("asked for" if mode == "heads" else "packed sequences run whole in the heads mode" if packed
               else "it sends fewer bytes than ring")
-    attention, chosen = _heads(p, share, group, N, gw, gr, backend, packed)
+    attention, chosen = _heads(p, share, N, gw, gr, backend, packed)
     return RingCall("heads", reason, p, (gw, gr), chosen, sent, head_parallel=attention)
 
 
@@ -175,58 +176,60 @@ def _group_problem(p: Problem, heads: int, kv_heads: int, seq_len: int, gw, gr, 
                               records_backward=p.records_backward).with_heads(head_start, p.num_heads)
 
 
-def _heads(p: Problem, share: HeadShare, group, N: int, gw, gr, backend: str, packed=None):
+def _heads(p: Problem, share: HeadShare, N: int, gw, gr, backend: str, packed=None):
     """The heads mode: the single-device ops on each head group's gathered [B, N, h, D] tensors; with `packed`
     (cu_seqlens, max_seqlen), the backends' packed path on them (_packed_heads)."""
     problems = [_group_problem(p, qs.stop - qs.start, ks.stop - ks.start, N, gw, gr, share.head_start + qs.start)
                 for qs, ks in share.groups]
     if packed is not None:
         problems = [dataclasses.replace(x, cu_seqlens=packed[0], max_seqlen=packed[1]) for x in problems]
-        return _packed_heads(p, share, group, problems, backend)
+        return _packed_heads(p, share, problems, backend)
     chosen = [dispatch.select(x, backend).name for x in problems]
 
-    def attend(g, q_h, k_h, v_h):  # k_h, v_h: the group's key/value heads
+    def attend(g, q_h, k_h, v_h, groups):  # k_h, v_h: the group's key/value heads
         forward_op, _ = backends.get(chosen[g]).ops()
         out, lse = forward_op(q_h, k_h, v_h, **problems[g].op_arguments())
         return out, lse, (q_h, k_h, v_h, out, lse)
 
-    def attend_backward(g, kept, d_out, d_lse):
+    def attend_backward(g, kept, d_out, d_lse, groups):
         name, _ = dispatch.backward_backend(problems[g], chosen[g], lse_gradient=d_lse is not None)
         _, backward_op = backends.get(name).ops()
         q_h, k_g, v_g, out, lse = kept
         return backward_op(d_out, d_lse, q_h, k_g, v_g, out, lse, **problems[g].op_arguments())
 
-    return HeadParallelAttention(share, group, attend, attend_backward), chosen[0]
+    return HeadParallelAttention(share, attend, attend_backward), chosen[0]
 
 
-def _packed_heads(p: Problem, share: HeadShare, group, problems: list[Problem], backend: str):
+def _packed_heads(p: Problem, share: HeadShare, problems: list[Problem], backend: str):
     """The heads mode on packed sequences: each head group's whole pack `[N, h, D]` through its backend's
-    forward_varlen (the packed kernels, or one call per sequence), whose autograd graph the backward runs."""
+    forward_varlen (the packed kernels, or one call per sequence), whose autograd graph the backward runs. That
+    graph is kept with the call's (retained: a second backward through a retained graph runs it again), and freed
+    with it."""
     chosen = [dispatch.select(x, backend) for x in problems]
     records = p.records_backward
 
-    def attend(g, q_h, k_h, v_h):
+    def attend(g, q_h, k_h, v_h, groups):
         leaves = [x[0].detach().requires_grad_(records) for x in (q_h, k_h, v_h)]
         with torch.enable_grad() if records else contextlib.nullcontext():
             out, lse = chosen[g].forward_varlen(*leaves, problems[g])
         return out[None], lse[None], (leaves, out, lse)
 
-    def attend_backward(g, kept, d_out, d_lse):
+    def attend_backward(g, kept, d_out, d_lse, groups):
         leaves, out, lse = kept
         outputs, grads = [out], [d_out[0]]
         if d_lse is not None:
             outputs.append(lse)
             grads.append(d_lse[0].to(lse.dtype))
-        got = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+        got = torch.autograd.grad(outputs, leaves, grads, allow_unused=True, retain_graph=True)
         return tuple((torch.zeros_like(x) if gx is None else gx)[None] for gx, x in zip(got, leaves))
 
-    return HeadParallelAttention(share, group, attend, attend_backward), chosen[0].name
+    return HeadParallelAttention(share, attend, attend_backward), chosen[0].name
 
 
-def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int, L_outer: int, gw, gr, layout: str,
+def _two_d(p: Problem, share: HeadShare, outer_rank: int, Po: int, L_outer: int, gw, gr, layout: str,
            backend: str, packed=None, offsets=None) -> tuple[HeadParallelAttention, str]:
-    """The 2-D mode: each head group's gathered [B, Pi*L, h, D] tensors are one shard of a ring across `outer`
-    (`packed`: a pack's (cu_seqlens, max_seqlen), `offsets` its offsets, for the ring's plan)."""
+    """The 2-D mode: each head group's gathered [B, Pi*L, h, D] tensors are one shard of a ring across the outer
+    group (`packed`: a pack's (cu_seqlens, max_seqlen), `offsets` its offsets, for the ring's plan)."""
     configs = []
     for g, (qs, ks) in enumerate(share.groups):
         h0 = share.head_start + qs.start
@@ -234,17 +237,17 @@ def _two_d(p: Problem, share: HeadShare, inner, outer, outer_rank: int, Po: int,
         plan = ring_plan(Po, L_outer, n_q, n_kv, gw, gr, "all", p.causal, layout, h0, p.num_heads, offsets)
         local = Problem.from_sizes(p.batch, L_outer, n_q, n_kv, p.head_dim, gw, gr, dtype=p.dtype, device=p.device,
                                    causal=p.causal, scale=p.scale, records_backward=p.records_backward)
-        configs.append(_ring_config(local, plan, outer_rank, outer, gw, gr, "all", backend, h0, p.num_heads, packed))
+        configs.append(_ring_config(local, plan, outer_rank, gw, gr, "all", backend, h0, p.num_heads, packed))
 
-    def attend(g, q_h, k_h, v_h):
-        out, lse, exchanged = ring_forward(q_h, k_h, v_h, configs[g])
+    def attend(g, q_h, k_h, v_h, groups):  # groups: (inner, outer)
+        out, lse, exchanged = ring_forward(q_h, k_h, v_h, configs[g], groups[1])
         return out, lse, (q_h, k_h, v_h, out, lse, exchanged)
 
-    def attend_backward(g, kept, d_out, d_lse):
+    def attend_backward(g, kept, d_out, d_lse, groups):
         q_h, k_g, v_g, out, lse, exchanged = kept
-        return ring_backward(q_h, k_g, v_g, out, lse, d_out, d_lse, configs[g], exchanged)
+        return ring_backward(q_h, k_g, v_g, out, lse, d_out, d_lse, configs[g], groups[1], exchanged)
 
-    return HeadParallelAttention(share, inner, attend, attend_backward), configs[0].backend
+    return HeadParallelAttention(share, attend, attend_backward), configs[0].backend
 
 
 def explain_ring(q, k, v, segment_lengths=None, dilation_rates=None, *, causal=False, scale=None, head_groups="all",
