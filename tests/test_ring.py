@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -59,12 +60,21 @@ def _options(case, backend) -> dict:
 
 
 def _ring_options(case, q, backend="auto") -> dict:
-    """ring_attention's keyword arguments for a case on this rank's shard q (a pack's: [L, H, D])."""
-    kw = dict(_options(case, case.get("backend", backend)), layout=case.get("layout", "contiguous"), group=_GROUP,
-              mode=case.get("mode", "auto"))
-    if "lengths" in case:
+    """ring_attention's keyword arguments for a case on this rank's shard q (a pack's: [L, H, D]; under a
+    DocumentLayout, which holds the offsets, its rows)."""
+    layout = case.get("layout", "contiguous")
+    kw = dict(_options(case, case.get("backend", backend)), layout=layout, group=_GROUP, mode=case.get("mode", "auto"))
+    if "lengths" in case and not isinstance(layout, dilated_attn.DocumentLayout):
         kw["cu_seqlens"] = _pack_offsets(case, q.device)
     return kw
+
+
+def _placed(case) -> dict:
+    """A case with layout="documents" as one with the DocumentLayout place_documents makes for it on this world."""
+    if case.get("layout") != "documents":
+        return case
+    return dict(case, layout=dilated_attn.place_documents(_pack_offsets(case, "cpu"), case.get("w"), case.get("r"),
+                                                          causal=case.get("causal", False), group=_GROUP))
 
 
 def _attention(case, q, k, v, ring: bool, backend="auto"):
@@ -76,9 +86,9 @@ def _attention(case, q, k, v, ring: bool, backend="auto"):
         q, k, v = q[0], k[0], v[0]
     if ring:
         out, lse = dilated_attn.ring_attention(q, k, v, w, r, **_ring_options(case, q, backend))
-    elif packed:
-        out, lse = dilated_attn.dilated_attention_varlen(q, k, v, _pack_offsets(case, q.device), w, r,
-                                                         **_options(case, backend))
+    elif packed:  # dense: one segment of each sequence
+        out, lse = dilated_attn.dilated_attention_varlen(q, k, v, _pack_offsets(case, q.device), w or [q.shape[0]],
+                                                         r or [1], **_options(case, backend))
     else:
         N = q.shape[1]
         out, lse = dilated_attn.dilated_attention(q, k, v, w or [N], r or [1], **_options(case, backend))
@@ -137,7 +147,7 @@ def _compare_f64(case, rank):
     if case.get("stepwise"):  # the ring's step-by-step exchange, which large transfers take
         comm.RingComm.eager = lambda self, heads, kv_heads: False
     try:
-        return _compare_in_group(case)
+        return _compare_in_group(_placed(case))
     finally:
         _GROUP = None
         comm.RingComm.eager = eager
@@ -530,6 +540,7 @@ def _twice(case, rank):
     gradients that dilated_attention's graph gives (its own, not their sum)."""
     global _GROUP
     _GROUP = _mesh_pair(case["inner"]) if case.get("mode") == "2d" else None
+    case = _placed(case)
     try:
         q, k, v, go, _ = _global_inputs(case, torch.float64, "cpu")
         go2 = torch.randn(go.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
@@ -576,6 +587,31 @@ def _release(case, rank):
     dist.destroy_process_group()
     gc.collect()
     return {} if kept() is None else {"kept": "the group outlived destroy_process_group"}
+
+
+def _document_cases(P: int) -> list:
+    """Packs under a DocumentLayout (layout="documents"): documents whole on their ranks; long ones cut where no
+    segment crosses; long ones that no cut fits (dense, or a segment as long as the document) shared by a ring of
+    ranks (zigzag chunks where causal); empty ranks; GQA, MQA, split heads, no LSE gradient."""
+    cases = [
+        dict(name="documents whole", lengths=[9, 3, 14, 1, 6, 11, 4, 8, 2, 7], heads=(4, 2, 3), w=[4, 8], r=[1, 2],
+             causal=True),
+        dict(name="documents cut where no segment crosses", lengths=[5, 12 * P + 3, 2, 7], heads=(4, 4, 3), w=[2, 4],
+             r=[1, 2]),
+        dict(name="dense documents shared, causal", lengths=[3, 10 * P + 1, 5, 0, 4], heads=(4, 2, 3), causal=True),
+        dict(name="dense documents shared", lengths=[6 * P - 1, 2, 6 * P + 3], heads=(2, 1, 2)),
+        dict(name="segments spanning a shared document", lengths=[11 * P, 3, 2], heads=(6, 3, 2), w=[3, 64],
+             r=[1, 3], causal=True),
+        dict(name="split heads, shared and whole", lengths=[4, 9 * P, 5, 1], heads=(4, 2, 2), w=[2, 64], r=[1, 2],
+             head_groups="split", causal=True),
+        dict(name="fewer rows than ranks", lengths=[0, 1, 0, P - 2], heads=(2, 2, 2), w=[2], r=[1]),
+        dict(name="documents, no LSE gradient", lengths=[7, 8 * P, 5], heads=(4, 1, 3), w=[4, 16], r=[1, 4],
+             causal=True, lse_gradient=False),
+    ]
+    for c in cases:
+        c.update(shape=(1, sum(c["lengths"]), *c.pop("heads")), layout="documents", ran="ring",
+                 seed=zlib.crc32(c["name"].encode()))
+    return cases
 
 
 JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank,
@@ -647,6 +683,17 @@ def test_second_backward_through_one_graph_gloo(tmp_path):
 def test_a_group_is_not_kept_alive_gloo(tmp_path):
     case = dict(shape=(1, 16, 4, 2, 3), w=[4, 16], r=[1, 2])
     _check(_spawn(2, "gloo", "release", [case], tmp_path), [case])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_documents_layout_matches_dilated_attention_varlen_gloo(world, tmp_path):
+    """ring_attention under a DocumentLayout equals dilated_attention_varlen on the whole pack at each rank's rows:
+    out, LSE and gradients; on 4 ranks also a second backward through a retained graph."""
+    cases = _document_cases(world)
+    _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
+    if world == 4:
+        twice = [c for c in cases if c["name"] in ("dense documents shared, causal", "documents whole")]
+        _check(_spawn(world, "gloo", "twice", twice, tmp_path), twice)
 
 
 def test_ring_on_subgroups_gloo(tmp_path):
@@ -938,7 +985,7 @@ def _compare_gpu(case, rank):
     global _GROUP
     _GROUP = _mesh_pair(case["inner"]) if case.get("mode") == "2d" else None
     try:
-        return _compare_gpu_in_group(case, rank)
+        return _compare_gpu_in_group(_placed(case), rank)
     finally:
         _GROUP = None
 
@@ -1004,6 +1051,13 @@ def test_ring_matches_single_gpu_nccl(tmp_path):
     cases = [dict(c, mode="ring") for c in cases] + [
         dict(c, name=f"{c['name']} [{mode}]", mode=mode, inner=inner) for mode, inner in modes for c in cases
         if _heads_runs(c, inner or world)]
+    # packs under a DocumentLayout (auto's mode): documents whole on their ranks in the backend's packed call, and a
+    # dense causal document shared by a ring
+    cases += [
+        dict(name=f"documents, {backend}", shape=(1, N, 8, 2, 128), lengths=[100, N - 612, 512], w=[256, L, N],
+             r=[1, 2, 4], causal=True, layout="documents", backend=backend) for backend in ("auto", "triton")]
+    cases.append(dict(name="documents, a dense causal one shared", shape=(1, N, 8, 4, 128),
+                      lengths=[N - 300, 200, 100], causal=True, layout="documents"))
     _check(_spawn(world, "nccl", "compare_gpu", cases, tmp_path), cases)
 
 
@@ -1066,3 +1120,102 @@ def test_module_ring_arguments_are_checked():
             dilated_attn.DilatedAttention([4], [1], attention_dropout=0.1, process_group=group)
         with pytest.raises(ValueError, match="spatial_shape"):
             dilated_attn.MultiheadDilatedAttention(8, 2, [1], [4], spatial_shape=(2, 2), process_group=group)
+
+
+def _assert_placement(layout, offsets, w):
+    """Every row on exactly one rank; each document whole on one rank, or cut only where no segment crosses (the
+    rank's own sequences start there), or shared (its parts in the shared pack)."""
+    ranges = sorted(rng for rows in layout.rows for rng in rows)
+    assert [a for a, _ in ranges[1:]] == [b for _, b in ranges[:-1]] and (ranges[0][0], ranges[-1][1]) == (
+        0, offsets[-1]) if ranges else offsets[-1] == 0
+    docs = [(a, b) for a, b in zip(offsets, offsets[1:]) if b > a]
+    starts = [a for a, _ in docs]
+    step = {}
+    for j in range(layout.P):
+        local, seqs = list(layout.rows[j]), layout.local_offsets[j]
+        globals_ = []  # the global start of each local row range, row by row
+        for a, b in local:
+            globals_ += range(a, b)
+        for s0, s1 in zip(seqs, seqs[1:]):
+            a = globals_[s0]
+            doc = docs[[i for i, x in enumerate(starts) if x <= a][-1]]
+            assert globals_[s1 - 1] - a == s1 - s0 - 1 and globals_[s1 - 1] < doc[1]  # one range of one document
+            if (a, globals_[s1 - 1] + 1) != doc:  # a piece: starts and ends where no segment crosses
+                n = doc[1] - doc[0]
+                cut = math.lcm(*(min(x, n) for x in w)) if w else n
+                assert (a - doc[0]) % cut == 0 and (globals_[s1 - 1] + 1 == doc[1] or (s1 - s0) % cut == 0)
+                step[doc] = cut
+    return step
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
+def test_place_documents(P):
+    """Placement: rows placed once, documents whole or cut where no segment crosses, the named cases' features,
+    the same layout every time, and the 16-document benchmark pack balanced within 2% of the mean work."""
+    for case in _document_cases(max(P, 2)):
+        offsets = list(itertools.accumulate([0, *case["lengths"]]))
+        layout = dilated_attn.place_documents(offsets, case.get("w"), case.get("r"), causal=case.get("causal", False),
+                                              num_ranks=P)
+        again = dilated_attn.place_documents(torch.tensor(offsets), case.get("w"), case.get("r"),
+                                             causal=case.get("causal", False), num_ranks=P)
+        assert again.digest == layout.digest and repr(again) == repr(layout)
+        _assert_placement(layout, offsets, case.get("w"))
+        if P == 1:
+            assert layout.cut == layout.shared == 0 and layout.rows == (((0, offsets[-1]),),)
+        elif P <= 4:  # what the case's name says it holds on the worlds the gloo test runs it on
+            name = case["name"]
+            if name.startswith(("documents whole", "documents cut", "dense", "segments", "split")):
+                assert (layout.shared > 0) == ("shared" in name), (name, layout)
+                assert (layout.cut > 0) == ("cut" in name), (name, layout)
+            if "fewer rows" in name:
+                assert any(layout.length(j) == 0 for j in range(P)), (name, layout)
+    lengths = [1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168, 10240, 6144]
+    offsets = list(itertools.accumulate([0, *lengths]))
+    layout = dilated_attn.place_documents(offsets, [2048, 4096, 8192, 16384], [1, 2, 4, 8], num_ranks=P)
+    if P <= 4:
+        assert layout.cut == layout.shared == 0 and max(layout.work) <= 1.02 * sum(layout.work) / P, layout
+    else:  # the longest document is more than a share: a ring of two ranks runs it (its segments span it)
+        assert layout.shared == 16384 and max(layout.work) <= 1.1 * sum(layout.work) / P, layout
+    assert sum(map(dilated_attn.ring.documents.document_pairs, lengths, [[2048, 4096, 8192, 16384]] * 16,
+                   [[1, 2, 4, 8]] * 16, [False] * 16)) == pytest.approx(sum(layout.work))
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    (([0, 5, 3],), {}, ValueError, "non-decreasing"),
+    (([1, 5],), {}, ValueError, "cu_seqlens\\[0\\] must be 0"),
+    ((torch.tensor([0.0, 5.0]),), {}, ValueError, "int32 or int64"),
+    (("0,5",), {}, TypeError, "cu_seqlens"),
+    (([0, 5], [4]), {}, ValueError, "both be None"),
+    (([0, 5], [4], [0]), {}, ValueError, "dilation_rates\\[0\\] must be a positive integer"),
+    (([0, 5],), dict(num_ranks=0), ValueError, "num_ranks"),
+    (([0, 5],), dict(causal=1), TypeError, "causal"),
+])
+def test_place_documents_refuses(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        dilated_attn.place_documents(*args, **kwargs)
+
+
+def test_documents_layout_one_process():
+    """One process: ring_attention under a DocumentLayout is dilated_attention_varlen; shard and unshard are the
+    identity; calls that do not fit the layout raise, naming the rule."""
+    lengths = [5, 0, 9, 3]
+    cu = torch.tensor(list(itertools.accumulate([0, *lengths])))
+    q, k, v = (torch.randn(17, 4, 3, dtype=torch.float64) for _ in range(3))
+    layout = dilated_attn.place_documents(cu, [4], [2], causal=True)
+    got = dilated_attn.ring_attention(*(dilated_attn.shard(x, layout=layout) for x in (q, k, v)), [4], [2],
+                                      causal=True, layout=layout)
+    want = dilated_attn.dilated_attention_varlen(q, k, v, cu, [4], [2], causal=True)
+    assert torch.equal(dilated_attn.unshard(got, layout=layout), want)
+    assert dilated_attn.explain_ring(q, k, v, [4], [2], causal=True, layout=layout).mode == "ring"
+    for kwargs, match in [
+        (dict(mode="heads"), "mode must be 'auto' or 'ring'"),
+        (dict(cu_seqlens=cu), "pass cu_seqlens=None"),
+        (dict(w=[8]), "placed for the branches"),
+        (dict(x=q[:16]), "holds 17 rows of the DocumentLayout, got 16"),
+        (dict(layout=dilated_attn.place_documents(cu, [4], [2], num_ranks=2)), "placed for 2 ranks"),
+    ]:
+        x, w = kwargs.pop("x", q), kwargs.pop("w", [4])
+        with pytest.raises(ValueError, match=match):
+            dilated_attn.ring_attention(x, x, x, w, [2], **{"layout": layout, **kwargs})
+    with pytest.raises(ValueError, match="dim 0 must be the layout's 17"):
+        dilated_attn.shard(q[:, :3].transpose(0, 1), layout=layout)

@@ -4,7 +4,7 @@ from .backends.compiled import build_info
 from .dispatch import explain
 from .functional import dilated_attention, dilated_attention_varlen, dilated_attention_with_kvcache
 from .nn import DilatedAttention, KVCache, MultiheadDilatedAttention
-from .ring import explain_ring, ring_attention, shard, unshard
+from .ring import DocumentLayout, explain_ring, place_documents, ring_attention, shard, unshard
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,8 @@ __all__ = [
     "explain_ring",
     "shard",
     "unshard",
+    "place_documents",
+    "DocumentLayout",
     "DilatedAttention",
     "MultiheadDilatedAttention",
     "KVCache",

@@ -6,12 +6,13 @@ gathered tensors, restricted to the local positions; its backward gives the grad
 rank holds O(N/P) of every tensor. docs/ring.md describes the method; the parts:
 
     layout.py    how the sequence is cut across ranks; shard / unshard
+    documents.py packed documents placed whole on the ranks (place_documents, DocumentLayout)
     plan.py      which rows each rank computes against which, and sends where (the same on every rank)
     blocks.py    the block primitive: a backend's single-device ops on one dense block of keys
     comm.py      the point-to-point transfers of each ring step
     autograd.py  forward and backward of one ring call on this rank
     heads.py     the head-parallel modes: "heads" (all-to-all, DeepSpeed-Ulysses) and "2d" (heads inside, ring across)
-    modes.py     which mode runs a call (the `mode` argument, "auto"'s rule) and explain_ring
+    modes.py     which mode runs a call (the `mode` argument, "auto"'s rule), explain_ring, a DocumentLayout's run
 """
 
 from __future__ import annotations
@@ -28,18 +29,20 @@ from .. import dispatch
 from ..functional import Attention, dilated_attention, dilated_attention_varlen
 from ..spec import BACKEND_CHOICES, host_offsets
 from .autograd import RingAttention
+from .documents import DocumentLayout, place_documents
 from .heads import HeadParallelFunction
 from .layout import LAYOUTS, shard, unshard
-from .modes import MODES, explain_ring, plan_call, resolve_groups
+from .modes import MODES, explain_ring, plan_call, resolve_groups, run_documents
 from .plan import RingPlan, ring_plan
 
-__all__ = ["ring_attention", "shard", "unshard", "ring_plan", "RingPlan", "LAYOUTS", "MODES", "explain_ring"]
+__all__ = ["ring_attention", "shard", "unshard", "place_documents", "DocumentLayout", "ring_plan", "RingPlan", "LAYOUTS",
+           "MODES", "explain_ring"]
 
 # The call's descriptor, all-gathered before any transfer (_check_same_config, _deferred_check): categorical
 # fields as codes.
 _CODES = {
     "dtype": {d: n for n, d in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))},
-    "layout": {n: i for i, n in enumerate(LAYOUTS)},
+    "layout": {n: i for i, n in enumerate((*LAYOUTS, "documents"))},
     "head_groups": {"all": 0, "split": 1},
     "backend": {n: i for i, n in enumerate(BACKEND_CHOICES)},
     "mode": {n: i for i, n in enumerate(MODES)},
@@ -160,16 +163,20 @@ def _deferred_check(groups, q, fields) -> Callable[[], None]:
 
 def _config_fields(call, q, segment_lengths, options: dict, cu_seqlens) -> tuple[int, ...]:
     """The fields of a valid call's descriptor (_FIELDS); `options`: ring_attention's keyword arguments."""
-    # every rank's branches, and offsets where the sequences are packed, must agree
+    # every rank's branches, and offsets where the sequences are packed (or the placement of a DocumentLayout, whose
+    # ranks hold unequal rows), must agree
+    layout = options["layout"]
+    documents = isinstance(layout, DocumentLayout)
     agreed = (("dense",) if segment_lengths is None else call.branches,
-              host_offsets(cu_seqlens) if cu_seqlens is not None else None)
+              host_offsets(cu_seqlens) if cu_seqlens is not None else None, layout.digest if documents else None)
     digest = zlib.crc32(repr(agreed).encode())
     scale_bits = struct.unpack("<q", struct.pack("<d", call.problem.scale))[0]
     p = call.problem
     return (
-        p.batch, p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim, _CODES["dtype"].get(p.dtype, -1),
+        p.batch, layout.total if documents else p.seq_len, p.num_heads, p.num_kv_heads, p.head_dim,
+        _CODES["dtype"].get(p.dtype, -1),
         ["cpu", "cuda"].index(q.device.type) if q.device.type in ("cpu", "cuda") else 2, int(options["causal"]),
-        _CODES["layout"][options["layout"]], _CODES["head_groups"][options["head_groups"]],
+        _CODES["layout"]["documents" if documents else layout], _CODES["head_groups"][options["head_groups"]],
         _CODES["backend"][options["backend"]], scale_bits, digest, _CODES["mode"][call.mode],
         int(options["return_lse"]))
 
@@ -199,7 +206,7 @@ def _plan_key(groups, q, k, v, segment_lengths, dilation_rates, options: dict) -
         if xs is not None and not (isinstance(xs, (list, tuple)) and all(type(x) is int for x in xs)):
             return None
         branches.append(None if xs is None else tuple(xs))
-    if not all(type(x) in _PLAIN for x in options.values()):
+    if not all(type(x) in _PLAIN or type(x) is DocumentLayout for x in options.values()):
         return None
     # with the types: causal=1 equals causal=True as a key, but only the bool is valid
     arguments = tuple((type(x), x) for x in options.values())
@@ -208,7 +215,7 @@ def _plan_key(groups, q, k, v, segment_lengths, dilation_rates, options: dict) -
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Optional[Sequence[int]] = None,
                    dilation_rates: Optional[Sequence[int]] = None, *, causal: bool = False,
-                   scale: Optional[float] = None, head_groups: str = "all", group=None, layout: str = "contiguous",
+                   scale: Optional[float] = None, head_groups: str = "all", group=None, layout="contiguous",
                    return_lse: bool = False, backend: str = "auto", mode: str = "auto",
                    cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> Attention:
     """Dilated attention over a sequence sharded across the ranks of `group`.
@@ -236,7 +243,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
             sequence: `shard(x, group)` cuts it.
         layout: "contiguous" (rank j holds `[j*L, (j+1)*L)`) or "zigzag"
             (the sequence cut in 2P chunks, rank j holding chunks j and
-            2P-1-j, which balances causal work; L even).
+            2P-1-j, which balances causal work; L even); or, for a pack of
+            documents, a DocumentLayout (`place_documents(cu_seqlens, ...)`):
+            q is then this rank's rows `[L_j, Hq, D]` (`shard(x,
+            layout=layout)`; ranks hold unequal rows), each document whole on
+            one rank where it fits (no transfer), and only documents longer
+            than a rank's share cut; cu_seqlens and max_seqlen stay None.
         mode: "ring" (K/V blocks travel around the ring; any head count),
             "heads" (an all-to-all trades the sequence shards for a share of
             the heads; `Hq % P == 0`), "2d" (heads inside the mesh's second
@@ -304,6 +316,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
             if len(_PLANS) >= _PLANS_KEPT:  # calls of ever new sizes: start afresh (no iteration a thread could upset)
                 _PLANS.clear()
             _PLANS[_plan_key(groups, q, k, v, segment_lengths, dilation_rates, options)] = call, fields
+    if call.documents is not None:
+        post_check = None if P == 1 else functools.partial(_deferred_check, groups, q, fields)
+        out, lse = run_documents(q, k, v, call.documents, groups.all[0], post_check)
+        return (out, lse) if return_lse else out
     packed = cu_seqlens is not None
     if P == 1:
         if packed:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .plan import RingPlan
 
-__all__ = ["RingComm", "Step"]
+__all__ = ["RingComm", "Step", "exchange_stream"]
 
 
 def _pack(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -77,6 +77,22 @@ class Step:
 _exchange_streams: dict = {}  # device -> the stream the step-by-step exchange posts from (RingComm.post_kv)
 
 
+def _exchange_stream_of(device: torch.device) -> torch.cuda.Stream:
+    if device not in _exchange_streams:
+        _exchange_streams[device] = torch.cuda.Stream(device)
+    return _exchange_streams[device]
+
+
+def exchange_stream(device: torch.device):
+    """A context on the exchange's stream of `device`, after what is queued on the current stream now (the
+    current stream where there is no GPU): a collective posted there waits for no kernel queued after it."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stream = _exchange_stream_of(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
 class _Arrival:
     """One receive of a batch (post_grads, post_all_grads): waiting on it waits on the batch."""
 
@@ -118,9 +134,7 @@ class RingComm:
         post_all_kv, and what the caller runs in exchange_stream()) waits for what is queued there now (the inputs
         and the rows gathered from them), not for the kernels queued after it."""
         if self.device.type == "cuda" and self._stream is None:
-            if self.device not in _exchange_streams:
-                _exchange_streams[self.device] = torch.cuda.Stream(self.device)
-            self._stream = _exchange_streams[self.device]
+            self._stream = _exchange_stream_of(self.device)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def exchange_stream(self):

@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .documents import DocumentLayout, shard_documents, unshard_documents
+
 __all__ = ["LAYOUTS", "MODES", "Groups", "resolve_groups", "check_mode", "check_layout", "chunks", "group_size_rank",
            "shard", "unshard"]
 
@@ -90,7 +92,8 @@ def group_size_rank(group) -> tuple[int, int]:
 
 def check_layout(layout) -> str:
     if not isinstance(layout, str):
-        raise TypeError(f"layout must be a str, one of {LAYOUTS}, got {type(layout).__name__}")
+        raise TypeError(f"layout must be a str, one of {LAYOUTS}, or a DocumentLayout (place_documents), got "
+                        f"{type(layout).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
@@ -113,15 +116,27 @@ def check_dim(x: torch.Tensor, dim) -> int:
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, group=None, layout: str = "contiguous",
-          dim: int = 1) -> torch.Tensor:
-    """This rank's shard of a full tensor `x` (the same on every rank) along `dim` (the sequence dim of
-    `[B, N, H, D]` by default), for `ring_attention` with the same group (a ProcessGroup, or for the 2-D mode
-    its DeviceMesh or pair of groups) and layout. Returns a copy."""
-    layout = check_layout(layout)
+def _documents_rank(layout: DocumentLayout, group) -> tuple[int, Groups]:
+    """(this rank, its groups) for a DocumentLayout on `group`, or ValueError where the group is not the layout's."""
+    groups = resolve_groups(group)
+    if groups.two_d or groups.size != layout.P:
+        raise ValueError(f"layout: a DocumentLayout placed for {layout.P} ranks runs on one group of {layout.P} "
+                         f"ranks, got {'a 2-D group' if groups.two_d else f'a group of {groups.size}'}")
+    return groups.rank, groups
+
+
+def shard(x: torch.Tensor, group=None, layout="contiguous", dim: Optional[int] = None) -> torch.Tensor:
+    """This rank's shard of a full tensor `x` (the same on every rank) along `dim`, for `ring_attention` with the
+    same group (a ProcessGroup, or for the 2-D mode its DeviceMesh or pair of groups) and layout: "contiguous",
+    "zigzag" (dim default 1, the sequence dim of `[B, N, H, D]`; a pack `[T, H, D]` takes dim=0), or a
+    DocumentLayout (place_documents; dim default 0, the rows of a pack). Returns a copy."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    dim = check_dim(x, dim)
+    if isinstance(layout, DocumentLayout):
+        rank, _ = _documents_rank(layout, group)
+        return shard_documents(x, layout, rank, check_dim(x, 0 if dim is None else dim))
+    layout = check_layout(layout)
+    dim = check_dim(x, 1 if dim is None else dim)
     P, rank = group_size_rank(group)
     N = x.shape[dim]
     parts = 2 * P if layout == "zigzag" else P
@@ -132,13 +147,16 @@ def shard(x: torch.Tensor, group=None, layout: str = "contiguous",
     return torch.cat([x.narrow(dim, a, b - a) for a, b in chunks(rank, P, L, layout)], dim).contiguous()
 
 
-def unshard(x: torch.Tensor, group=None, layout: str = "contiguous",
-            dim: int = 1) -> torch.Tensor:
-    """The full tensor from every rank's shard `x` (all-gather, then the layout's order); not differentiable."""
-    layout = check_layout(layout)
+def unshard(x: torch.Tensor, group=None, layout="contiguous", dim: Optional[int] = None) -> torch.Tensor:
+    """The full tensor from every rank's shard `x` (all-gather, then the layout's order; dim as in shard); not
+    differentiable."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    dim = check_dim(x, dim)
+    if isinstance(layout, DocumentLayout):
+        rank, groups = _documents_rank(layout, group)
+        return unshard_documents(x, layout, groups.all[0], rank, check_dim(x, 0 if dim is None else dim))
+    layout = check_layout(layout)
+    dim = check_dim(x, 1 if dim is None else dim)
     groups = resolve_groups(group)
     P = groups.size
     if P == 1:

@@ -25,13 +25,31 @@ from typing import Optional
 import torch
 
 from .. import backends, dispatch
-from ..spec import Problem, check_cu_seqlens, check_packed_tensors, host_offsets, validate
-from .autograd import RingConfig, ring_backward, ring_forward
+from ..functional import dilated_attention_varlen
+from ..spec import Problem, check_cu_seqlens, check_packed_tensors, host_offsets, lse_dtype, validate
+from .autograd import RingAttention, RingConfig, ring_backward, ring_forward
+from .comm import exchange_stream
+from .documents import DocumentLayout
 from .heads import HeadParallelAttention, HeadShare, head_share
 from .layout import MODES, Groups, check_layout, check_mode, resolve_groups
 from .plan import ring_plan
 
-__all__ = ["MODES", "RingCall", "plan_call", "explain_ring", "resolve_groups"]
+__all__ = ["MODES", "RingCall", "DocumentsRun", "plan_call", "run_documents", "explain_ring", "resolve_groups"]
+
+
+@dataclass(frozen=True)
+class DocumentsRun:
+    """A ring_attention call under a DocumentLayout on this rank: its own documents' packed call (the first
+    `own_rows` rows; the longest of them `max_seqlen`; `branches` and `options` as dilated_attention_varlen takes
+    them), and its part of the shared documents' ring, or None where it holds none."""
+
+    layout: DocumentLayout
+    rank: int
+    own_rows: int
+    max_seqlen: int
+    branches: tuple
+    options: dict
+    ring: Optional[RingConfig]
 
 
 @dataclass
@@ -46,6 +64,7 @@ class RingCall:
     bytes_per_rank: Optional[dict] = None  # forward bytes each candidate mode sends from the busiest rank
     ring: Optional[RingConfig] = None
     head_parallel: Optional[HeadParallelAttention] = None
+    documents: Optional[DocumentsRun] = None
 
     def __str__(self) -> str:
         sent = "" if not self.bytes_per_rank else "; forward bytes sent per rank: " + ", ".join(
@@ -86,6 +105,10 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     """Validate a call on this rank and choose its mode (ValueError/TypeError as the spec says). Packed sequences
     (`cu_seqlens`, q `[L, Hq, D]`) are validated as the shard `[1, L, Hq, D]` of a pack of P*L rows."""
     mode = check_mode(mode, groups.two_d)
+    if isinstance(layout, DocumentLayout):
+        return _documents_call(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale,
+                               head_groups=head_groups, return_lse=return_lse, backend=backend, mode=mode,
+                               groups=groups, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, layout=layout)
     if cu_seqlens is not None:
         check_packed_tensors(q, k, v)
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -142,6 +165,63 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
               else "it sends fewer bytes than ring")
     attention, chosen = _heads(p, share, N, gw, gr, backend, packed)
     return RingCall("heads", reason, p, (gw, gr), chosen, sent, head_parallel=attention)
+
+
+def _documents_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_groups, return_lse, backend,
+                    mode, groups: Groups, cu_seqlens, max_seqlen, layout: DocumentLayout) -> RingCall:
+    """plan_call for a DocumentLayout: the rank's own documents in one packed call, its parts of shared documents
+    in a ring among the ranks that hold them."""
+    if groups.two_d or groups.size != layout.P:
+        raise ValueError(f"layout: a DocumentLayout placed for {layout.P} ranks runs on one group of {layout.P} "
+                         f"ranks, got {'a 2-D group' if groups.two_d else f'a group of {groups.size}'}")
+    if mode not in ("auto", "ring"):
+        raise ValueError(f"mode={mode!r}: a DocumentLayout keeps each document on its ranks and runs the documents "
+                         f"it shares among ranks as rings: mode must be 'auto' or 'ring'")
+    if cu_seqlens is not None or max_seqlen is not None:
+        raise ValueError("a DocumentLayout holds the pack's offsets: pass cu_seqlens=None and max_seqlen=None with it")
+    check_packed_tensors(q, k, v)
+    if (segment_lengths is None) != (dilation_rates is None):
+        raise ValueError("segment_lengths and dilation_rates must both be None (dense ring attention) or both be "
+                         "given")
+    rank, N = groups.rank, layout.total
+    w, r = ([max(N, 1)], [1]) if segment_lengths is None else (segment_lengths, dilation_rates)
+    p = validate(q[None], k[None], v[None], w, r, causal=causal, scale=scale, head_groups=head_groups,
+                 return_lse=return_lse, backend=backend)
+    given = None if segment_lengths is None else (p.segment_lengths, p.dilation_rates)
+    if given != (None if layout.segment_lengths is None else (layout.segment_lengths, layout.dilation_rates)):
+        raise ValueError(f"layout: this DocumentLayout was placed for the branches segment_lengths="
+                         f"{layout.segment_lengths}, dilation_rates={layout.dilation_rates} (its cuts are where "
+                         f"their segments allow), got {given}: place_documents with the call's branches")
+    if q.shape[0] != layout.length(rank):
+        raise ValueError(f"q: rank {rank} holds {layout.length(rank)} rows of the DocumentLayout, got {q.shape[0]} "
+                         f"(shard(x, layout=layout) cuts them)")
+    own = layout.own_rows(rank)
+    local = layout.local_offsets[rank]
+    longest = max((b - a for a, b in zip(local, local[1:])), default=0)
+    own_problem = dataclasses.replace(p, seq_len=own, cu_seqlens=layout.offsets_tensor("local", rank, q.device),
+                                      max_seqlen=longest)
+    chosen = dispatch.select(own_problem, backend).name if own else ""
+    ring, sent = None, 0
+    if layout.shared_chunks[rank]:
+        gw, gr = (tuple(x) for x in p.op_branches(layout.shared))  # bounded as the shared pack's ring sees them
+        plan = ring_plan(layout.P, 0, p.num_heads, p.num_kv_heads, gw, gr, head_groups, causal, "contiguous",
+                         offsets=layout.shared_offsets, rank_chunks=layout.shared_chunks)
+        shared = layout.shared_offsets
+        rows = q.shape[0] - own
+        like = Problem.from_sizes(1, rows, p.num_heads, p.num_kv_heads, p.head_dim, gw, gr, dtype=p.dtype,
+                                  device=p.device, causal=causal, scale=p.scale, head_groups=head_groups,
+                                  records_backward=p.records_backward)
+        packed = (layout.offsets_tensor("shared", rank, q.device), max(b - a for a, b in zip(shared, shared[1:])))
+        ring = _ring_config(like, plan, rank, gw, gr, head_groups, backend, packed=packed)
+        chosen = chosen or ring.backend
+        sent = plan.bytes_sent(rank, 1, p.head_dim, p.dtype.itemsize)
+    run = DocumentsRun(layout, rank, own, longest, (w, r), dict(causal=causal, scale=scale, head_groups=head_groups,
+                                                                  backend=backend), ring)
+    documents = sum(b > a for a, b in zip(local, local[1:]))
+    reason = (f"layout=DocumentLayout: {documents} documents and pieces whole on this rank ({own} rows, no "
+              f"transfer)" + (f", and {q.shape[0] - own} rows of documents shared with other ranks, run as rings "
+                              f"among them" if ring is not None else ""))
+    return RingCall("ring", reason, p, (w, r), chosen, {"ring": sent}, documents=run)
 
 
 def heads_share(p: Problem, seq_len: int, P: int, rank: int, layout: str) -> HeadShare:
@@ -259,3 +339,34 @@ def explain_ring(q, k, v, segment_lengths=None, dilation_rates=None, *, causal=F
     return plan_call(q, k, v, segment_lengths, dilation_rates, causal=causal, scale=scale, head_groups=head_groups,
                      layout=layout, return_lse=return_lse, backend=backend, mode=mode, groups=groups,
                      cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+
+def run_documents(q, k, v, run: DocumentsRun, group, post_check=None):
+    """(out [L, Hq, D], lse [Hq, L]) of this rank's rows `q`, `k`, `v` under run.layout. `post_check()` posts
+    ring_attention's configuration check and returns the call that reads it: posted from the exchange stream before
+    the own documents' call is queued and read after it, so that the host waits for the gather while the GPU
+    computes, and before the shared documents' first transfer."""
+    n = run.own_rows
+    check = None
+    if post_check is not None:
+        with exchange_stream(q.device):
+            check = post_check()
+    outs, lses = [], []
+    if n:
+        offsets = run.layout.offsets_tensor("local", run.rank, q.device)
+        out, lse = dilated_attention_varlen(q[:n], k[:n], v[:n], offsets, *run.branches, max_seqlen=run.max_seqlen,
+                                            return_lse=True, **run.options)
+        outs.append(out)
+        lses.append(lse)
+    if check is not None:
+        check()
+    if run.ring is not None:
+        out, lse = RingAttention.apply(q[None, n:], k[None, n:], v[None, n:], run.ring, group, None)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if not outs:  # a rank without rows (fewer rows than ranks): empty results, of q's, k's and v's graph still
+        empty = q * 0 + (k.sum() + v.sum()) * 0
+        return empty, empty.sum(-1).t().to(lse_dtype(q.dtype))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses, 1)

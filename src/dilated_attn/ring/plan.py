@@ -192,16 +192,20 @@ def _pieces(ranges: list[tuple[int, int]], segments: list[tuple[int, int]],
 @functools.lru_cache(maxsize=64)
 def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths: tuple, dilation_rates: tuple,
               head_groups: str, causal: bool, layout: str, head_start: int = 0, global_heads: int = 0,
-              offsets: Optional[tuple[int, ...]] = None) -> RingPlan:
+              offsets: Optional[tuple[int, ...]] = None, rank_chunks: Optional[tuple] = None) -> RingPlan:
     """The plan of `ring_attention` for a configuration (cached): local branches, head stacks of the spanning
     branches, the rows every rank sends every other, and each rank's block tasks. With `global_heads` > 0 the
     heads are the heads `[head_start, head_start + num_heads)` of a problem of that many (the 2-D mode's ring over
     one head group), with their global offsets. `offsets`: the cu_seqlens of packed sequences over the N = P*L rows
-    (segment_ranges)."""
+    (segment_ranges). `rank_chunks`: with `offsets`, each rank's ranges of the pack in its local order, in place
+    of the layout's (ranks may then hold unequal numbers of rows, or none; `L` is unused): a DocumentLayout's
+    shared documents."""
     if global_heads and head_groups != "all":
         # a share of "split" heads drops the branches it takes no part in, which the branch indices here count
         raise ValueError("the ring runs a share of the heads with head_groups='all' only")
-    N = P * L
+    if rank_chunks is not None and offsets is None:
+        raise ValueError("rank_chunks are the ranges of a pack: offsets are required")
+    N = P * L if rank_chunks is None else offsets[-1]
     G = num_heads // num_kv_heads
     table = branch_table(segment_lengths, dilation_rates, N, num_heads, head_groups, head_start, global_heads)
     all_local = offsets is None and all(_is_local(br.seg_len, L, layout) for br in table)
@@ -209,7 +213,8 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
     # branch is only run locally when all are.
     local = [i for i, br in enumerate(table) if offsets is None
              and _is_local(br.seg_len, L, layout) and (head_groups == "all" or all_local)]
-    rank_chunks = [chunks(rank, P, L, layout) for rank in range(P)]
+    if rank_chunks is None:
+        rank_chunks = tuple(tuple(chunks(rank, P, L, layout)) for rank in range(P))
     stacks: list[HeadStack] = []
     runs: list[list[BranchRun]] = [[] for _ in range(P)]
     for i, br in enumerate(table):
