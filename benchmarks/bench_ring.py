@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=4 benchmarks/bench_ring.py                          # both presets, every mode
     torchrun --nproc_per_node=4 benchmarks/bench_ring.py --preset dense --mode heads
+    torchrun --nproc_per_node=2 benchmarks/bench_ring.py --preset packed,documents --mode heads,documents
     torchrun --nproc_per_node=4 benchmarks/bench_ring.py --tokens-per-gpu         # weak scaling
 
 Presets (bf16, B=1, H=16, D=128):
@@ -9,7 +10,14 @@ Presets (bf16, B=1, H=16, D=128):
   dense    N = 65536, dense causal ring (segment_lengths=None), zigzag layout
   packed   N = 131072 as 16 packed sequences of 1K-16K tokens (benchmarks/bench_varlen.py's LENGTHS), branches
            (2048,1),(4096,2),(8192,4),(16384,8), non-causal, contiguous: ring_attention(cu_seqlens=...) against
-           dilated_attention_varlen on one GPU (strong scaling only; every mode)
+           dilated_attention_varlen on one GPU (strong scaling only)
+  documents  N = 524288 as documents of long-tailed lengths (documents(): about half the tokens in documents of 8K
+           or less, a few of 64K-256K; seeded), the packed preset's branches, causal; weak scaling draws a pack of
+           P times the tokens per GPU the same way (131072 a GPU by default)
+
+Packs run in every mode, the sequence cut by rows (contiguous), and in the mode "documents": the pack placed by
+place_documents (each document whole on one rank where it fits) and ring_attention(layout=that layout) with mode
+"auto", which is what a data loader that places the pack gets.
 
 Strong scaling (the default): the preset's N on P GPUs. efficiency = T1 / (P * TP): T1 is dilated_attention on one
 GPU (rank 0 alone, the others wait) for the global tensors (auto's backend: the fastest single-GPU path), TP
@@ -41,6 +49,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import random
 import shlex
 import statistics
 import sys
@@ -62,8 +71,32 @@ PRESETS = {
                    tokens_per_gpu=None,
                    lengths=[1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168,
                             10240, 6144]),
+    "documents": dict(N=524288, w=[2048, 4096, 8192, 16384], r=[1, 2, 4, 8], causal=True, layout="contiguous",
+                      tokens_per_gpu=131072, lengths="documents"),
 }
-MODES = ("ring", "heads", "2d")
+MODES = ("ring", "heads", "2d", "documents")
+
+
+def documents(N: int, seed: int = 0) -> list[int]:
+    """Lengths of a pack of N tokens with a long tail, drawn with `seed`: half the tokens in documents of 8K-256K
+    (log-uniform; the first of 64K or more), the other half in documents of 128 to 8192 tokens (log-uniform), each
+    half's last document cut to fill it, in shuffled order."""
+    rng = random.Random(seed)
+    lengths = []
+    for budget, low, high in ((N - N // 2, 13, 18), (N // 2, 7, 13)):
+        while budget > 0:
+            first = low == 13 and not lengths
+            n = min(budget, int(2 ** rng.uniform(16 if first else low, high)))
+            lengths.append(n)
+            budget -= n
+    rng.shuffle(lengths)
+    return lengths
+
+
+def lengths_of(cfg: dict, N: int) -> Optional[list[int]]:
+    """The preset's document lengths on N tokens (None: one sequence)."""
+    lengths = cfg.get("lengths")
+    return documents(N) if lengths == "documents" else lengths
 B, H, D, DTYPE = 1, 16, 128, torch.bfloat16
 
 
@@ -114,8 +147,8 @@ def packed_inputs(inputs):
     return type(inputs)(*(x[0].detach().requires_grad_(x.requires_grad) for x in inputs))
 
 
-def offsets(cfg: dict) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(cfg["lengths"])], dtype=torch.int32, device="cuda")
+def offsets(cfg: dict, N: int) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths_of(cfg, N))], dtype=torch.int32, device="cuda")
 
 
 def work(cfg: dict, N: int, backward: bool) -> float:
@@ -124,7 +157,7 @@ def work(cfg: dict, N: int, backward: bool) -> float:
         x = torch.empty(B, n, H, D, device="meta")
         return validate(x, x.clone(), x.clone(), cfg["w"] or [n], cfg["r"] or [1], causal=cfg["causal"])
 
-    return sum(flops(problem(n), backward) for n in cfg.get("lengths", [N]))
+    return sum(flops(problem(n), backward) for n in lengths_of(cfg, N) or [N])
 
 
 def calls(attn, inputs):
@@ -234,7 +267,7 @@ def single_gpu(name: str, cfg: dict, N: int, warmup: int, repeats: int) -> dict:
         w, r = cfg["w"] or [N], cfg["r"] or [1]
         inputs = random_inputs(B, N, H, D, dtype=DTYPE, device="cuda", seed=0)
         if "lengths" in cfg:
-            inputs, cu = packed_inputs(inputs), offsets(cfg)
+            inputs, cu = packed_inputs(inputs), offsets(cfg, N)
 
             def attention(q, k, v):
                 return dilated_attn.dilated_attention_varlen(q, k, v, cu, w, r, causal=cfg["causal"])
@@ -267,12 +300,21 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
     w, r = cfg["w"], cfg["r"]
     row = dict(preset=name, mode=mode, N=N, P=P, B=B, H=H, D=D, dtype=str(DTYPE).removeprefix("torch."),
                branches=None if w is None else list(zip(w, r)), causal=cfg["causal"], layout=cfg["layout"])
-    inputs = random_inputs(B, L, H, D, dtype=DTYPE, device="cuda", seed=rank)
     kw = dict(causal=cfg["causal"], layout=cfg["layout"], group=group, mode=mode)
+    if mode == "documents":  # the pack placed, each rank's own rows; auto's mode under that layout
+        if "lengths" not in cfg:
+            raise ValueError("the documents layout is for packs")
+        layout = dilated_attn.place_documents(offsets(cfg, N), w, r, causal=cfg["causal"])
+        L = layout.length(rank)
+        kw.update(layout=layout, mode="auto")
+        row.update(layout=repr(layout), rows_per_rank=[layout.length(j) for j in range(P)],
+                   work_busiest_over_mean=max(layout.work) * P / sum(layout.work))
+    inputs = random_inputs(B, L, H, D, dtype=DTYPE, device="cuda", seed=rank)
     if "lengths" in cfg:
         inputs = packed_inputs(inputs)
-        kw["cu_seqlens"] = offsets(cfg)
-        row["lengths"] = cfg["lengths"]
+        if mode != "documents":
+            kw["cu_seqlens"] = offsets(cfg, N)
+        row["lengths"] = lengths_of(cfg, N)
     call = dilated_attn.explain_ring(*inputs[:3], w, r, **kw)
     f, fb = calls(lambda q, k, v: dilated_attn.ring_attention(q, k, v, w, r, **kw), inputs)
     tp, own = {}, {}
@@ -298,7 +340,8 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
                         f"{t['kernel'][:60]} {t['ms']:.2f} ms x{t['launches']}"
                         for t in b["top_merge_and_accumulate"][:3]))
     sent = [None] * P
-    dist.all_gather_object(sent, (call.bytes_per_rank or {}).get(mode) if mode != "2d" else None)
+    dist.all_gather_object(sent, (call.bytes_per_rank or {}).get("ring" if mode == "documents" else mode)
+                           if mode != "2d" else None)
     # the peak of one forward+backward, inputs included (measured apart from the timing, whose L2 flush
     # buffer would count otherwise)
     torch.cuda.reset_peak_memory_stats()
@@ -340,8 +383,8 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=[*PRESETS, "all"], default="all")
-    ap.add_argument("--mode", choices=[*MODES, "all"], default="all", help="the ring_attention mode(s) to time")
+    ap.add_argument("--preset", default="all", help=f"comma-separated, of {', '.join(PRESETS)}; or all")
+    ap.add_argument("--mode", default="all", help=f"the modes to time, comma-separated, of {', '.join(MODES)}; or all")
     ap.add_argument("--tokens-per-gpu", type=int, nargs="?", const=0, default=None,
                     help="weak scaling: N = P * this (no value: each preset's default tokens per GPU)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -357,8 +400,12 @@ def main():
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     P, rank = dist.get_world_size(), dist.get_rank()
-    names = list(PRESETS) if args.preset == "all" else [args.preset]
-    modes = [m for m in (MODES if args.mode == "all" else [args.mode]) if m != "2d" or (P >= 4 and P % 2 == 0)]
+    names = list(PRESETS) if args.preset == "all" else args.preset.split(",")
+    asked = list(MODES) if args.mode == "all" else args.mode.split(",")
+    unknown = sorted(set(names) - set(PRESETS)) + sorted(set(asked) - set(MODES))
+    if unknown:
+        ap.error(f"unknown presets or modes: {unknown} (presets {list(PRESETS)}, modes {list(MODES)})")
+    modes = [m for m in asked if m != "2d" or (P >= 4 and P % 2 == 0)]
     pair = mesh_pair() if "2d" in modes else None
     bandwidth = p2p_bandwidth()
     weak = args.tokens_per_gpu is not None
@@ -376,7 +423,7 @@ def main():
     for name in names:
         cfg = PRESETS[name]
         if weak and not cfg["tokens_per_gpu"]:
-            continue  # a pack has its own length
+            continue  # a pack of fixed lengths
         tokens = (args.tokens_per_gpu or cfg["tokens_per_gpu"]) if weak else cfg["N"] // P
         N = tokens * P
         t1 = single_gpu(name, cfg, tokens if weak else N, args.warmup, args.repeats)
@@ -385,6 +432,8 @@ def main():
             whole = single_gpu(name, cfg, N, args.warmup, args.repeats)
             t1.update({f"one_gpu_same_n_{k.removeprefix('t1_')}": x for k, x in whole.items()})
         for mode in modes:
+            if mode == "documents" and "lengths" not in cfg:
+                continue
             try:
                 row = run(name, cfg, mode, pair if mode == "2d" else None, N, t1, args.warmup, args.repeats,
                           args.profile, args.trace)
