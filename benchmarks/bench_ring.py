@@ -53,6 +53,7 @@ import random
 import shlex
 import statistics
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -60,7 +61,7 @@ import torch.distributed as dist
 
 import dilated_attn
 from dilated_attn import dispatch
-from dilated_attn.benchmarking import Record, attention_call, flops, median_ms, random_inputs, say
+from dilated_attn.benchmarking import Record, attention_call, flops, host_ms, median_ms, random_inputs, say
 from dilated_attn.spec import validate, validate_varlen
 
 PRESETS = {
@@ -127,6 +128,21 @@ def timed_ranks(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, statistics.median(own))
     return tp, ranks
+
+
+def host_ranks_ms(fn, repeats: int) -> list[float]:
+    """Each rank's median milliseconds until fn() returns, every run started together on idle GPUs: the host's
+    share of a call; a forward whose host time is close to its GPU time is bound by the host."""
+    times = []
+    for _ in range(repeats):
+        synchronized()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, statistics.median(times))
+    return ranks
 
 
 def back_to_back_ms(fn, calls: int) -> float:
@@ -281,13 +297,13 @@ def single_gpu(name: str, cfg: dict, N: int, warmup: int, repeats: int) -> dict:
         f, fb = calls(attention, inputs)
         row = dict(t1_fwd_ms=median_ms(f, "cuda", warmup, repeats),
                    t1_fwd_bwd_ms=median_ms(fb, "cuda", warmup, repeats),
-                   t1_backend=backend)
+                   t1_host_fwd_ms=host_ms(f, "cuda", repeats), t1_backend=backend)
         row["t1_tflops_fwd_bwd"] = work(cfg, N, True) / row["t1_fwd_bwd_ms"] / 1e9
         row["t1_tflops_fwd"] = work(cfg, N, False) / row["t1_fwd_ms"] / 1e9
         del inputs, f, fb
         torch.cuda.empty_cache()
-        say(f"[{name}] 1 GPU, N={N} ({row['t1_backend']}): fwd {row['t1_fwd_ms']:.2f} ms, fwd+bwd "
-            f"{row['t1_fwd_bwd_ms']:.2f} ms")
+        say(f"[{name}] 1 GPU, N={N} ({row['t1_backend']}): fwd {row['t1_fwd_ms']:.2f} ms (host "
+            f"{row['t1_host_fwd_ms']:.2f} ms), fwd+bwd {row['t1_fwd_bwd_ms']:.2f} ms")
     dist.barrier()
     return row
 
@@ -321,6 +337,7 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
     for part, fn in (("fwd", f), ("fwd_bwd", fb)):
         tp[f"{part}_ms"], own[part] = timed_ranks(fn, warmup, repeats)
         own[f"{part}_back_to_back"] = back_to_back_ms(fn, repeats)
+    own["host_fwd"] = host_ranks_ms(f, repeats)
     if profile:
         breakdown = {}
         for part, fn in (("fwd", f), ("fwd_bwd", fb)):
@@ -356,7 +373,11 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
         forward_bytes_sent_per_rank=sent, peak_memory_gib_max_rank=peak.item(),
         tp_rank_median_ms={part: own[part] for part in ("fwd", "fwd_bwd")},
         tp_back_to_back_ms={part: own[f"{part}_back_to_back"] for part in ("fwd", "fwd_bwd")},
+        host_fwd_ms_per_rank=own["host_fwd"],
     )
+    if "t1_fwd_ms" in t1 and t1.get("t1_N", N) == N:  # as a training loop runs: calls back to back, no barrier
+        row.update(back_to_back_efficiency_fwd_bwd=t1["t1_fwd_bwd_ms"] / (P * own["fwd_bwd_back_to_back"]),
+                   back_to_back_efficiency_fwd=t1["t1_fwd_ms"] / (P * own["fwd_back_to_back"]))
     if "t1_fwd_ms" in t1 and t1.get("t1_N", N) == N:  # strong scaling: the same N on one GPU
         row.update(efficiency_fwd_bwd=t1["t1_fwd_bwd_ms"] / (P * tp["fwd_bwd_ms"]),
                    efficiency_fwd=t1["t1_fwd_ms"] / (P * tp["fwd_ms"]))
@@ -374,7 +395,8 @@ def run(name: str, cfg: dict, mode: str, group, N: int, t1: dict, warmup: int, r
             + (f"; MiB sent per rank {mib}" if mib else "") + f" ({call})")
         say(f"[{name}/{mode}] each rank's own median fwd+bwd " + ", ".join(f"{t:.2f}" for t in own["fwd_bwd"])
             + " ms, fwd " + ", ".join(f"{t:.2f}" for t in own["fwd"]) + f" ms; back to back (no barrier) fwd+bwd "
-            f"{own['fwd_bwd_back_to_back']:.2f} ms, fwd {own['fwd_back_to_back']:.2f} ms")
+            f"{own['fwd_bwd_back_to_back']:.2f} ms, fwd {own['fwd_back_to_back']:.2f} ms; host's fwd "
+            + ", ".join(f"{t:.2f}" for t in own["host_fwd"]) + " ms")
     del inputs, f, fb
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

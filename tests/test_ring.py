@@ -1176,7 +1176,7 @@ def test_place_documents(P):
         assert layout.cut == layout.shared == 0 and max(layout.work) <= 1.02 * sum(layout.work) / P, layout
     else:  # the longest document is more than a share: a ring of two ranks runs it (its segments span it)
         assert layout.shared == 16384 and max(layout.work) <= 1.1 * sum(layout.work) / P, layout
-    assert sum(map(dilated_attn.ring.documents.document_pairs, lengths, [[2048, 4096, 8192, 16384]] * 16,
+    assert sum(map(dilated_attn.ring.documents.document_work, lengths, [[2048, 4096, 8192, 16384]] * 16,
                    [[1, 2, 4, 8]] * 16, [False] * 16)) == pytest.approx(sum(layout.work))
 
 

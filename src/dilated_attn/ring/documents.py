@@ -2,7 +2,8 @@
 
 Cut by rows, a pack of documents (each attending only within itself) puts most documents across two ranks, and
 every segment that crosses travels. Placed instead, each document stays whole on one rank: the ranks are balanced by
-the documents' attention work (the query-key pairs of their dilated, causal segments, not their tokens), and a
+the documents' attention work (the query-key pairs of their dilated, causal segments and a cost per row, not their
+tokens), and a
 document that stays on one rank moves no byte and runs in one packed call (the backend's varlen kernels) with the
 rank's other documents. Only a document whose work exceeds a rank's share is cut:
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from ..spec import Problem, check_offsets, host_offsets
 
-__all__ = ["DocumentLayout", "place_documents", "document_pairs", "shard_documents", "unshard_documents"]
+__all__ = ["DocumentLayout", "place_documents", "document_work", "ROW_COST", "shard_documents", "unshard_documents"]
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: kept plans key on it
@@ -42,8 +43,8 @@ class DocumentLayout:
     rows[j]: the pack's row ranges [a, b) rank j holds, in its local order. Its first local_offsets[j][-1] rows are
     whole documents and pieces cut where no segment crosses, `local_offsets[j]` their offsets (the rank's own
     cu_seqlens); the rest are its parts of the shared documents, which are the pack `shared_offsets` (those
-    documents one after another), of which rank j holds the ranges `shared_chunks[j]`. `work[j]`: the query-key
-    pairs a head of rank j attends (document_pairs)."""
+    documents one after another), of which rank j holds the ranges `shared_chunks[j]`. `work[j]`: the work of rank j
+    (document_work, in query-key pairs a head)."""
 
     P: int
     offsets: tuple[int, ...]
@@ -97,16 +98,24 @@ class DocumentLayout:
         balance = max(self.work) / mean if mean else 1.0
         return (f"DocumentLayout(P={self.P}, {self.total} rows, {documents} documents, {self.cut} cut into pieces of "
                 f"their own, {self.shared} rows shared by rings; rows per rank "
-                f"{[self.length(j) for j in range(self.P)]}, work per rank (pairs a head) "
+                f"{[self.length(j) for j in range(self.P)]}, work per rank "
                 f"{[f'{w:.3g}' for w in self.work]}: the busiest at {balance:.3f}x the mean)")
 
 
-def document_pairs(n: int, segment_lengths: Optional[Sequence[int]], dilation_rates: Optional[Sequence[int]],
-                   causal: bool) -> float:
-    """The query-key pairs one head attends in a document of n rows: over every branch, each segment's members (one
-    in r) against each other, the lower triangle where causal. Dense attention (no branches): one segment."""
-    branches = [(n, 1)] if segment_lengths is None else zip(segment_lengths, dilation_rates)
-    total = 0.0
+# What a row costs in each branch beside its query-key pairs, in pairs: the passes over every row that do not grow
+# with the segment (a kernel's work per query tile, the merges, the gathers of a packed call). With pairs alone, two
+# H200 ranks of equal pairs under fa4 (bench_ring.py's documents preset, P = 2) took 40.3 and 43.8 ms, in proportion
+# to their pairs plus about 870 pairs per row and branch (the rank with more short documents held 13% more rows).
+ROW_COST = 870
+
+
+def document_work(n: int, segment_lengths: Optional[Sequence[int]], dilation_rates: Optional[Sequence[int]],
+                  causal: bool) -> float:
+    """The work of a document of n rows for one head, in query-key pairs: over every branch, each segment's members
+    (one in r) against each other (the lower triangle where causal), plus ROW_COST pairs for each row. Dense
+    attention (no branches): one segment."""
+    branches = [(n, 1)] if segment_lengths is None else list(zip(segment_lengths, dilation_rates))
+    total = float(ROW_COST * n * len(branches))
     for w, r in branches:
         s = max(min(w, n), 1)
         full, rest = divmod(n, s)
@@ -186,14 +195,14 @@ def place_documents(cu_seqlens, segment_lengths: Optional[Sequence[int]] = None,
 
 
 def _place(P: int, offsets: tuple[int, ...], w, r, causal: bool) -> DocumentLayout:
-    def pairs(n: int) -> float:
-        return document_pairs(n, w, r, causal)
+    def cost(n: int) -> float:
+        return document_work(n, w, r, causal)
 
     documents = [(a, b) for a, b in zip(offsets, offsets[1:]) if b > a]
-    share = sum(pairs(b - a) for a, b in documents) / P
+    share = sum(cost(b - a) for a, b in documents) / P
     alone, shared, cut = [], [], 0  # (work, start, stop) and, shared, the ranks that share it
     for a, b in documents:
-        n, work = b - a, pairs(b - a)
+        n, work = b - a, cost(b - a)
         # the ranks a shared document would take: a share of work each, and a row for each of their chunks
         ranks = min(P, math.ceil(work / share) if share else 1, n // 2 if causal else n)
         if ranks <= 1:
@@ -205,7 +214,7 @@ def _place(P: int, offsets: tuple[int, ...], w, r, causal: bool) -> DocumentLayo
             continue
         # pieces of about half a share (a multiple of the step), so that they pack as well as small documents do
         size = step * max(1, math.ceil(n / math.ceil(2 * work / share) / step))
-        alone += [(pairs(min(c + size, b) - c), c, min(c + size, b)) for c in range(a, b, size)]
+        alone += [(cost(min(c + size, b) - c), c, min(c + size, b)) for c in range(a, b, size)]
         cut += 1
     load = [0.0] * P
     mine: list[list] = [[] for _ in range(P)]  # per rank: (start, stop) of its documents and pieces
