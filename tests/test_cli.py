@@ -66,6 +66,13 @@ def test_check_and_bench_on_gpu(tmp_path, capsys):
     cudnn_bf16 = [line for line in out.splitlines() if line.startswith("  cudnn      bfloat16")]
     assert len(cudnn_bf16) == 2 and all(line.endswith("PASS" if why is None else why) for line in cudnn_bf16)
     assert "cudnn      float32   non-causal, all    SKIP: " in out
+    # fa4 on its own problem where flash-attn-4 is installed and runs here, else one line saying why not
+    why = backends.FA4.why_not(check.check_problems(device, ["bfloat16"], "fa4")[0])
+    fa4_bf16 = [line for line in out.splitlines() if line.startswith("  fa4        bfloat16")]
+    if why is None:
+        assert len(fa4_bf16) == 2 and all(line.endswith("PASS") for line in fa4_bf16), out
+    elif backends.FA4.unavailable():
+        assert f"  fa4: not checked: {backends.FA4.unavailable()}" in out
     path = tmp_path / "gpu.json"
     tiny = [flag if flag != "cpu" else "cuda" for flag in TINY]
     assert cli.main(["bench", *tiny, "--dtype", "bfloat16", "--json", str(path)]) == 0
@@ -140,6 +147,47 @@ def test_check_named_cudnn_runs_its_problem_only(capsys, monkeypatch):
     # float32 named: refused with its reason before anything runs
     assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "--backends", "cudnn"]) == cli.EXIT_CANNOT_RUN
     assert "backend 'cudnn' cannot run here: dtype float32 is not supported" in capsys.readouterr().err
+
+
+def test_check_runs_fa4_on_its_own_problem_with_the_lse_term(capsys, monkeypatch):
+    """Where the fa4 backend applies (here a stand-in on the CPU, its forward the cpu backend's), the check runs it on
+    its own problem with the LSE term (its backward takes the LSE's gradient): the main problem is too small for the
+    auto rule to reach it, and auto runs it from a benchmark's sizes on."""
+    calls = []
+
+    def forward(q, k, v, p):
+        out, lse = backends.CPU.forward(q, k, v, p)
+        calls.append(lse.requires_grad)
+        return out, lse
+
+    monkeypatch.setattr(backends.FA4, "supported_device_types", lambda: ("cuda", "cpu"))
+    monkeypatch.setattr(backends.FA4, "unavailable", lambda: None)
+    monkeypatch.setattr(backends.FA4, "extra_reasons", lambda p: [])
+    monkeypatch.setattr(backends.FA4, "forward", forward)
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "  fa4 on a problem it takes: B=2 N=448 Hq=4 Hkv=2 D=64, branches (64, 1), (128, 2), (256, 4)\n" in out
+    assert sum(line.startswith("  fa4        bfloat16") and line.endswith("PASS") for line in out.splitlines()) == 2
+    assert calls == [True, True]
+
+
+def test_check_says_in_one_line_that_fa4_is_not_installed(capsys, monkeypatch):
+    monkeypatch.setattr(backends.FA4, "supported_device_types", lambda: ("cuda", "cpu"))
+    monkeypatch.setattr(backends.FA4, "unavailable", lambda: "flash-attn-4 is not installed (`pip install .[fa4]`)")
+    monkeypatch.setattr(backends.FA4, "extra_reasons", lambda p: [])
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "fa4" in line] == [
+        "  fa4: not checked: flash-attn-4 is not installed (`pip install .[fa4]`)"]
+
+
+def test_a_backend_that_failed_the_check_is_not_timed(capsys):
+    args = cli.build_parser().parse_args(["bench", *TINY, "--backends", "cpu", "reference"])
+    args.command_line = "test"
+    assert cli.bench_command(args, failed=frozenset({"cpu"})) == 0
+    out = capsys.readouterr().out
+    assert "  cpu: not timed (it failed the self-check above)" in out
+    assert "reference" in out and not any(line.lstrip().startswith("cpu ") for line in out.splitlines())
 
 
 def test_check_failure_gives_exit_status_1(capsys, monkeypatch):

@@ -207,7 +207,8 @@ def kernel_interface(copies: bool = False) -> types.SimpleNamespace:
         lse.copy_(rows_lse)
         workspace.fill_(1)
 
-    def _flash_attn_fwd(q, k, v, softmax_scale, causal=False, return_lse=False, out=None, lse=None):
+    def _flash_attn_fwd(q, k, v, softmax_scale, causal=False, return_lse=False, out=None, lse=None, **lengths):
+        assert not any(x is not None for x in lengths.values())  # dense calls only
         counts["interface"] += 1
         out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype) if out is None else out
         lse = torch.empty(q.shape[:-1], dtype=torch.float64).transpose(1, 2) if lse is None else lse
@@ -228,7 +229,8 @@ def kernel_interface(copies: bool = False) -> types.SimpleNamespace:
         accumulator.fill_(1)
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal=False, deterministic=False, dlse=None,
-                        dq=None, dk=None, dv=None):
+                        dq=None, dk=None, dv=None, **lengths):
+        assert not any(x is not None for x in lengths.values())
         counts["interface"] += 1
         assert lse.is_contiguous() and (dlse is None or dlse.is_contiguous())
         dq, dk, dv = (torch.empty_like(x) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv)))
@@ -471,6 +473,67 @@ def test_forward_merges_follow_their_parts(packed, math_interface, monkeypatch):
     before = log.ordered_before()
     for part, i in zip(parts, merges):
         assert set(stored) | {part} <= before[i], f"merge {i} may run before its part or a stored call"
+
+
+def test_another_flash_attn_4_version_runs_the_interface_and_says_so(monkeypatch):
+    """A flash-attn-4 version outside VERIFIED_VERSIONS (a stand-in's own `__version__`) is taken, with a warning
+    once naming the path: its calls go through the interface every time (none directly), with exact results; explain()
+    names that path."""
+    from dilated_attn.backends import fa4
+
+    interface = kernel_interface()
+    interface.__version__ = "4.0.0b999"
+    monkeypatch.setattr(ops, "fa", None)
+    monkeypatch.setattr(direct, "_PATHS", {})
+    for name in ("FORWARD", "BACKWARD"):
+        monkeypatch.setattr(direct, name, direct.Direct())
+    with pytest.warns(UserWarning, match=r"fa4 backend runs FlashAttention-4's interface on every call: flash-attn-4 "
+                                         r"4\.0\.0b999 is not a version whose direct kernel calls the GPU tests verified"):
+        assert fa4.use_interface(interface) is None
+    assert ops.fa is interface
+    segs, dils = [16, 32], [1, 2]
+    for seed in range(2):  # the second call of the same shapes too: through the interface
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, 32, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        before = collections.Counter(interface.counts)
+        out, lse = ops.fa4_forward(q, k, v, segs, dils, False, True, 0.3)
+        grads = ops.fa4_backward(torch.ones_like(out), None, q, k, v, out, lse, segs, dils, False, True, 0.3)
+        ref = [x.detach().requires_grad_() for x in (q, k, v)]
+        ref_out, _ = dilated_attention_reference(*ref, segs, dils, causal=True, scale=0.3)
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        for got, want in zip(grads, torch.autograd.grad(ref_out.sum(), ref)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        calls = interface.counts["interface"] - before["interface"]
+        assert calls == interface.counts["kernel"] - before["kernel"] > 2  # each kernel by an interface call
+    assert direct.FORWARD.hits == direct.BACKWARD.hits == 0 and not direct.FORWARD.programs
+    monkeypatch.setattr(fa4, "_installed", lambda: True)
+    monkeypatch.setattr(fa4._loader, "done", True)
+    monkeypatch.setattr(fa4._loader, "error", None)
+    assert fa4.FA4.run_path().startswith("FlashAttention-4's interface on every call: flash-attn-4 4.0.0b999 is not")
+    interface.__version__ = direct.VERIFIED_VERSIONS[0]
+    monkeypatch.setattr(direct, "_PATHS", {})
+    assert fa4.FA4.run_path() == f"flash-attn-4 {direct.VERIFIED_VERSIONS[0]}'s kernels, called directly after each " \
+                                 f"shape's first call"
+
+
+@pytest.mark.parametrize("broken, rule", [
+    (dict(_flash_attn_fwd=None), "has no _flash_attn_fwd, which the fa4 backend calls"),
+    (dict(_flash_attn_fwd=lambda q, k, v, softmax_scale, causal=False: None),
+     "_flash_attn_fwd takes no return_lse, out, lse, cu_seqlens_q"),
+    (dict(_flash_attn_bwd=lambda q, k, v, out, dout, lse, softmax_scale, causal, deterministic, dlse: None),
+     "_flash_attn_bwd takes no dq, dk, dv, cu_seqlens_q"),
+])
+def test_an_interface_without_the_calls_it_needs_is_refused(broken, rule, monkeypatch):
+    """A flash-attn-4 whose private calls are not what the fa4 backend passes is refused when it loads, with the
+    reason, instead of called wrongly."""
+    from dilated_attn.backends import fa4
+
+    monkeypatch.setattr(ops, "fa", None)
+    interface = kernel_interface()
+    for name, function in broken.items():
+        setattr(interface, name, function)
+    assert rule in fa4.use_interface(interface)
+    assert ops.fa is None
 
 
 def test_fa4_verdict_without_flash_attn(monkeypatch):

@@ -230,6 +230,7 @@ class Decision:
     # (deterministic algorithms that `backend`'s backward does not honour).
     other_backward: Optional[str] = None
     backward_rule: Optional[str] = None
+    path: Optional[str] = None  # which path `backend`'s calls take, where it has more than one (Backend.run_path)
 
     @property
     def backward(self) -> Optional[str]:
@@ -248,6 +249,8 @@ class Decision:
             elif self.lse_gradient_backward is not None:
                 line += " (also where the LSE has a gradient)"
             lines.append(line)
+        if self.path:
+            lines.append(f"  path: {self.path}")
         if self.fallback:
             lines.append(f"  fallback: {self.fallback}")
         if self.note:
@@ -326,7 +329,7 @@ def _backward_fields(p: Problem, name: str, wanted: bool) -> dict:
     other, rule = backward_backend(p, name, lse_gradient=False)
     backward, why = backward_backend(p, name, lse_gradient=True)
     return dict(other_backward=other if rule else None, backward_rule=rule, lse_gradient_backward=backward,
-                lse_gradient_rule=why)
+                lse_gradient_rule=why, path=backends.get(name).run_path())
 
 
 def select(p: Problem, backend: str) -> backends.Backend:

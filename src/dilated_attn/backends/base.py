@@ -156,6 +156,11 @@ class Backend:
         """Why this backend cannot run anything in this process (None: it can)."""
         return None
 
+    def run_path(self) -> Optional[str]:
+        """Where a backend's calls can take more than one path (fa4: FlashAttention-4's kernels called directly, or
+        through its interface), which one they take and why, for explain(); None elsewhere."""
+        return None
+
     def extra_reasons(self, p: Problem) -> list[str]:
         """Its rules beyond its declarations' data, which `p` breaks (asked for the device types it takes)."""
         return []

@@ -24,6 +24,7 @@ import os
 import platform
 import shlex
 import sys
+from typing import Optional
 
 import torch
 
@@ -275,8 +276,9 @@ def bench_config(args) -> BenchConfig:
                        causal=args.causal, mode=args.mode, **sizes)
 
 
-def bench_command(args, env=None) -> int:
-    """The `bench` command: plan (all refusals before anything runs), time, table, files, plot."""
+def bench_command(args, env=None, failed: frozenset = frozenset()) -> int:
+    """The `bench` command: plan (all refusals before anything runs), time, table, files, plot. `failed`: backends
+    that failed the self-check run before (the default run): not timed."""
     if args.plot and matplotlib_missing():  # before a long run, not after it
         args.fail(f"--plot: {matplotlib_missing()}")
     cfg = bench_config(args)
@@ -293,12 +295,15 @@ def bench_command(args, env=None) -> int:
     say(f"benchmark on {cfg.device} ({where}): {cfg.describe()} ({timing})")
     for name, why in planned.skipped.items():
         say(f"  {name}: skipped ({why})")
+    for name in sorted(failed & {n for names in planned.backends.values() for n in names}):
+        say(f"  {name}: not timed (it failed the self-check above)")
+    timed = {n: [name for name in names if name not in failed] for n, names in planned.backends.items()}
     try:
         record = Record("python -m dilated_attn bench", cfg.device, cfg.as_json(), json_path=args.json,
                         csv_path=args.csv, command=args.command_line, environment=env or environment(cfg.device))
     except OSError as exc:
         args.fail(f"--json/--csv: {exc}")
-    rows = run_bench(cfg, planned.backends, record)
+    rows = run_bench(cfg, timed, record)
     print_table(rows)
     record.close()
     if args.plot:
@@ -309,15 +314,19 @@ def bench_command(args, env=None) -> int:
     return 0
 
 
-def check_command(device: torch.device, dtypes, backends, prog: str = "dilated-attn check") -> int:
-    """The `check` command: refuses backends named that cannot run here, else runs the self-check."""
+def check_command(device: torch.device, dtypes, backends, prog: str = "dilated-attn check",
+                  rows: Optional[list] = None) -> int:
+    """The `check` command: refuses backends named that cannot run here, else runs the self-check (its rows
+    appended to `rows` where given)."""
     refused = {}
     for name in backends or ():
         refused.update(refusals(check_problems(device, dtypes, name), [name]))
     if refused:
         return cannot_run(refused, prog)
-    rows = self_check(use_device(device), dtypes, backends)
-    return EXIT_CHECK_FAILED if any(r["result"] == "FAIL" for r in rows) else 0
+    found = self_check(use_device(device), dtypes, backends)
+    if rows is not None:
+        rows += found
+    return EXIT_CHECK_FAILED if any(r["result"] == "FAIL" for r in found) else 0
 
 
 WARMUP_BACKENDS = ("triton", "fa4")
@@ -417,8 +426,10 @@ def _main(argv=None) -> int:
     env = environment(device)
     print_environment(env)
     say()
-    status = check_command(device, CHECK_DTYPES, None)
+    checked: list = []
+    status = check_command(device, CHECK_DTYPES, None, rows=checked)
     say()
     bench_args = parser.parse_args(["bench"])
     bench_args.command_line = args.command_line
-    return bench_command(bench_args, env) or status
+    failed = frozenset(r["backend"] for r in checked if r["result"] == "FAIL")
+    return bench_command(bench_args, env, failed) or status

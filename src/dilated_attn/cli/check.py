@@ -41,7 +41,10 @@ CHECK_DTYPES = ("float32", "bfloat16")
 # (which takes none).
 CUDNN_CHECK_SHAPE = dict(batch=2, seq_len=448, heads=4, kv_heads=2, head_dim=64)
 CUDNN_CHECK_BRANCHES = ([64, 128, 256], [1, 2, 4])
-OWN_PROBLEM = ("cudnn",)  # backends checked on a problem of their own (wherever they apply to the device)
+# Backends checked on a problem of their own wherever they apply to the device: cudnn, and fa4 (FlashAttention-4,
+# which auto runs on Hopper GPUs where flash-attn-4 is installed, but only from the sizes of a benchmark: the main
+# problem never reaches it) on cudnn's shape, with the LSE term (its backward takes the LSE's gradient).
+OWN_PROBLEM = ("cudnn", "fa4")
 
 
 def _outputs(fn, inputs, grad_out, grad_lse) -> dict:
@@ -97,7 +100,7 @@ class CheckProblem(NamedTuple):
 def check_problem(backend: Optional[str] = None) -> CheckProblem:
     """The problem `backend` is checked on: the main one, or for those of OWN_PROBLEM their own."""
     if backend in OWN_PROBLEM:
-        return CheckProblem(CUDNN_CHECK_SHAPE, CUDNN_CHECK_BRANCHES, CHECK_CASES, lse_gradient=False)
+        return CheckProblem(CUDNN_CHECK_SHAPE, CUDNN_CHECK_BRANCHES, CHECK_CASES, lse_gradient=backend != "cudnn")
     return CheckProblem(CHECK_SHAPE, CHECK_BRANCHES, CHECK_CASES)
 
 
@@ -128,8 +131,8 @@ def check_problems(device: torch.device, dtypes, backend: Optional[str] = None) 
 def self_check(device: torch.device, dtypes=CHECK_DTYPES, backends=None) -> list[dict]:
     """Runs every backend that applies to `device` (or those named) on a small random problem, forward and
     backward, against dilated_attention_reference in float64, and prints PASS/FAIL/SKIP per backend, dtype
-    and case (SKIP: a backend not named that cannot run). The cudnn backend runs on a problem of its own
-    (CUDNN_CHECK_SHAPE). Returns the rows."""
+    and case (SKIP: a backend not named that cannot run; one line for a backend whose package is not installed). The
+    backends of OWN_PROBLEM run on a problem of their own (CUDNN_CHECK_SHAPE). Returns the rows."""
     plan = check_plan(device, backends)
     say(f"self-check against the float64 reference: {plan[0][0].describe()}; forward and backward on {device}")
     if device.type == "cuda":
@@ -144,6 +147,12 @@ def self_check(device: torch.device, dtypes=CHECK_DTYPES, backends=None) -> list
     say(f"  {'backend':<10} {'dtype':<9} {'case':<18} {'max error':>9} {'(where)':<7} {'tolerance':>9}  result")
     rows = []
     for i, (problem, names) in enumerate(plan):
+        missing = {n: REGISTRY[n].unavailable() for n in names or ()}
+        if names and all(missing.values()):  # not installed: one line, not one SKIP per dtype and case
+            for name in names:
+                rows.append(dict(backend=name, result="SKIP", reason=missing[name]))
+                say(f"  {name}: not checked: {missing[name]}")
+            continue
         if i:
             say(f"  {', '.join(names)} on a problem it takes: {problem.describe()}")
         rows += _check_problem(device, problem, dtypes, names)

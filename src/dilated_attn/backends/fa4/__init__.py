@@ -20,11 +20,11 @@ from typing import Optional
 
 import torch
 
-from ...compile_hints import trace_constant
+from ...compile_hints import trace_constant, warn_once
 from ...spec import Problem
 from ..base import Backend, ForwardOp, OnceLoader, device_capability
 
-__all__ = ["FA4", "cache_dir", "load_error"]
+__all__ = ["FA4", "cache_dir", "load_error", "use_interface"]
 
 # FlashAttention-4's varlen backward (4.0.0b36) gave wrong gradients at head_dim 16 on an H200, exact ones at multiples
 # of 32 (tests/test_fa4.py, test_gpu_varlen_ops): packs of other head dims run one sequence at a time
@@ -62,9 +62,22 @@ def _load() -> Optional[str]:
                 f"GPUs, CUDA 12.9 or newer)")
     except Exception as exc:  # noqa: BLE001 - a broken install says why
         return f"flash-attn-4 did not load ({type(exc).__name__}: {exc})"
-    from . import ops  # registers the ops
+    return use_interface(interface)
 
+
+def use_interface(interface) -> Optional[str]:
+    """Take `interface` as FlashAttention-4's (the loaded package's `flash_attn.cute.interface`, or a test's
+    stand-in) and register the ops: None, or why the fa4 backend cannot call it (direct.check_interface). Where its
+    calls cannot go directly to the kernels, says once which path they take and why (direct.path)."""
+    from . import direct, ops  # registers the ops
+
+    refused = direct.check_interface(interface)
+    if refused is not None:
+        return refused
     ops.fa = interface
+    direct_calls, how = direct.path(interface)
+    if not direct_calls:
+        warn_once(f"dilated_attn: the fa4 backend runs {how}")
     return None
 
 
@@ -119,6 +132,20 @@ class Fa4Backend(Backend):
         if why is not None:
             raise RuntimeError(f"dilated_attn: the fa4 backend cannot run: {why}")
         return torch.ops.dilated_attn.fa4_forward, torch.ops.dilated_attn.fa4_backward
+
+    def run_path(self) -> Optional[str]:
+        """Which path its calls take (direct.path): FlashAttention-4's kernels called directly, or its interface and
+        why; asked of the loaded package where it has loaded, else of the installed one's version."""
+        if not _installed():
+            return None
+        from . import direct
+
+        interface = None
+        if _loader.done and _loader.error is None:
+            from . import ops
+
+            interface = ops.fa
+        return direct.path(interface)[1]
 
     def varlen_ops(self, head_dim):
         self.ops()

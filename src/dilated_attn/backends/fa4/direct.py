@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["ENABLED", "VERIFIED_VERSIONS", "Direct", "backward", "forward"]
+__all__ = ["ENABLED", "VERIFIED_VERSIONS", "Direct", "backward", "forward", "path", "version_of", "check_interface"]
 
 # Off: every call through the interface (benchmarks/bench_gpu.py's `fa4_interface` measures both)
 ENABLED = True
@@ -230,7 +230,7 @@ class Direct:
         self.hits = 0  # calls made directly
 
     def call(self, interface, given: tuple, key: tuple, run: Callable[[], object]):
-        if not (ENABLED and _verified(interface)):
+        if not (ENABLED and _verified(interface)):  # the interface: path() says why
             return run()
         key = (key, _signature(given), given[0].device)
         program = self.programs.get(key)
@@ -250,10 +250,36 @@ class Direct:
 
 
 def _verified(interface) -> bool:
-    """Whether `interface` is of a flash-attn-4 version in VERIFIED_VERSIONS (a stand-in may say its own, as
-    `__version__`; FlashAttention's interface module has none)."""
+    """Whether calls of `interface` go directly (path()), asked once per interface."""
+    known = _PATHS.get(id(interface))
+    if known is None or known[0] is not interface:
+        known = _PATHS[id(interface)] = (interface, path(interface))
+    return known[1][0]
+
+
+_PATHS: dict = {}  # id(interface) -> (interface, path(interface))
+
+
+def version_of(interface=None) -> str:
+    """The flash-attn-4 version of `interface` (a stand-in may say its own, as `__version__`; FlashAttention's
+    interface module has none), or the installed package's ("" where none is)."""
     version = getattr(interface, "__version__", None)
-    return (_installed_version() if version is None else version) in VERIFIED_VERSIONS
+    return _installed_version() if version is None else version
+
+
+def path(interface=None) -> tuple[bool, str]:
+    """(whether the fa4 backend calls FlashAttention-4's kernels directly, in words which path its calls take and
+    why) for `interface` (None: the installed package, not imported: its version only)."""
+    version = version_of(interface)
+    if version not in VERIFIED_VERSIONS:
+        return False, (f"FlashAttention-4's interface on every call: flash-attn-4 {version or '(no version)'} is not "
+                       f"a version whose direct kernel calls the GPU tests verified ({', '.join(VERIFIED_VERSIONS)}); "
+                       f"correct, with more host time a call")
+    if interface is not None and not any(hasattr(f, "compile_cache") for f in vars(interface).values()
+                                         if callable(f)):
+        return False, (f"FlashAttention-4's interface on every call: flash-attn-4 {version}'s interface has no "
+                       f"compile caches to watch")
+    return True, f"flash-attn-4 {version}'s kernels, called directly after each shape's first call"
 
 
 @functools.lru_cache(maxsize=1)
@@ -264,6 +290,38 @@ def _installed_version() -> str:
         return metadata.version("flash-attn-4")
     except metadata.PackageNotFoundError:
         return ""
+
+
+# What the ops pass FlashAttention-4's private calls (which take preallocated results, as its public functions do not):
+# each is checked when flash-attn-4 loads (check_interface), so that another version whose calls differ is refused
+# with a reason instead of called wrongly.
+_KEYWORDS = {
+    "_flash_attn_fwd": ("softmax_scale", "causal", "return_lse", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
+                        "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k"),
+    "_flash_attn_bwd": ("softmax_scale", "causal", "deterministic", "dlse", "dq", "dk", "dv", "cu_seqlens_q",
+                        "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k"),
+}
+
+
+def check_interface(interface) -> Optional[str]:
+    """None where `interface` has the calls the fa4 backend makes, with the keywords it passes; else why not."""
+    import inspect
+
+    for name, keywords in _KEYWORDS.items():
+        function = getattr(interface, name, None)
+        if not callable(function):
+            return f"flash-attn-4 {version_of(interface)} has no {name}, which the fa4 backend calls"
+        try:
+            parameters = inspect.signature(function).parameters
+        except (TypeError, ValueError):  # a builtin without a signature: taken as it is
+            continue
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            continue
+        missing = [k for k in keywords if k not in parameters]
+        if missing:
+            return (f"flash-attn-4 {version_of(interface)}'s {name} takes no {', '.join(missing)}, which the fa4 "
+                    f"backend passes")
+    return None
 
 
 FORWARD, BACKWARD = Direct(), Direct()
