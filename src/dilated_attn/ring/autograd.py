@@ -241,39 +241,25 @@ class Exchanged:
     received: dict  # step t >= 1 -> (keys, values) per stack
 
 
-@dataclass(frozen=True)
 class _Saved:
-    index: int  # of the tensor in ctx.saved_tensors
+    """A tensor's place in ctx.saved_tensors (a plain class: _map_leaves passes it whole)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
 
 
-def _split_tensors(tree, tensors: list):
-    """`tree` (lists, tuples, dicts and dataclasses of tensors and other values) with each tensor replaced by a
-    _Saved of its index in `tensors`, where it is appended."""
-    if isinstance(tree, torch.Tensor):
-        tensors.append(tree)
-        return _Saved(len(tensors) - 1)
+def _map_leaves(tree, leaf):
+    """`tree` (lists, tuples, dicts and dataclasses of other values) with each value replaced by leaf(value)."""
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_split_tensors(x, tensors) for x in tree)
+        return type(tree)(_map_leaves(x, leaf) for x in tree)
     if isinstance(tree, dict):
-        return {key: _split_tensors(x, tensors) for key, x in tree.items()}
+        return {key: _map_leaves(x, leaf) for key, x in tree.items()}
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: _split_tensors(getattr(tree, f.name), tensors)
+        return dataclasses.replace(tree, **{f.name: _map_leaves(getattr(tree, f.name), leaf)
                                             for f in dataclasses.fields(tree) if f.init})
-    return tree
-
-
-def _join_tensors(tree, tensors):
-    """The inverse of _split_tensors."""
-    if isinstance(tree, _Saved):
-        return tensors[tree.index]
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_join_tensors(x, tensors) for x in tree)
-    if isinstance(tree, dict):
-        return {key: _join_tensors(x, tensors) for key, x in tree.items()}
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: _join_tensors(getattr(tree, f.name), tensors)
-                                            for f in dataclasses.fields(tree) if f.init})
-    return tree
+    return leaf(tree)
 
 
 def save_state(ctx, state) -> None:
@@ -281,13 +267,21 @@ def save_state(ctx, state) -> None:
     its tensors through ctx.save_for_backward, so that autograd frees them with the graph and a second backward
     through a retained graph finds them again."""
     tensors: list = []
-    ctx.state = _split_tensors(state, tensors)
+
+    def saved(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        tensors.append(x)
+        return _Saved(len(tensors) - 1)
+
+    ctx.state = _map_leaves(state, saved)
     ctx.save_for_backward(*tensors)
 
 
 def saved_state(ctx):
     """What save_state kept, a fresh copy of its containers (a backward may empty them as it goes)."""
-    return _join_tensors(ctx.state, ctx.saved_tensors)
+    tensors = ctx.saved_tensors
+    return _map_leaves(ctx.state, lambda x: tensors[x.index] if isinstance(x, _Saved) else x)
 
 
 class RingAttention(torch.autograd.Function):

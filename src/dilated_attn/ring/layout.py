@@ -116,12 +116,17 @@ def check_dim(x: torch.Tensor, dim) -> int:
     return dim % x.dim()
 
 
-def _documents_rank(layout: DocumentLayout, group) -> tuple[int, Groups]:
-    """(this rank, its groups) for a DocumentLayout on `group`, or ValueError where the group is not the layout's."""
-    groups = resolve_groups(group)
+def check_documents_groups(layout: DocumentLayout, groups: Groups) -> None:
+    """ValueError where `groups` are not those a DocumentLayout runs on: one group of its P ranks."""
     if groups.two_d or groups.size != layout.P:
         raise ValueError(f"layout: a DocumentLayout placed for {layout.P} ranks runs on one group of {layout.P} "
                          f"ranks, got {'a 2-D group' if groups.two_d else f'a group of {groups.size}'}")
+
+
+def _documents_rank(layout: DocumentLayout, group) -> tuple[int, Groups]:
+    """(this rank, its groups) for a DocumentLayout on `group`, or ValueError where the group is not the layout's."""
+    groups = resolve_groups(group)
+    check_documents_groups(layout, groups)
     return groups.rank, groups
 
 

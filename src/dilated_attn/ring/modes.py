@@ -31,7 +31,7 @@ from .autograd import RingAttention, RingConfig, ring_backward, ring_forward
 from .comm import exchange_stream
 from .documents import DocumentLayout
 from .heads import HeadParallelAttention, HeadShare, head_share
-from .layout import MODES, Groups, check_layout, check_mode, resolve_groups
+from .layout import MODES, Groups, check_documents_groups, check_layout, check_mode, resolve_groups
 from .plan import ring_plan
 
 __all__ = ["MODES", "RingCall", "DocumentsRun", "plan_call", "run_documents", "explain_ring", "resolve_groups"]
@@ -171,9 +171,7 @@ def _documents_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, 
                     mode, groups: Groups, cu_seqlens, max_seqlen, layout: DocumentLayout) -> RingCall:
     """plan_call for a DocumentLayout: the rank's own documents in one packed call, its parts of shared documents
     in a ring among the ranks that hold them."""
-    if groups.two_d or groups.size != layout.P:
-        raise ValueError(f"layout: a DocumentLayout placed for {layout.P} ranks runs on one group of {layout.P} "
-                         f"ranks, got {'a 2-D group' if groups.two_d else f'a group of {groups.size}'}")
+    check_documents_groups(layout, groups)
     if mode not in ("auto", "ring"):
         raise ValueError(f"mode={mode!r}: a DocumentLayout keeps each document on its ranks and runs the documents "
                          f"it shares among ranks as rings: mode must be 'auto' or 'ring'")
