@@ -303,24 +303,19 @@ class RingAttention(torch.autograd.Function):
 
 @dataclass
 class _Exchange:
-    """This rank's compacted rows and their K/V, the joined blocks and their buffers, and the K/V exchange ready to
-    post: its buffers allocated and its wait point fixed (RingComm.hold_inputs), so that kernels queued after
-    _prepare_exchange delay no transfer."""
+    """What the backward keeps (its received rows still to come) and the K/V exchange ready to post: its buffers
+    allocated and its wait point fixed (RingComm.hold_inputs), so that kernels queued after _prepare_exchange delay
+    no transfer."""
 
     comm: RingComm
-    rows: list
-    kc: list
-    vc: list
-    eager: bool
-    joined: dict
-    buffers: dict
+    kept: Exchanged
     send: tuple  # the (keys, values) per stack to send
     copies: list  # (target, source): the own rows into the joined buffers, made on the exchange stream
 
     def post(self):
         """Post step 1, or every step at once (eager, comm.py)."""
-        if not self.eager:
-            return self.comm.post_kv(1, self.kc, self.vc)
+        if not self.kept.eager:
+            return self.comm.post_kv(1, self.kept.kc, self.kept.vc)
         with self.comm.exchange_stream():
             for target, source in self.copies:
                 target.copy_(source)
@@ -341,12 +336,12 @@ def _prepare_exchange(cfg: RingConfig, group, q, k, v) -> _Exchange:
     vc = [cp.kv.gather(v) for cp in rows]
     if not comm.eager(q.shape[2], k.shape[2]):
         comm.hold_inputs()
-        return _Exchange(comm, rows, kc, vc, False, {}, {}, (kc, vc), [])
+        return _Exchange(comm, Exchanged(rows, kc, vc, False, {}, {}, {}), (kc, vc), [])
     joined = joined_blocks(cfg.plan, cfg.rank)
     buffers, into, send_k, send_v, copies = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
     comm.prepare_all_kv(k.dtype, into)
     comm.hold_inputs()
-    return _Exchange(comm, rows, kc, vc, True, joined, buffers, (send_k, send_v), copies)
+    return _Exchange(comm, Exchanged(rows, kc, vc, True, joined, buffers, {}), (send_k, send_v), copies)
 
 
 def ring_forward(q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[[], Callable[[], None]]] = None):
@@ -362,7 +357,8 @@ def ring_forward(q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[
     B, L, H, D = q.shape
     lse_type = lse_dtype(q.dtype)
     ex = _prepare_exchange(cfg, group, q, k, v)
-    comm, rows, kc, vc, eager, joined, buffers = ex.comm, ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
+    comm, kept = ex.comm, ex.kept
+    rows, kc, vc, eager, joined, buffers = kept.rows, kept.kc, kept.vc, kept.eager, kept.joined, kept.buffers
     # The result starts as the local branches' (merged by the kernel, as on one device); each block's partial
     # result merges into its rows: in place where a stack's rows are a view of the result, else into the stack's
     # own (out, lse), merged into its rows at the end.
@@ -409,7 +405,8 @@ def ring_forward(q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[
             merge_block(cur_out, cur_lse, acc_out, acc_lse)
             cp.q.put(out, cur_out)
             cp.q.put_lse(lse, cur_lse)
-    return out, lse, Exchanged(rows, kc, vc, eager, joined, buffers, received)
+    kept.received = received
+    return out, lse, kept
 
 
 def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, group, exchanged: Exchanged):
