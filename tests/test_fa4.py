@@ -7,9 +7,14 @@ import collections
 import contextlib
 import functools
 import itertools
+import json
 import math
+import os
 import random
+import subprocess
+import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -257,7 +262,7 @@ def test_kernels_called_directly_equal_the_reference(copies, monkeypatch):
     interface = kernel_interface(copies)
     monkeypatch.setattr(ops, "fa", interface)
     for name in ("FORWARD", "BACKWARD"):
-        monkeypatch.setattr(direct, name, direct.Direct())
+        monkeypatch.setattr(direct, name, direct.Direct(name.lower()))
     _poisoned_empty(monkeypatch)
     segs, dils = [16, 32, 64], [1, 2, 4]
     for seed, causal in [(0, False), (1, False), (2, True), (3, True)]:
@@ -291,7 +296,7 @@ def test_kernels_called_directly_equal_the_reference(copies, monkeypatch):
 def test_direct_programs_stay_bounded(monkeypatch):
     """Past MAX_PROGRAMS shapes the programs are dropped and noted anew (packs of ever new lengths)."""
     interface = kernel_interface()
-    monkeypatch.setattr(direct, "FORWARD", direct.Direct())
+    monkeypatch.setattr(direct, "FORWARD", direct.Direct("forward"))
     monkeypatch.setattr(direct, "MAX_PROGRAMS", 2)
     for n in (16, 24, 32, 16):
         q = torch.randn(1, n, 2, 8, dtype=torch.float64)
@@ -486,7 +491,7 @@ def test_another_flash_attn_4_version_runs_the_interface_and_says_so(monkeypatch
     monkeypatch.setattr(ops, "fa", None)
     monkeypatch.setattr(direct, "_PATHS", {})
     for name in ("FORWARD", "BACKWARD"):
-        monkeypatch.setattr(direct, name, direct.Direct())
+        monkeypatch.setattr(direct, name, direct.Direct(name.lower()))
     with pytest.warns(UserWarning, match=r"fa4 backend runs FlashAttention-4's interface on every call: flash-attn-4 "
                                          r"4\.0\.0b999 is not a version whose direct kernel calls the GPU tests verified"):
         assert fa4.use_interface(interface) is None
@@ -623,7 +628,7 @@ def test_gpu_direct_calls_equal_the_interface(kv_heads, causal, monkeypatch):
     _skip_without_fa4()
     dilated_attn.backends.FA4.ops()  # flash-attn-4 loaded
     for name in ("FORWARD", "BACKWARD"):
-        monkeypatch.setattr(direct, name, direct.Direct())
+        monkeypatch.setattr(direct, name, direct.Direct(name.lower()))
     args = ([512, 1024, 2048], [1, 2, 8], False, causal, 64 ** -0.5)
     g = torch.Generator().manual_seed(kv_heads + causal)
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -862,3 +867,187 @@ def test_gpu_varlen_ops(index, causal, dtype, head_dim, move, monkeypatch):
     ops._planned.cache_clear()
     lengths, H, Hkv, segs, dils, groups = GPU_PACKS[index]
     check_varlen("fa4", dtype, "cuda", (lengths, H, Hkv, head_dim, segs, dils, causal, groups), transposed=causal)
+
+
+def _stored_on_disk(monkeypatch, tmp_path) -> dict:
+    """stored.py on `tmp_path` with the stand-in's kernels: each kernel's "object file" and "library" named by its
+    compile key, loaded back from the returned dict (name -> kernel) as a new process would load the library."""
+    from dilated_attn.backends.fa4 import stored
+
+    kernels = {}
+
+    def object_file(cache, key):
+        name = f"k{len(kernels)}" if all(k is not cache.cache[key] for k in kernels.values()) else \
+            next(n for n, k in kernels.items() if k is cache.cache[key])
+        kernels[name] = cache.cache[key]
+        return f"/nowhere/{name}.o"
+
+    monkeypatch.setattr(direct._NotingCache, "_object_file", object_file)
+    monkeypatch.setattr(stored, "directory", lambda: tmp_path)
+    monkeypatch.setattr(stored, "_link", lambda obj, where: obj.rsplit("/", 1)[1].replace(".o", ".so"))
+    monkeypatch.setattr(stored, "_kernel", lambda path: kernels[path.stem])
+    monkeypatch.setattr(direct, "_installed_version", lambda: direct.VERIFIED_VERSIONS[0])
+    return kernels
+
+
+def _fresh_process(monkeypatch, interface):
+    for name in ("FORWARD", "BACKWARD"):
+        monkeypatch.setattr(direct, name, direct.Direct(name.lower()))
+    monkeypatch.setattr(ops, "fa", interface)
+
+
+def _forward_backward_exact(seed: int):
+    segs, dils = [16, 32, 64], [1, 2, 4]
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 64, h, 8, generator=g, dtype=torch.float64) for h in (8, 2, 2))
+    grad_out, grad_lse = torch.randn(2, 64, 8, 8, generator=g, dtype=torch.float64), \
+        torch.randn(2, 8, 64, generator=g, dtype=torch.float64)
+    out, lse = ops.fa4_forward(q, k, v, segs, dils, False, True, 0.3)
+    grads = ops.fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segs, dils, False, True, 0.3)
+    ref = [x.detach().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, causal=True, scale=0.3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    want = torch.autograd.grad((ref_out * grad_out).sum() + (ref_lse * grad_lse).sum(), ref)
+    for got, exp in zip(grads, want):
+        torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-10)
+
+
+def test_stored_programs_run_in_a_new_process_without_importing_flash_attn(monkeypatch, tmp_path):
+    """A shape's first call stores its program (backends/fa4/stored.py) and says once what it waited for; a new
+    process (fresh programs, an interface whose import fails the test) runs the stored programs, forward and
+    backward, with exact results and without importing FlashAttention-4; a damaged file is a miss that goes through
+    the interface and is stored anew."""
+    from dilated_attn.backends.fa4 import stored
+
+    interface = kernel_interface()
+    _stored_on_disk(monkeypatch, tmp_path)
+    _poisoned_empty(monkeypatch)
+    _fresh_process(monkeypatch, direct.Deferred(lambda: interface))
+    with pytest.warns(UserWarning, match=r"fa4 backend's first call of a shape waited for .*later processes load it"):
+        _forward_backward_exact(0)
+    files = sorted(tmp_path.glob("*.json"))
+    assert files and stored.store_problem() is None
+    assert direct.FORWARD.loaded == 0 and interface.counts["interface"] > 0
+
+    def no_import():
+        raise AssertionError("FlashAttention-4 was imported although every program is stored")
+
+    before = collections.Counter(interface.counts)
+    _fresh_process(monkeypatch, direct.Deferred(no_import))
+    _forward_backward_exact(1)
+    assert interface.counts["interface"] == before["interface"] and interface.counts["kernel"] > before["kernel"]
+    assert direct.FORWARD.loaded + direct.BACKWARD.loaded == len(files) and ops.fa.module is None
+
+    files[0].write_text("{")
+    _fresh_process(monkeypatch, direct.Deferred(lambda: interface))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _forward_backward_exact(2)
+    assert interface.counts["interface"] > before["interface"]
+    assert json.loads(files[0].read_text())["format"] == stored.FORMAT
+
+
+def test_stored_programs_defer_the_import(monkeypatch, tmp_path):
+    """Where programs are stored for this install, loading the backend imports nothing (the first call's shapes may
+    all be stored); where none are, it imports FlashAttention-4 at once, so that a broken install is found then."""
+    from dilated_attn.backends import fa4
+    from dilated_attn.backends.fa4 import stored
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(direct, "path", lambda interface=None: (True, "directly"))
+    monkeypatch.setattr(ops, "fa", None)
+    imported = []
+    monkeypatch.setattr(fa4, "_import_interface", lambda: imported.append(1) or kernel_interface())
+    for has, imports in ((True, 0), (False, 1)):
+        monkeypatch.setattr(stored, "has_programs", lambda: has)
+        imported.clear()
+        assert fa4._load() is None
+        assert isinstance(ops.fa, direct.Deferred) and len(imported) == imports
+    monkeypatch.setattr(fa4, "_import_interface", lambda: (_ for _ in ()).throw(RuntimeError("flash-attn-4 broke")))
+    assert fa4._load() == "flash-attn-4 broke"
+
+
+def test_stored_program_names_are_exact(monkeypatch):
+    """A program's key text is repr's: exact for scales and distinct for layouts that differ in one stride."""
+    from dilated_attn.backends.fa4 import stored
+
+    cpu = torch.device("cpu")
+    a = ((True, 0.1 + 0.2, ()), (((torch.Size([1, 2]), (2, 1), torch.bfloat16, True),), (0,)))
+    b = ((True, 0.3, ()), (((torch.Size([1, 2]), (2, 1), torch.bfloat16, True),), (0,)))
+    c = ((True, 0.1 + 0.2, ()), (((torch.Size([1, 2]), (1, 1), torch.bfloat16, True),), (0,)))
+    names = {stored._name("forward", key, cpu)[0] for key in (a, b, c)}
+    assert len(names) == 3 and stored._name("backward", a, cpu) != stored._name("forward", a, cpu)
+    assert stored._decode(json.loads(json.dumps(stored._encode((None, (1.5, True), "x"))))) == (None, (1.5, True), "x")
+    with pytest.raises(TypeError, match="a list argument"):
+        stored._encode([1])
+
+
+_NEW_PROCESS = r"""
+import json, sys, time
+import torch
+torch.use_deterministic_algorithms(True)
+import dilated_attn
+g = torch.Generator().manual_seed(7)
+q, k, v = (torch.randn(1, 4096, h, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_() for h in (8, 2, 2))
+grad_out = torch.randn(1, 4096, 8, 64, generator=g).to("cuda", torch.bfloat16)
+torch.cuda.synchronize()
+began = time.perf_counter()
+out = dilated_attn.dilated_attention(q, k, v, [1024, 2048, 4096], [1, 2, 4], causal=True, backend="fa4")
+grads = torch.autograd.grad(out, (q, k, v), grad_out)
+torch.cuda.synchronize()
+seconds = time.perf_counter() - began
+torch.save([x.cpu() for x in (out, *grads)], sys.argv[1])
+print(json.dumps(dict(imported="flash_attn.cute" in sys.modules, seconds=seconds)))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_new_process_runs_stored_programs_without_importing_flash_attn(tmp_path):
+    """The first process of an empty program store imports FlashAttention-4 and stores its programs; the next runs
+    them without importing it and, under deterministic algorithms, gives the first one's results bit for bit (the
+    same kernels on its first call)."""
+    _skip_without_fa4()
+    from dilated_attn.backends import fa4
+
+    script = tmp_path / "first_call.py"
+    script.write_text(_NEW_PROCESS)
+    # an empty program store, beside FlashAttention-4's kernels as earlier tests compiled them
+    env = dict(os.environ, DILATED_ATTN_FA4_CACHE=str(tmp_path / "cache"),
+               FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", fa4.cache_dir()))
+    runs = []
+    for i in range(2):
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / f"{i}.pt")], env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert runs[0]["imported"] and not runs[1]["imported"], runs
+    for name, a, b in zip(("out", "dq", "dk", "dv"), torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")):
+        assert torch.equal(a, b), name
+
+
+_EAGER_PROCESS = r"""
+import sys
+import torch
+from dilated_attn.backends.fa4 import ops
+from test_fa4 import MathInterface
+ops.fa = MathInterface
+q, k, v = (torch.randn(1, 64, 4, 8, dtype=torch.float64) for _ in range(3))
+out, lse = ops.fa4_forward(q, k, v, [16, 32], [1, 2], False, False, 0.3)
+eager_imports = "torch._dynamo" in sys.modules
+compiled = torch.compile(lambda *x: ops.fa4_forward(*x, [16, 32], [1, 2], False, False, 0.3)[0], backend="aot_eager",
+                         fullgraph=True)
+print(eager_imports, torch.equal(compiled(q, k, v), out), torch.equal(ops.fa4_forward(q, k, v, [16, 32], [1, 2],
+                                                                                      False, False, 0.3)[0], out))
+"""
+
+
+def test_an_eager_call_does_not_import_dynamo():
+    """The ops' first eager call does not import torch._dynamo (seconds of a new process's first call:
+    signature._dynamo_imported_lazily); once torch.compile has imported it, compiled and eager calls give the same
+    results."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", _EAGER_PROCESS], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True", "True"], done.stdout

@@ -19,7 +19,8 @@ the last segment's), on varlen calls and the number of runs in one, on the LSE's
 and on the GPU's architecture. `warmup_fa4` therefore runs the fa4 backend at a training run's own shapes
 (`fa4_families`). FlashAttention-4 keeps what it compiles on disk (`backends.fa4.cache_dir()`, one file per
 variant, found by a hash of the variant's key), so the process that compiles them may be another than the
-training process (docs/backends.md, "The fa4 backend").
+training process, and the fa4 backend keeps each call's program beside them (backends/fa4/stored.py), so that the
+training process runs them without importing FlashAttention-4 (docs/backends.md, "The fa4 backend").
 """
 
 from __future__ import annotations
@@ -132,7 +133,12 @@ def warmup(device: torch.device, dtypes: Sequence[str] = ("bfloat16",), head_dim
             outcome = f"FAILED: {error}" if error else f"{n_compiled} kernels compiled"
             say(f"{_bar(len(results), len(todo))} {family.describe()} (members buckets "
                 f"{', '.join(map(str, family.members))}): {outcome}, {seconds:.1f} s")
-    say(f"done in {time.perf_counter() - start:.1f} s")
+    from .backends.fa4 import stored
+
+    where, why = stored.directory(), stored.store_problem()
+    kept = len(list(where.glob("*.json"))) if where is not None and where.is_dir() else 0
+    say(f"done in {time.perf_counter() - start:.1f} s; " + (f"programs not stored: {why}" if why else
+        f"{kept} programs stored in {where} (a later process runs them without importing flash-attn-4)"))
     return results
 
 
@@ -313,5 +319,10 @@ def warmup_fa4(families: Sequence[Fa4Family], *, lse_gradient: bool = False,
         results.append((family, seconds, compiled, error))
         outcome = f"FAILED: {error}" if error else f"{compiled} kernels compiled"
         say(f"{_bar(done, len(families))} {family.describe()}: {outcome}, {seconds:.1f} s")
-    say(f"done in {time.perf_counter() - start:.1f} s")
+    from .backends.fa4 import stored
+
+    where, why = stored.directory(), stored.store_problem()
+    kept = len(list(where.glob("*.json"))) if where is not None and where.is_dir() else 0
+    say(f"done in {time.perf_counter() - start:.1f} s; " + (f"programs not stored: {why}" if why else
+        f"{kept} programs stored in {where} (a later process runs them without importing flash-attn-4)"))
     return results

@@ -15,6 +15,7 @@ float64 inputs); grad_lse is None where the LSE has no gradient.
 """
 
 import inspect
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -68,8 +69,40 @@ def _register(name: str, signature: inspect.Signature, fake: Callable, triton: b
             return torch.library.triton_op(f"dilated_attn::{name}", fn, mutates_args=())
         op = torch.library.custom_op(f"dilated_attn::{name}", fn, mutates_args=())
         op.register_fake(fake)
+        _dynamo_imported_lazily(op)
         return op
     return register
+
+
+def _dynamo_imported_lazily(op) -> None:
+    """A custom op's kernels, which torch wraps in `torch._disable_dynamo`, run without importing torch._dynamo until
+    something else has imported it.
+
+    The wrapper imports torch._dynamo on a kernel's first call (0.5-4 s: sympy, torch.fx's symbolic shapes), the
+    largest part of an eager process's first call once its kernels are compiled; eager code needs none of it. It
+    looks for the disabled kernel in the kernel's `__dynamo_disable` attribute first, so that attribute is set to run
+    the kernel as it is while torch._dynamo is not imported (nothing can be compiling then: torch.compile imports it)
+    and, from the first call after it is, as torch._dynamo.disable makes it. Where torch's custom ops are built
+    otherwise (another version), nothing is set: the first call imports torch._dynamo, as it would."""
+    for wrapped in getattr(op, "_backend_fns", {}).values():
+        kernel = getattr(wrapped, "__wrapped__", None)
+        if kernel is not None and getattr(kernel, "__dynamo_disable", None) is None:
+            kernel.__dynamo_disable = _disabled_once_dynamo_is_imported(kernel)
+
+
+def _disabled_once_dynamo_is_imported(kernel: Callable) -> Callable:
+    disabled = None
+
+    def run(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            dynamo = sys.modules.get("torch._dynamo")
+            if dynamo is None:
+                return kernel(*args, **kwargs)
+            disabled = dynamo.disable(kernel, True, wrapping=False)
+        return disabled(*args, **kwargs)
+
+    return run
 
 
 def forward_op(name: str, *, packed: bool = False, triton: bool = False) -> Callable:

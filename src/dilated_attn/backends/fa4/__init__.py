@@ -5,11 +5,14 @@ and Blackwell) on strided views of each branch's members, planned like the cudnn
     ops.py    the `torch.library.custom_op` registrations (`dilated_attn::fa4_forward`, `fa4_backward`, their
               `fa4_varlen_` forms for packed sequences) and the dense ops the ring's joined blocks run
     packs.py  the varlen calls of a pack: each branch's runs of members as the sequences of strided views
+    direct.py FlashAttention-4's kernels called without its Python interface (each shape's program, watched once)
+    stored.py those programs kept on disk, run by a new process without importing FlashAttention-4
 
-Installed with `pip install .[fa4]`; imported only when it first runs (the import takes seconds; a verdict or
-explain() only looks for the package). Its kernels are compiled on the first call of each variant (1-3 s each) and
-cached on disk in `cache_dir()`, so a second process starts warm; a training run pays the first compiles in its
-first step, or in one forward+backward at its shapes before training (docs/backends.md, "The fa4 backend"). Unlike
+Installed with `pip install --no-build-isolation .[fa4]`; imported only when a call needs it (the import takes 7-9 s;
+a verdict or explain() only looks for the package, and a call whose shape has a stored program needs none). Its
+kernels are compiled on the first call of each variant (1-3 s each) and cached on disk in `cache_dir()` with the
+programs, so a second process starts warm; a training run pays the first compiles in its first step, or in
+`dilated-attn warmup --backend fa4` at its shapes before training (docs/backends.md, "The fa4 backend"). Unlike
 cuDNN's, its backward takes the LSE's gradient, so every call's backward is its own.
 """
 
@@ -55,14 +58,35 @@ def _load() -> Optional[str]:
     # flash-attn-4 reads its cache settings when imported: ours unless the caller set its own
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", cache_dir())
+    from . import direct, ops, stored  # registers the ops
+
+    interface = direct.Deferred(_import_interface)
+    if not (direct.ENABLED and direct.path()[0] and stored.has_programs()):
+        # nothing stored to run without it: imported now, so that a broken install is found before the first call
+        try:
+            interface.get()
+        except RuntimeError as exc:
+            return str(exc)
+    ops.fa = interface  # else imported when a call's shape has no stored program (stored.py)
+    return None
+
+
+def _import_interface():
+    """flash_attn.cute.interface, imported and checked (direct.check_interface); RuntimeError saying why not."""
     try:
         from flash_attn.cute import interface
     except ImportError as exc:
-        return (f"flash-attn-4 is not installed ({exc}); `pip install .[fa4]` installs it (Hopper and Blackwell "
-                f"GPUs, CUDA 12.9 or newer)")
+        raise RuntimeError(f"flash-attn-4 is not installed ({exc}); `pip install --no-build-isolation .[fa4]` "
+                           f"installs it (Hopper and Blackwell GPUs, CUDA 12.9 or newer)") from exc
     except Exception as exc:  # noqa: BLE001 - a broken install says why
-        return f"flash-attn-4 did not load ({type(exc).__name__}: {exc})"
-    return use_interface(interface)
+        raise RuntimeError(f"flash-attn-4 did not load ({type(exc).__name__}: {exc})") from exc
+    from . import direct
+
+    refused = direct.check_interface(interface)
+    if refused is not None:
+        raise RuntimeError(refused)
+    _say_path(interface)
+    return interface
 
 
 def use_interface(interface) -> Optional[str]:
@@ -75,10 +99,16 @@ def use_interface(interface) -> Optional[str]:
     if refused is not None:
         return refused
     ops.fa = interface
+    _say_path(interface)
+    return None
+
+
+def _say_path(interface) -> None:
+    from . import direct
+
     direct_calls, how = direct.path(interface)
     if not direct_calls:
         warn_once(f"dilated_attn: the fa4 backend runs {how}")
-    return None
 
 
 _loader = OnceLoader(_load)

@@ -22,14 +22,20 @@ the GPU tests have compared with the interface's results are called directly (`V
 from __future__ import annotations
 
 import functools
+import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["ENABLED", "VERIFIED_VERSIONS", "Direct", "backward", "forward", "path", "version_of", "check_interface"]
+from ...compile_hints import warn_once
+from . import stored
+
+__all__ = ["ENABLED", "VERIFIED_VERSIONS", "Deferred", "Direct", "backward", "forward", "path", "version_of",
+           "check_interface"]
 
 # Off: every call through the interface (benchmarks/bench_gpu.py's `fa4_interface` measures both)
 ENABLED = True
@@ -83,15 +89,17 @@ class _Watch(TorchDispatchMode):
 
 class _NotingCache:
     """A compile cache of the interface during one watched call: looked up as the cache is, each kernel the watched
-    thread runs noted onto `steps` (`("kernel", kernel, args)`)."""
+    thread runs noted onto `steps` (`("kernel", kernel, args, object file)`: the file FlashAttention-4's disk cache
+    keeps it in, or None), each kernel compiled counted in `compiled`."""
 
-    def __init__(self, cache, steps: list, thread: int):
-        self.cache, self.steps, self.thread = cache, steps, thread
+    def __init__(self, cache, steps: list, thread: int, compiled: list):
+        self.cache, self.steps, self.thread, self.compiled = cache, steps, thread, compiled
 
     def __contains__(self, key) -> bool:
         return key in self.cache
 
     def __setitem__(self, key, kernel) -> None:
+        self.compiled.append(key)
         self.cache[key] = kernel
 
     def __getitem__(self, key):
@@ -100,11 +108,19 @@ class _NotingCache:
             return kernel
 
         def noted(*args):
-            self.steps.append(("kernel", kernel, args))
+            self.steps.append(("kernel", kernel, args, self._object_file(key)))
             with _disable_current_modes():  # the kernel's own work is not the interface's
                 return kernel(*args)
 
         return noted
+
+    def _object_file(self, key) -> Optional[str]:
+        """Where FlashAttention-4's disk cache (cache_utils.JITPersistentCache) exported this kernel, or None."""
+        folder, digest = getattr(self.cache, "cache_path", None), getattr(self.cache, "_key_to_hash", None)
+        if folder is None or not callable(digest):
+            return None
+        path = os.path.join(str(folder), f"{digest(key)}.o")
+        return path if os.path.isfile(path) else None
 
     def __getattr__(self, name):
         return getattr(self.cache, name)
@@ -115,11 +131,13 @@ class _Program:
     """What one interface call did, to repeat with other tensors of its shapes: `made` (shape, strides, dtype,
     device) of each tensor it makes; `steps` in order, `("make", i)`, `("fill", i, value)` or `("kernel", kernel,
     template, slots)` where `slots` puts given (0) or made (1) tensor `index` at each tensor position of the
-    template; `result`, each returned element's (0 or 1, index), or None."""
+    template; `result`, each returned element's (0 or 1, index), or None; `objects`, each kernel's object file in
+    FlashAttention-4's disk cache (or None), for stored.py."""
 
     made: tuple
     steps: tuple
     result: tuple
+    objects: tuple = ()
 
     def __call__(self, given: tuple):
         made: list = [None] * len(self.made)
@@ -141,7 +159,7 @@ class _Program:
 
 def _program(steps: list, given: tuple, result) -> tuple[Optional[_Program], str]:
     """The program of a watched call's steps, or None and why it cannot be repeated."""
-    made, program = [], []
+    made, program, objects = [], [], []
 
     def source(t: torch.Tensor):
         for i, g in enumerate(given):
@@ -162,7 +180,8 @@ def _program(steps: list, given: tuple, result) -> tuple[Optional[_Program], str
                 return None, "a fill with a tensor"
             program.append(("fill", index, step[2]))
         else:
-            _, kernel, args = step
+            _, kernel, args, obj = step
+            objects.append(obj)
             template, slots = list(args), []
             for position, arg in enumerate(args):
                 if isinstance(arg, torch.Tensor):
@@ -183,15 +202,17 @@ def _program(steps: list, given: tuple, result) -> tuple[Optional[_Program], str
             return None, "it returned a tensor it did not make"
         returned.append(found)
     specs = tuple((tuple(m.shape), tuple(m.stride()), m.dtype, m.device) for m in made)
-    return _Program(specs, tuple(program), tuple(returned)), ""
+    return _Program(specs, tuple(program), tuple(returned), tuple(objects)), ""
 
 
 _WATCHING = threading.Lock()
 
 
 def _watched(interface, given: tuple, run: Callable[[], object]):
-    """run() (an interface call on the `given` tensors) watched: (its result, its program or None, why not)."""
+    """run() (an interface call on the `given` tensors) watched: (its result, its program or None, why not, how many
+    kernels it compiled)."""
     steps: list = []
+    compiled: list = []
     thread = threading.get_ident()
     functions = [f for f in vars(interface).values() if callable(f) and hasattr(f, "compile_cache")]
     with _WATCHING:
@@ -199,16 +220,16 @@ def _watched(interface, given: tuple, run: Callable[[], object]):
         watch = _Watch(steps)
         try:
             for f, cache in zip(functions, caches):
-                f.compile_cache = _NotingCache(cache, steps, thread)
+                f.compile_cache = _NotingCache(cache, steps, thread, compiled)
             with watch:
                 result = run()
         finally:
             for f, cache in zip(functions, caches):
                 f.compile_cache = cache
     if watch.other is not None:
-        return result, None, f"it ran {watch.other}"
+        return result, None, f"it ran {watch.other}", len(compiled)
     program, why = _program(steps, given, result)
-    return result, program, why
+    return result, program, why, len(compiled)
 
 
 def _signature(tensors: tuple) -> tuple:
@@ -222,35 +243,104 @@ def _signature(tensors: tuple) -> tuple:
 
 class Direct:
     """One interface function called directly where it can be: `call(given, key, run)` runs the program noted for
-    `key` and the given tensors' layouts on `given`, or run() (the interface on `given`) and notes its program."""
+    `key` and the given tensors' layouts on `given`, else the one stored on disk by an earlier process (stored.py),
+    else run() (the interface on `given`), noting its program and storing it."""
 
-    def __init__(self):
+    def __init__(self, kind: str):
+        self.kind = kind  # "forward" or "backward": the stored programs' names
         self.programs: dict = {}  # key -> _Program, or None where the interface must run
         self.why_not: dict = {}  # key -> why its calls go through the interface
         self.hits = 0  # calls made directly
+        self.loaded = 0  # programs loaded from disk
 
     def call(self, interface, given: tuple, key: tuple, run: Callable[[], object]):
         if not (ENABLED and _verified(interface)):  # the interface: path() says why
             return run()
-        key = (key, _signature(given), given[0].device)
-        program = self.programs.get(key)
+        device = given[0].device
+        key = (key, _signature(given))
+        program = self.programs.get((key, device))
         if program is not None:
             self.hits += 1
             return program(given)
-        if key in self.programs:
+        if (key, device) in self.programs:
             return run()
-        result, program, why = _watched(interface, given, run)
+        if isinstance(interface, Deferred):  # the real package, not a test's stand-in
+            found = stored.load(self.kind, key, device)
+            if found is not None:
+                self._keep((key, device), _Program(*found))
+                self.loaded += 1
+                return self.programs[(key, device)](given)
+            module = interface.get()
+        else:
+            module = interface
+        began = time.perf_counter()
+        result, program, why, compiled = _watched(module, given, run)
+        self._keep((key, device), program)
+        if program is None:
+            self.why_not[(key, device)] = why
+        elif isinstance(interface, Deferred):
+            stored.save(self.kind, key, device, program.made, program.steps, program.result, program.objects)
+            _say_first(interface, compiled, time.perf_counter() - began)
+        return result
+
+    def _keep(self, key: tuple, program: Optional[_Program]) -> None:
         if len(self.programs) >= MAX_PROGRAMS:
             self.programs.clear()
             self.why_not.clear()
         self.programs[key] = program
-        if program is None:
-            self.why_not[key] = why
-        return result
+
+
+def _say_first(interface: "Deferred", compiled: int, seconds: float) -> None:
+    """Says once a process, in one line, that a call waited for FlashAttention-4 (its import, its compiles), how long,
+    and how a later process avoids it."""
+    if interface.said:
+        return
+    interface.said = True
+    waited = [f"importing flash-attn-4 ({interface.seconds:.1f} s)"] if interface.seconds else []
+    if compiled:
+        waited.append(f"compiling {compiled} kernels")
+    why = stored.store_problem()
+    after = (f"it could not be stored for later processes ({why})" if why else
+             "later processes load it in milliseconds; `dilated-attn warmup --backend fa4` with a run's shapes stores "
+             "them ahead of time")
+    warn_once(f"dilated_attn: the fa4 backend's first call of a shape waited for {' and '.join(waited) or 'the interface'}"
+              f" ({interface.seconds + seconds:.1f} s in all); {after}")
+
+
+class Deferred:
+    """FlashAttention-4's interface module, imported by `load()` at its first use (thread-safe): a process whose calls
+    all find stored programs never imports it (seconds). Its attributes are the module's."""
+
+    def __init__(self, load: Callable[[], object]):
+        self._load = load
+        self._lock = threading.Lock()
+        self.module = None
+        self.seconds = 0.0  # the import's
+        self.said = False  # whether a first call's wait was reported (_say_first)
+
+    def get(self):
+        if self.module is None:
+            with self._lock:
+                if self.module is None:
+                    began = time.perf_counter()
+                    module = self._load()
+                    self.seconds = time.perf_counter() - began
+                    self.module = module
+        return self.module
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and inspection ask for these: they are not the interface's
+            raise AttributeError(name)
+        return getattr(self.get(), name)
 
 
 def _verified(interface) -> bool:
-    """Whether calls of `interface` go directly (path()), asked once per interface."""
+    """Whether calls of `interface` go directly (path()), asked once per interface (of a Deferred one not yet
+    imported, of the installed version)."""
+    if isinstance(interface, Deferred):
+        interface = interface.module
+        if interface is None:
+            return path(None)[0]
     known = _PATHS.get(id(interface))
     if known is None or known[0] is not interface:
         known = _PATHS[id(interface)] = (interface, path(interface))
@@ -263,6 +353,8 @@ _PATHS: dict = {}  # id(interface) -> (interface, path(interface))
 def version_of(interface=None) -> str:
     """The flash-attn-4 version of `interface` (a stand-in may say its own, as `__version__`; FlashAttention's
     interface module has none), or the installed package's ("" where none is)."""
+    if isinstance(interface, Deferred):
+        interface = interface.module
     version = getattr(interface, "__version__", None)
     return _installed_version() if version is None else version
 
@@ -270,6 +362,8 @@ def version_of(interface=None) -> str:
 def path(interface=None) -> tuple[bool, str]:
     """(whether the fa4 backend calls FlashAttention-4's kernels directly, in words which path its calls take and
     why) for `interface` (None: the installed package, not imported: its version only)."""
+    if isinstance(interface, Deferred):
+        interface = interface.module
     version = version_of(interface)
     if version not in VERIFIED_VERSIONS:
         return False, (f"FlashAttention-4's interface on every call: flash-attn-4 {version or '(no version)'} is not "
@@ -324,7 +418,7 @@ def check_interface(interface) -> Optional[str]:
     return None
 
 
-FORWARD, BACKWARD = Direct(), Direct()
+FORWARD, BACKWARD = Direct("forward"), Direct("backward")
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
 
 
