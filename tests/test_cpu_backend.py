@@ -216,3 +216,24 @@ def test_torch_compile_fullgraph_matches_eager():
     go = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(eager, (q, k, v), go)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_double_backward_raises_where_the_backward_is_not_differentiable(backend):
+    """create_graph=True through a backend whose backward op is not differentiable (cpu, which auto runs on CPU
+    tensors) raises, where its second derivative was silently 0; the reference differentiates twice, as float64
+    gradgradcheck accepts."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 12, 2, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    branches = ([4, 12], [1, 2])
+    out = dilated_attn.dilated_attention(q, k, v, *branches, backend=backend)
+    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True\) is not supported"):
+        torch.autograd.grad((out * out).sum(), (q, k, v), create_graph=True)
+    (grad_q,) = torch.autograd.grad((out * out).sum(), (q,), retain_graph=True)  # a first backward still runs
+    assert grad_q.abs().sum() > 0
+    out = dilated_attn.dilated_attention(q, k, v, *branches, backend="reference")
+    grads = torch.autograd.grad((out * out).sum(), (q, k, v), create_graph=True)
+    second = torch.autograd.grad(sum(x.sum() for x in grads), q)[0]
+    assert second.abs().sum() > 1
+    assert torch.autograd.gradgradcheck(lambda *x: dilated_attn.dilated_attention(*x, *branches, backend="reference"),
+                                        (q, k, v))

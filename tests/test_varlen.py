@@ -269,3 +269,36 @@ def test_varlen_heads_of_a_larger_problem(backend):
         p = validate_varlen(*part, cu, segs, dils, causal=True).with_heads(h0, 8)
         o, l_ = chosen.forward_varlen(*part, p)
         assert err(o, out[:, h0:h0 + n]) <= 1e-5 and err(l_, lse[h0:h0 + n]) <= 1e-5, (h0, n)
+
+
+def test_cpu_offsets_are_read_every_call():
+    """CPU offsets rewritten without moving the tensor's version counter (`.data`, a NumPy view) give the new
+    sequences' result on the next call (they were kept from the first read and gave the old one)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(12, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 4, 12], dtype=torch.int64)
+    branches = ([4, 8], [1, 2])
+    first = dilated_attn.dilated_attention_varlen(q, k, v, cu, *branches)
+    cu.numpy()[1] = 7  # no version bump
+    second = dilated_attn.dilated_attention_varlen(q, k, v, cu, *branches)
+    want = dilated_attn.dilated_attention_varlen(q, k, v, torch.tensor([0, 7, 12]), *branches)
+    torch.testing.assert_close(second, want, rtol=0, atol=0)
+    assert not torch.equal(first, second)
+
+
+def test_compiling_a_pack_one_sequence_at_a_time_says_why_it_cannot_be_traced():
+    """torch.compile(fullgraph=True) over a backend that runs packs one sequence at a time (cpu here) stops with the
+    reason (it reads cu_seqlens on the host) and the way out; without fullgraph the call breaks the graph there and
+    gives the eager result."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(12, 2, 4, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 4, 12])
+
+    def attend(q, k, v, cu):
+        return dilated_attn.dilated_attention_varlen(q, k, v, cu, [4, 8], [1, 2], max_seqlen=8)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"runs a pack one sequence at a time, reading cu_seqlens on the host"):
+        torch.compile(attend, fullgraph=True, backend="eager")(q, k, v, cu)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(attend, backend="eager")(q, k, v, cu), attend(q, k, v, cu), rtol=0, atol=0)

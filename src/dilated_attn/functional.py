@@ -65,7 +65,9 @@ def dilated_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Args:
         q: `[T, Hq, D]`; k, v: `[T, Hkv, D]`: S sequences packed along the first axis.
         cu_seqlens: `[S + 1]` int32 or int64 offsets on q's device: 0, then non-decreasing, then T; sequence j is
-            rows `[cu_seqlens[j], cu_seqlens[j + 1])`. Empty sequences are allowed.
+            rows `[cu_seqlens[j], cu_seqlens[j + 1])`. Empty sequences are allowed. GPU offsets are read back once
+            per tensor while it is unchanged: give new offsets as a new tensor, or write them in place with torch
+            ops (`cu.copy_(...)`), not through `.data` or a NumPy view, which torch does not count as a change.
         max_seqlen: at least the longest sequence. Without it the offsets are read back to find it (a host
             synchronisation); under torch.compile it is required.
         The other arguments are those of `dilated_attention`; segments are clipped to each sequence's length.

@@ -272,8 +272,12 @@ def _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, c
 
 
 def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
-    """cu_seqlens' values on the host, read once per tensor while it lives unchanged (memo.read_once): a model's
-    layers and their backwards, handed one cu_seqlens, wait for the GPU once."""
+    """cu_seqlens' values on the host. Offsets on the CPU are read every call (a copy of S + 1 integers); offsets on
+    a GPU once per tensor while its version counter stays the same (memo.read_once), so that a model's layers and
+    their backwards, handed one cu_seqlens, wait for the GPU once. A write that does not move the counter
+    (through `.data`, a NumPy or DLPack view) is not seen there: pass a new tensor for new offsets."""
+    if cu_seqlens.device.type == "cpu":
+        return cu_seqlens.tolist()
     return read_once(cu_seqlens, "offsets", torch.Tensor.tolist)
 
 

@@ -52,6 +52,10 @@ def register_attention_autograd(forward_op: str, backward_op: str, takes_lse_gra
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, grad_out, grad_lse)):
+            # create_graph=True: the backward ops are not differentiable, so a second derivative would be silently 0
+            raise RuntimeError(f"dilated_attn: double backward (create_graph=True) is not supported by {forward_op}'s "
+                               f"backward; backend='reference' differentiates twice")
         if grad_out is None:  # only the LSE has a gradient
             grad_out = torch.zeros_like(out)
         refill = iter(tensors)
