@@ -2,6 +2,7 @@
 dilated_attn.cli.bench) and benchmarks/plot_results.py, at tiny sizes."""
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
@@ -173,12 +174,12 @@ def test_check_runs_fa4_on_its_own_problem_with_the_lse_term(capsys, monkeypatch
 
 def test_check_says_in_one_line_that_fa4_is_not_installed(capsys, monkeypatch):
     monkeypatch.setattr(backends.FA4, "supported_device_types", lambda: ("cuda", "cpu"))
-    monkeypatch.setattr(backends.FA4, "unavailable", lambda: "flash-attn-4 is not installed (`pip install .[fa4]`)")
+    monkeypatch.setattr(backends.FA4, "unavailable", lambda: "flash-attn-4 is not installed (`pip install --no-build-isolation .[fa4]`)")
     monkeypatch.setattr(backends.FA4, "extra_reasons", lambda p: [])
     assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if "fa4" in line] == [
-        "  fa4: not checked: flash-attn-4 is not installed (`pip install .[fa4]`)"]
+        "  fa4: not checked: flash-attn-4 is not installed (`pip install --no-build-isolation .[fa4]`)"]
 
 
 def test_a_backend_that_failed_the_check_is_not_timed(capsys):
@@ -387,7 +388,7 @@ def test_fa4_warmup_without_flash_attn_4_exits_3(capsys, monkeypatch):
     monkeypatch.setattr(fa4, "_installed", lambda: False)
     assert cli.main(["warmup", "--backend", "fa4", *FA4_SHAPES]) == cli.EXIT_CANNOT_RUN
     out, err = capsys.readouterr()
-    assert "error: backend 'fa4' cannot run here: flash-attn-4 is not installed (`pip install .[fa4]`)" in err
+    assert "error: backend 'fa4' cannot run here: flash-attn-4 is not installed (`pip install --no-build-isolation .[fa4]`)" in err
     assert not out and "Traceback" not in err
     with pytest.raises(RuntimeError, match="the fa4 backend cannot run: flash-attn-4 is not installed"):
         warmup_fa4(fa4_families("cpu", heads=4, segment_lengths=[256], dilation_rates=[1], seq_lens=[256]))
@@ -564,3 +565,20 @@ def test_env_names_a_missing_triton_as_not_needed_on_a_cpu(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "triton       not installed (only the triton backend, for CUDA GPUs, needs it)" in out
     assert "ModuleNotFoundError" not in out
+
+
+def test_check_skips_the_dtypes_a_named_backend_cannot_run(capsys, monkeypatch):
+    """A named backend that can run some of the check's dtypes runs those and SKIPs the others with its reason (as
+    `TRITON_INTERPRET=1 check --backends triton` skips bfloat16, which the interpreter computes wrongly)."""
+    monkeypatch.setattr(backends.CPU, "extra_reasons", lambda p: ["no float64 today"] if p.dtype == torch.float64
+                        else [])
+    assert cli.main(["check", "--device", "cpu", "--dtype", "float32", "float64", "--backends", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and out.count("SKIP: no float64 today") == 2
+
+
+def test_triton_interpreter_refuses_bfloat16(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    p = Problem.from_sizes(1, 64, 2, 2, 16, [32], [1], dtype=torch.bfloat16, device="cpu")
+    assert "Triton's interpreter (TRITON_INTERPRET=1, for tests) computes bfloat16 wrongly" in backends.TRITON.why_not(p)
+    assert backends.TRITON.why_not(dataclasses.replace(p, dtype=torch.float16)) in (None, backends.TRITON.unavailable())

@@ -546,7 +546,7 @@ def test_fa4_verdict_without_flash_attn(monkeypatch):
     from dilated_attn.backends import fa4
 
     monkeypatch.setattr(fa4, "_installed", lambda: False)
-    assert "pip install .[fa4]" in fa4.FA4.unavailable()
+    assert "pip install --no-build-isolation .[fa4]" in fa4.FA4.unavailable()
     with pytest.raises(RuntimeError, match=r"fa4 backend cannot run: flash-attn-4 is not installed"):
         fa4.FA4.ops()
 

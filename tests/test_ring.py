@@ -1219,3 +1219,16 @@ def test_documents_layout_one_process():
             dilated_attn.ring_attention(x, x, x, w, [2], **{"layout": layout, **kwargs})
     with pytest.raises(ValueError, match="dim 0 must be the layout's 17"):
         dilated_attn.shard(q[:, :3].transpose(0, 1), layout=layout)
+
+
+def test_a_pack_cut_along_its_heads_is_told_to_shard_its_rows():
+    """A pack whose ranks hold its heads instead of its rows (shard without dim=0) is refused naming the whole pack's
+    rows as P * L and the way to shard it."""
+    from dilated_attn.ring.layout import Groups
+    from dilated_attn.ring.modes import plan_call
+
+    pack = torch.randn(512, 2, 4)  # this rank's half of 4 heads, all 512 rows
+    with pytest.raises(ValueError, match=r"the whole pack's P \* L = 2 \* 512 = 1024 rows .*shard\(x, dim=0\)"):
+        plan_call(pack, pack, pack, [64], [1], causal=False, scale=None, head_groups="all", layout="contiguous",
+                  return_lse=False, backend="auto", mode="auto", groups=Groups((None,), (0,), (2,), 2, 0),
+                  cu_seqlens=torch.tensor([0, 200, 512]))

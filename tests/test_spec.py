@@ -217,3 +217,14 @@ def test_problem_from_sizes_is_validate_without_tensors():
         assert all(word in str(info.value) for word in words), str(info.value)
     with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
         Problem.from_sizes(2, 40, 4, 2, 8, [8], [1], dtype=torch.int32, device="cpu")
+
+
+def test_a_query_in_sdpa_layout_with_fewer_kv_heads_is_told_to_transpose():
+    """q [B, H, S, D] with k, v [B, Hkv, S, D] (PyTorch SDPA's layout, GQA) fails the length check: the message says
+    which layout they look like and to transpose; a plain length mismatch in the package's layout gets no such hint."""
+    q, kv = torch.randn(1, 8, 4096, 64), torch.randn(1, 2, 4096, 64)
+    with pytest.raises(ValueError, match=r"got 2; they look like \[batch, heads, seq, head_dim\].*transpose\(1, 2\)"):
+        dilated_attn.dilated_attention(q, kv, kv, [2048], [1])
+    q, kv = torch.randn(1, 4096, 8, 64), torch.randn(1, 2048, 8, 64)
+    with pytest.raises(ValueError, match=r"self-attention only\), got 2048$"):
+        dilated_attn.dilated_attention(q, kv, kv, [2048], [1])

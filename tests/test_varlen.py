@@ -230,22 +230,26 @@ def test_bad_offsets_under_torch_compile_are_refused(backend):
 
 
 def test_offsets_are_read_once_per_tensor_and_again_after_a_change():
-    """host_offsets keeps a cu_seqlens tensor's values while it lives unchanged (a model's layers share one read)
-    and reads them again after an in-place write; a new tensor is read anew; inference tensors every time."""
-    from dilated_attn import memo, spec
+    """memo.read_once, which host_offsets uses for GPU offsets, keeps a cu_seqlens tensor's values while it lives
+    unchanged (a model's layers share one read) and reads them again after an in-place write; a new tensor is read
+    anew; inference tensors every time. (CPU offsets are read every call: test_cpu_offsets_are_read_every_call.)"""
+    from dilated_attn import memo
+
+    def read(cu):  # as host_offsets reads GPU offsets
+        return memo.read_once(cu, "offsets", torch.Tensor.tolist)
 
     cu = torch.tensor([0, 3, 7])
-    assert spec.host_offsets(cu) == [0, 3, 7]
+    assert read(cu) == [0, 3, 7]
     memo._KEPT[id(cu), "offsets"][2][1] = 4  # what a second read would return if it were not read again
-    assert spec.host_offsets(cu) == [0, 4, 7]
+    assert read(cu) == [0, 4, 7]
     cu[1] = 5  # in place: the version moves, so it is read again
-    assert spec.host_offsets(cu) == [0, 5, 7]
+    assert read(cu) == [0, 5, 7]
     key = (id(cu), "offsets")
     del cu
     assert key not in memo._KEPT
     with torch.inference_mode():
         frozen = torch.tensor([0, 2])
-    assert spec.host_offsets(frozen) == [0, 2]
+    assert read(frozen) == [0, 2]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])

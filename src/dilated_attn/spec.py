@@ -193,7 +193,14 @@ def validate(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=No
     if k.shape[0] != B:
         raise ValueError(f"k and v must have the batch size of q ({B}), got {k.shape[0]}")
     if k.shape[1] != N:
-        raise ValueError(f"k and v must have the sequence length of q ({N}; self-attention only), got {k.shape[1]}")
+        hint = ""
+        if k.shape[2] == Hq > N and N % k.shape[1] == 0:
+            # q [B, H, S, D] and k [B, Hkv, S, D] with S > H: PyTorch SDPA's layout, with fewer kv heads
+            hint = (f"; they look like [batch, heads, seq, head_dim] (PyTorch SDPA's layout, here with {N} query and "
+                    f"{k.shape[1]} kv heads): dilated_attention takes [batch, seq, heads, head_dim], so pass q, k and "
+                    f"v .transpose(1, 2)")
+        raise ValueError(f"k and v must have the sequence length of q ({N}; self-attention only), got "
+                         f"{k.shape[1]}{hint}")
     if k.shape[3] != D:
         raise ValueError(f"k and v must have the head_dim of q ({D}), got {k.shape[3]}")
     Hkv = k.shape[2]
@@ -281,14 +288,15 @@ def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
     return read_once(cu_seqlens, "offsets", torch.Tensor.tolist)
 
 
-def check_offsets(offsets: list[int], total: int, max_seqlen: Optional[int]) -> int:
+def check_offsets(offsets: list[int], total: int, max_seqlen: Optional[int], total_is: Optional[str] = None) -> int:
     """The rules of cu_seqlens' values (0 first, `total` last, non-decreasing, no sequence longer than max_seqlen
-    where given); returns the longest sequence. Wherever the offsets are read on the host, they are checked."""
+    where given); returns the longest sequence. Wherever the offsets are read on the host, they are checked.
+    `total_is` says what `total` is where it is not q.shape[0] (a ring's whole pack)."""
     if offsets[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {offsets[0]}")
     if offsets[-1] != total:
-        raise ValueError(f"cu_seqlens[-1] must be the total number of tokens, q.shape[0] = {total}, got "
-                         f"{offsets[-1]}")
+        raise ValueError(f"cu_seqlens[-1] must be the total number of tokens, {total_is or f'q.shape[0] = {total}'}, "
+                         f"got {offsets[-1]}")
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
     for j, n in enumerate(lengths):
         if n < 0:
@@ -314,7 +322,7 @@ def check_packed_tensors(q, k, v) -> None:
         raise ValueError(f"k and v must have q's total number of tokens ({q.shape[0]}), got {k.shape[0]}")
 
 
-def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, max_seqlen) -> int:
+def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, max_seqlen, total_is: Optional[str] = None) -> int:
     """The rules of packed sequences' offsets `cu_seqlens` over `total` rows on `device` (their type, dtype, shape
     and device; their values, read back to the host, except under torch.compile, where `max_seqlen` is required
     and trusted); returns max_seqlen (the longest sequence where not given)."""
@@ -336,7 +344,7 @@ def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, max_seqlen) -
             raise ValueError("max_seqlen is required under torch.compile: finding the longest sequence would read "
                              "cu_seqlens back to the host and break the graph")
     else:
-        longest = check_offsets(host_offsets(cu_seqlens), total, max_seqlen)
+        longest = check_offsets(host_offsets(cu_seqlens), total, max_seqlen, total_is)
         if max_seqlen is None:
             max_seqlen = longest
     return int(max_seqlen)

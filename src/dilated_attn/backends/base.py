@@ -221,7 +221,9 @@ class Backend:
         if ops is not None:
             return ops[0](q, k, v, p.cu_seqlens, p.max_seqlen, **p.op_arguments())
         if torch.compiler.is_compiling():
-            return _untraced_per_sequence(self, q, k, v, p)
+            from .untraced import forward_per_sequence  # imports torch._dynamo, which eager calls never need
+
+            return forward_per_sequence(self, q, k, v, p)
         return self._forward_per_sequence(q, k, v, p)
 
     def _forward_per_sequence(self, q, k, v, p: Problem):
@@ -299,13 +301,3 @@ def _write_rows(cache, new, cache_seqlens):
     source = rows - first  # the new row that lands on each written row
     lands = ((source >= 0) & (source < Sq))[:, :, None, None]
     cache[batch, rows] = torch.where(lands, new[batch, source.clamp(0, Sq - 1)], cache[batch, rows])
-
-
-
-# A pack one sequence at a time, left out of torch.compile's graph (a graph break), with the reason fullgraph=True
-# reports: its loop reads cu_seqlens on the host
-_untraced_per_sequence = torch.compiler.disable(
-    Backend._forward_per_sequence, recursive=True,
-    reason="dilated_attention_varlen: this backend (cpu, reference or cudnn) runs a pack one sequence at a time, "
-           "reading cu_seqlens on the host, which torch.compile cannot trace; the triton backend (a GPU) runs packs in "
-           "its kernels and traces with fullgraph=True; elsewhere compile without fullgraph (a graph break here)")

@@ -316,11 +316,14 @@ def bench_command(args, env=None, failed: frozenset = frozenset()) -> int:
 
 def check_command(device: torch.device, dtypes, backends, prog: str = "dilated-attn check",
                   rows: Optional[list] = None) -> int:
-    """The `check` command: refuses backends named that cannot run here, else runs the self-check (its rows
-    appended to `rows` where given)."""
+    """The `check` command: refuses backends named that can run none of the check's problems here, else runs the
+    self-check (its rows appended to `rows` where given; a dtype or case a named backend cannot run is a SKIP with the
+    reason)."""
     refused = {}
     for name in backends or ():
-        refused.update(refusals(check_problems(device, dtypes, name), [name]))
+        problems = check_problems(device, dtypes, name)
+        if all(refusals([p], [name]) for p in problems):
+            refused.update(refusals(problems, [name]))
     if refused:
         return cannot_run(refused, prog)
     found = self_check(use_device(device), dtypes, backends)

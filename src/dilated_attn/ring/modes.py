@@ -128,7 +128,9 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
                          f"length L, got L={L} on {P} ranks")
     packed, offsets = None, None
     if cu_seqlens is not None:
-        packed = (cu_seqlens, check_cu_seqlens(cu_seqlens, N, q.device, max_seqlen))
+        whole = (f"the whole pack's P * L = {P} * {L} = {N} rows (each rank passes its shard of L rows: "
+                 f"shard(x, dim=0) cuts a pack [T, H, D] along its rows)")
+        packed = (cu_seqlens, check_cu_seqlens(cu_seqlens, N, q.device, max_seqlen, whole))
         offsets = tuple(host_offsets(cu_seqlens))
     if P == 1:
         return RingCall("ring", "one rank: dilated_attention" + ("_varlen" if packed else ""), p, (w, r))

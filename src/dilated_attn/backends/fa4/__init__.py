@@ -142,7 +142,7 @@ class Fa4Backend(Backend):
         """Whether flash-attn-4 is installed, without importing it (seconds) before the backend first runs: a
         verdict, explain() or another backend's call costs no import. A broken install says why at that run."""
         if not _installed():
-            return "flash-attn-4 is not installed (`pip install .[fa4]`)"
+            return "flash-attn-4 is not installed (`pip install --no-build-isolation .[fa4]`)"
         why = _loader.error
         return None if why is None else f"FlashAttention-4 is not available ({why})"
 

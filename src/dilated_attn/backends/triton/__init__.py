@@ -107,6 +107,12 @@ class TritonBackend(Backend):
         why = load_error()
         return None if why is None else f"triton is not available ({why})"
 
+    def extra_reasons(self, p) -> list[str]:
+        if p.device.type == "cpu" and p.dtype == torch.bfloat16:
+            return ["bfloat16 on CPU tensors: Triton's interpreter (TRITON_INTERPRET=1, for tests) computes bfloat16 "
+                    "wrongly"]
+        return []
+
     def ops(self):
         why = self.unavailable()
         if why is not None:
