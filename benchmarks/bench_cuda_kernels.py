@@ -27,7 +27,7 @@ from dilated_attn.benchmarking import LONGNET, attention_call, device_info, medi
 from dilated_attn.spec import Problem
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import fp32_fma_peak  # noqa: E402
+from bench_gpu import fp32_fma_peak
 
 CONFIGS = [(torch.float32, 64), (torch.float32, 128), (torch.bfloat16, 128), (torch.float16, 128)]
 

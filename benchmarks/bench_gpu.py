@@ -72,7 +72,7 @@ from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from baselines import compiled_recipe, gather_sdpa_merge  # noqa: E402
+from baselines import compiled_recipe, gather_sdpa_merge
 
 PRESETS = [  # (N, branches, causal)
     (65536, LONGNET, False),

@@ -78,7 +78,7 @@ def _import_interface():
     except ImportError as exc:
         raise RuntimeError(f"flash-attn-4 is not installed ({exc}); `pip install --no-build-isolation .[fa4]` "
                            f"installs it (Hopper and Blackwell GPUs, CUDA 12.9 or newer)") from exc
-    except Exception as exc:  # noqa: BLE001 - a broken install says why
+    except Exception as exc:
         raise RuntimeError(f"flash-attn-4 did not load ({type(exc).__name__}: {exc})") from exc
     from . import direct
 
