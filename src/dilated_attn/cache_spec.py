@@ -6,7 +6,7 @@ the call writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -23,7 +23,7 @@ class CacheProblem:
     problem: Problem
     cache_seqlens: Optional[tuple[int, ...]]  # on the host; None where that needs a device-to-host copy
     new_tokens: int
-    given_seqlens: object  # cache_seqlens as the caller gave it: an int, or a tensor [B] kernels may read
+    given_seqlens: Union[int, torch.Tensor]  # cache_seqlens as the caller gave it: an int, or a tensor [B] kernels may read
 
 
 def _byte_span(x: torch.Tensor) -> tuple[int, int]:
@@ -119,19 +119,19 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilati
             raise ValueError(f"cache_seqlens must be on q's device ({q.device}) or the CPU, got {cache_seqlens.device}")
     elif not is_int(cache_seqlens):
         raise TypeError(f"cache_seqlens must be an int or an integer tensor [B], got {type(cache_seqlens).__name__}")
-    lengths = None
+    lengths: Optional[tuple[int, ...]] = None
     longest = Nmax  # what dispatch decides on where the lengths stay on the device
     if reads_cache_seqlens(cache_seqlens):
         if isinstance(cache_seqlens, torch.Tensor):
             lengths = tuple(int(n) for n in cache_seqlens.tolist())
         else:
             lengths = (cache_seqlens,) * B
-        for b, n in enumerate(lengths):
-            if n < 0:
-                raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch element {b}")
-            if n + Sq > Nmax:
-                raise ValueError(f"the cache is too short: cache_seqlens + Sq = {n} + {Sq} > Nmax = {Nmax} (batch "
-                                 f"element {b}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
+        for element, cached in enumerate(lengths):
+            if cached < 0:
+                raise ValueError(f"cache_seqlens must be >= 0, got {cached} for batch element {element}")
+            if cached + Sq > Nmax:
+                raise ValueError(f"the cache is too short: cache_seqlens + Sq = {cached} + {Sq} > Nmax = {Nmax} (batch "
+                                 f"element {element}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
         # B = 0: no element, no length (no max(..., default=): torch.compile's fullgraph does not take it)
         longest = (max(lengths) if lengths else 0) + Sq
     # the problem of one batch element's longest attended prefix (batch 0 where there is no element)

@@ -265,7 +265,7 @@ class Decision:
                 f"{dtype_name(p.dtype)} on {p.device}; branches {branches}; causal={p.causal}, "
                 f"head_groups={p.head_groups!r}, records_backward={p.records_backward}"
             )
-            if p.varlen:
+            if p.cu_seqlens is not None:
                 lines.append(f"  packed: {p.cu_seqlens.numel() - 1} sequences in N={p.seq_len} rows, the longest "
                              f"at most {p.max_seqlen}")
         width = max(len(name) for name in self.verdicts)

@@ -121,9 +121,13 @@ class Problem:
     def branches(self) -> list[Branch]:
         """The branch table; for packed sequences segments are clipped to max_seqlen (the kernels clip them to
         each sequence's length)."""
-        length = self.max_seqlen if self.varlen else self.seq_len
-        return branch_table(*self.op_branches(), length, self.num_heads, self.head_groups, self.head_start,
+        return branch_table(*self.op_branches(), self.longest, self.num_heads, self.head_groups, self.head_start,
                             self.global_heads)
+
+    @property
+    def longest(self) -> int:
+        """The longest sequence: max_seqlen for packed sequences, else seq_len."""
+        return self.max_seqlen if self.max_seqlen is not None and self.varlen else self.seq_len
 
     def with_heads(self, head_start: int, global_heads: int) -> "Problem":
         """This problem as the heads [head_start, head_start + num_heads) of one of `global_heads` query heads
@@ -146,9 +150,7 @@ class Problem:
         packed sequence) is clipped to it, as the spec clips it; a dilation of at least max(s, Hq) leaves each
         segment's one member per head at offset p % s, and any larger one gives the same members and offsets
         ((p mod s) mod r = p mod s, ceil(Hq / r) = 1, group % r = group)."""
-        if seq_len is None:
-            seq_len = self.max_seqlen if self.varlen else self.seq_len
-        length = max(seq_len, 1)
+        length = max(self.longest if seq_len is None else seq_len, 1)
         # min(), except that under torch.compile, where a length marked dynamic is symbolic, a segment within it stays
         # its int (a guard on the length) and only a clipped one is the length itself, never an expression of it
         w = [x if x <= length else length for x in self.segment_lengths]

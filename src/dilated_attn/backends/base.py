@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 
@@ -227,7 +227,7 @@ class Backend:
         return self._forward_per_sequence(q, k, v, p)
 
     def _forward_per_sequence(self, q, k, v, p: Problem):
-        offsets = host_offsets(p.cu_seqlens)
+        offsets = host_offsets(cast(torch.Tensor, p.cu_seqlens))  # a packed problem's
         check_offsets(offsets, q.shape[0], p.max_seqlen)
         outs, lses = [], []
         for start, end in zip(offsets, offsets[1:]):
@@ -277,7 +277,8 @@ class Backend:
         B, Sq, H, D = q.shape
         Nmax = k_cache.shape[1]
         batch = torch.arange(B, device=q.device)[:, None]
-        positions = cp.given_seqlens.to(q.device, torch.int64)[:, None] + torch.arange(Sq, device=q.device)
+        given = cast(torch.Tensor, cp.given_seqlens)  # the cached lengths left on the device: a tensor
+        positions = given.to(q.device, torch.int64)[:, None] + torch.arange(Sq, device=q.device)
         positions = positions.clamp(0, Nmax - 1)  # [B, Sq]
         attended = (torch.arange(Nmax, device=q.device) <= positions[:, -1:])[:, :, None, None]
         rows = q.new_zeros((B, Nmax, H, D))
