@@ -302,7 +302,7 @@ class RingAttention(torch.autograd.Function):
 
 
 @dataclass
-class _Exchange:
+class _KVExchange:
     """What the backward keeps (its received rows still to come) and the K/V exchange ready to post: its buffers
     allocated and its wait point fixed (RingComm.hold_inputs), so that kernels queued after _prepare_exchange delay
     no transfer."""
@@ -329,19 +329,19 @@ def _run_arguments(cfg: RingConfig, run: BranchRun) -> dict:
                 scale=cfg.scale, head_start=p.head_start, global_heads=p.global_heads)
 
 
-def _prepare_exchange(cfg: RingConfig, group, q, k, v) -> _Exchange:
+def _prepare_exchange(cfg: RingConfig, group, q, k, v) -> _KVExchange:
     comm = RingComm(cfg.plan, cfg.rank, group, q.shape[0], q.shape[3], q.device)
     rows = compacted_rows(cfg.plan, cfg.rank, q.device)
     kc = [cp.kv.gather(k) for cp in rows]
     vc = [cp.kv.gather(v) for cp in rows]
     if not comm.eager(q.shape[2], k.shape[2]):
         comm.hold_inputs()
-        return _Exchange(comm, Exchanged(rows, kc, vc, False, {}, {}, {}), (kc, vc), [])
+        return _KVExchange(comm, Exchanged(rows, kc, vc, False, {}, {}, {}), (kc, vc), [])
     joined = joined_blocks(cfg.plan, cfg.rank)
     buffers, into, send_k, send_v, copies = _joined_buffers(cfg.plan, cfg.rank, joined, kc, vc)
     comm.prepare_all_kv(k.dtype, into)
     comm.hold_inputs()
-    return _Exchange(comm, Exchanged(rows, kc, vc, True, joined, buffers, {}), (send_k, send_v), copies)
+    return _KVExchange(comm, Exchanged(rows, kc, vc, True, joined, buffers, {}), (send_k, send_v), copies)
 
 
 def ring_forward(q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[[], Callable[[], None]]] = None):

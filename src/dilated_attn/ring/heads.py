@@ -143,7 +143,7 @@ def _shards(y: torch.Tensor, P: int, layout: str, out: torch.Tensor) -> None:
         _copy(x[j, :, 1], chunks[:, 2 * P - 1 - j])
 
 
-class _Exchange:
+class _AllToAll:
     """One all-to-all in flight: `wait()` gives what arrived."""
 
     def __init__(self, send: torch.Tensor, group, finish: Callable[[torch.Tensor], object]):
@@ -164,7 +164,7 @@ def _split(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
 
 
 def to_heads(parts: list[tuple[torch.Tensor, list[slice]]], share: HeadShare, group,
-             check: Optional[Callable[[], None]] = None) -> _Exchange:
+             check: Optional[Callable[[], None]] = None) -> _AllToAll:
     """Post one exchange of tensors x [B, L, H_x, E] (one dtype) that gives this rank, of each, [B, P*L, h_x, E] of
     its heads: rank j receives the heads `heads[j]` of every rank's positions, for each (x, heads) of `parts`. One
     all-to-all for them all: one transfer kernel, whose latency counts once. `check()` runs between the copies into
@@ -182,10 +182,10 @@ def to_heads(parts: list[tuple[torch.Tensor, list[slice]]], share: HeadShare, gr
                 _copy(view[j], x[:, :, s])
     if check is not None:
         check()
-    return _Exchange(send, group, lambda recv: _split(_positions(recv, share.P, share.layout), widths))
+    return _AllToAll(send, group, lambda recv: _split(_positions(recv, share.P, share.layout), widths))
 
 
-def to_positions(ys: list[torch.Tensor], share: HeadShare, group) -> _Exchange:
+def to_positions(ys: list[torch.Tensor], share: HeadShare, group) -> _AllToAll:
     """Post one exchange of tensors y [B, P*L, h_y, E] (this rank's heads, every position; one dtype) that gives
     back, of each, [P, B, L, h_y, E]: entry j holds rank j's heads at this rank's positions."""
     B, N, _, E = ys[0].shape
@@ -193,7 +193,7 @@ def to_positions(ys: list[torch.Tensor], share: HeadShare, group) -> _Exchange:
     send = torch.empty((share.P, B, N // share.P, sum(widths), E), dtype=ys[0].dtype, device=ys[0].device)
     for y, view in zip(ys, _split(send, widths)):
         _shards(y, share.P, share.layout, view)
-    return _Exchange(send, group, lambda recv: _split(recv, widths))
+    return _AllToAll(send, group, lambda recv: _split(recv, widths))
 
 
 def _query_heads(share: HeadShare, qs: slice) -> list[slice]:
