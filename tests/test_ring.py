@@ -1232,3 +1232,20 @@ def test_a_pack_cut_along_its_heads_is_told_to_shard_its_rows():
         plan_call(pack, pack, pack, [64], [1], causal=False, scale=None, head_groups="all", layout="contiguous",
                   return_lse=False, backend="auto", mode="auto", groups=Groups((None,), (0,), (2,), 2, 0),
                   cu_seqlens=torch.tensor([0, 200, 512]))
+
+
+def test_ranks_that_differ_are_named_plainly():
+    """The check's message where two ranks' descriptors differ: the field, the rank that differs from rank 0, and the
+    values where they mean something (a digest of packs or a scale's bits do not)."""
+    from dilated_attn.ring import check
+
+    fields = list(range(len(check._FIELDS)))
+    rows = []
+    for digest in (7, 8):
+        fields[check._FIELDS.index("segment_lengths/dilation_rates/cu_seqlens")] = digest
+        rows.append(check._HEADER.pack(0, 0, *fields, 0) + bytes(check._MESSAGE_BYTES))
+    table = torch.stack([torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in rows])
+    error = check._read_config(table)
+    assert str(error) == ("ring_attention: every rank of the group must pass the same "
+                          "segment_lengths/dilation_rates/cu_seqlens, but rank 1 of the group passes another than "
+                          "its rank 0")
