@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -219,11 +219,12 @@ class DilatedAttention(nn.Module):
         if kv_cache is not None:
             return self._decode(query, key, value, is_causal, kv_cache)
         args = (query, key, value, self.segment_lengths, self.dilation_rates)
-        kwargs = dict(causal=is_causal, scale=self.softmax_scale, head_groups=self.head_groups)
-        if self.process_group is not None:
-            return ring_attention(*args, **kwargs, group=self.process_group, layout=self.layout, backend=self.backend)
+        kwargs: dict[str, Any] = dict(causal=is_causal, scale=self.softmax_scale, head_groups=self.head_groups)
+        if self.process_group is not None:  # return_lse=False: the output alone
+            return cast(torch.Tensor, ring_attention(*args, **kwargs, group=self.process_group, layout=self.layout,
+                                                     backend=self.backend))
         if not (self.training and self.attention_dropout > 0):
-            return dilated_attention(*args, **kwargs, backend=self.backend)
+            return cast(torch.Tensor, dilated_attention(*args, **kwargs, backend=self.backend))
         # Dispatch as usual (same errors, same fallback warnings), but run the reference, which has dropout.
         usual = dispatch.select(validate(*args, **kwargs, backend=self.backend), self.backend).name
         if usual != "reference":
@@ -258,7 +259,7 @@ class DilatedAttention(nn.Module):
                                              self.dilation_rates, k=key, v=value, scale=self.softmax_scale,
                                              head_groups=self.head_groups, backend=self.backend)
         cache.length += query.shape[1]
-        return out
+        return cast(torch.Tensor, out)  # return_lse=False: the output alone
 
     def extra_repr(self) -> str:
         return (
@@ -389,7 +390,7 @@ class MultiheadDilatedAttention(nn.Module):
         # lru_cache keyed by device, which torch.compile cannot trace, while a buffer is a plain graph input
         # that follows .to(). Non-persistent: the ordering has no parameters, so checkpoints do not depend on it.
         # a copy of the shared cache entry: a module's buffers are its own to change
-        perm = hilbert_index(self.spatial_shape, device).clone()
+        perm = hilbert_index(cast(Sequence[int], self.spatial_shape), device).clone()  # set: ordering "hilbert"
         self.register_buffer("_curve_perm", perm, persistent=False)
         # Undo with index_select by the inverse (argsort of a permutation) rather than a scatter by perm.
         self.register_buffer("_curve_inverse", torch.argsort(perm), persistent=False)
@@ -436,7 +437,7 @@ class MultiheadDilatedAttention(nn.Module):
         if self.ordering == "hilbert":
             # key and value share query's positions (self-attention), so one permutation serves all three;
             # an input passed more than once is permuted once.
-            perm = self._curve_perm  # x.index_select(1, perm) == hilbert.serialize(x, spatial_shape)
+            perm = cast(torch.Tensor, self._curve_perm)  # x.index_select(1, perm) == hilbert.serialize(x, spatial_shape)
             q_in = query.index_select(1, perm)
             k_in = q_in if key is query else key.index_select(1, perm)
             value = q_in if value is query else k_in if value is key else value.index_select(1, perm)

@@ -177,7 +177,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
         return (out, lse) if return_lse else out
     packed = cu_seqlens is not None
     if P == 1:
-        if packed:
+        if cu_seqlens is not None:
             return dilated_attention_varlen(q, k, v, cu_seqlens, *call.branches, max_seqlen=max_seqlen, causal=causal,
                                             scale=scale, head_groups=head_groups, return_lse=return_lse,
                                             backend=backend)
