@@ -41,7 +41,7 @@ from . import __version__, dispatch
 from .spec import BACKEND_NAMES, Problem, host_offsets, sequence_problem
 
 __all__ = [
-    "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "MODES", "L2_FLUSH_BYTES",
+    "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "PASSES", "L2_FLUSH_BYTES",
     "say", "median_ms", "settle_clock", "in_turn", "run_times_ms", "format_ms", "peak_memory_bytes", "gpu_state",
     "GpuSampler", "Inputs",
     "random_inputs", "attention_call", "tflops",
@@ -55,7 +55,7 @@ LOCAL2 = ([512, 1024], [1, 2])  # "local2": two short branches, many small segme
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 # --mode -> the measurements taken: "fwd" (forward under no_grad), "fwd+bwd" (forward and the input gradients)
-MODES = {"fwd": ("fwd",), "fwdbwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}
+PASSES = {"fwd": ("fwd",), "fwdbwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}
 
 # More than the L2 cache of current GPUs (H100: 50 MB, H200: 60 MB); zeroed before each timed run, as by
 # triton.testing.do_bench, so that no run finds its inputs in L2 left there by the run before.

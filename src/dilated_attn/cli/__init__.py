@@ -32,7 +32,7 @@ from .. import __version__, build_info
 from ..backends import FA4
 from ..backends import triton as triton_backend
 from ..backends import verdicts as backend_verdicts
-from ..benchmarking import DTYPES, MODES, Record, device_info, say, triton_version
+from ..benchmarking import DTYPES, PASSES, Record, device_info, say, triton_version
 from ..spec import BACKEND_NAMES, Problem, dtype_name
 from .bench import BENCH_DEFAULTS, BenchConfig, matplotlib_missing, plan, plot_rows, print_table, refusals, run_bench
 from .check import CHECK_DTYPES, check_problems, self_check
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dilation-rates", type=int, nargs="+", help="r of each branch (with --segment-lengths)")
     b.add_argument("--dtype", choices=list(DTYPES))
     b.add_argument("--causal", action="store_true")
-    b.add_argument("--mode", choices=list(MODES), default="both",
+    b.add_argument("--mode", choices=list(PASSES), default="both",
                    help="fwd, fwdbwd (forward+backward) or both (default)")
     b.add_argument("--backends", nargs="+", choices=BACKEND_NAMES,
                    help="default: every backend that applies to the device and can run; a backend named that "

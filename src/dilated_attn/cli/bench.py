@@ -17,7 +17,7 @@ import torch
 from .. import backends
 from ..benchmarking import (
     LONGNET,
-    MODES,
+    PASSES,
     Record,
     applicable_backends,
     attention_call,
@@ -55,7 +55,7 @@ class BenchConfig:
     segment_lengths: list[int]
     dilation_rates: list[int]
     causal: bool = False
-    mode: str = "both"  # a key of MODES
+    mode: str = "both"  # a key of PASSES
     warmup: int = 1
     repeats: int = 3
 
@@ -129,7 +129,7 @@ def run_bench(cfg: BenchConfig, timed: dict[int, list[str]], record: Record) -> 
                 return dilated_attention(q, k, v, cfg.segment_lengths, cfg.dilation_rates, causal=cfg.causal,
                                          backend=name)
 
-            for mode in MODES[cfg.mode]:
+            for mode in PASSES[cfg.mode]:
                 fn = attention_call(attention, inputs, mode)
                 label = f"  N={n:>7} {name:<10} {mode:<8}:"
                 try:
