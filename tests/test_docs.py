@@ -2,8 +2,8 @@
 
 * Every ```python block of README.md and docs/*.md is executed as written, each in a fresh namespace (the snippets
   are small, so this file takes seconds on 2 cores). A block whose first line is `# needs a GPU` is skipped where
-  there is no CUDA GPU. docs/SPEC.md is the contract, kept verbatim: its one python block lists signatures
-  (including entry points not implemented yet), so it is not executed; its links are checked.
+  there is no CUDA GPU. docs/SPEC.md is the contract, kept verbatim: its one python block lists signatures, so it
+  is not executed (tests/test_spec_signatures.py compares them with the code); its links are checked.
 * Every relative link of README.md, docs/*.md and benchmarks/README.md points to an existing file, and a link to
   a heading (`file.md#heading`) to an existing heading of that file.
 * Every `benchmarks/README.md, "Title"` (and `docs/x.md, "Title"`) cited in the code names a heading that exists,

@@ -33,10 +33,11 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
             group per branch, offset `i % r`).
         return_lse: also return the merged log-sum-exp `[B, Hq, N]` (float32;
             float64 for float64).
-        backend: "auto", "cuda", "triton", "cudnn", "cpu" or "reference".
-            "auto" follows the environment variable DILATED_ATTN_BACKEND
-            when it names a backend, else `dispatch.auto_preference`;
-            `dilated_attn.explain(...)` tells which backend runs and why.
+        backend: "auto", "cuda", "triton", "cudnn", "fa4", "cpu" or
+            "reference". "auto" follows the environment variable
+            DILATED_ATTN_BACKEND when it names a backend, else
+            `dispatch.auto_preference`; `dilated_attn.explain(...)` tells
+            which backend runs and why.
 
     Returns:
         `out` `[B, N, Hq, D]` (contiguous, q's dtype), or `(out, lse)` with

@@ -171,7 +171,7 @@ class DilatedAttention(nn.Module):
             apply here; dilated_attn picks its kernels through `backend`.
     Keyword-only:
         head_groups: "all" (LongNet) or "split" (dilated-attention-pytorch), as in `dilated_attention`.
-        backend: "auto", "cuda", "triton", "cpu" or "reference", as in `dilated_attention`.
+        backend: "auto", "cuda", "triton", "cudnn", "fa4", "cpu" or "reference", as in `dilated_attention`.
         process_group: None, or a torch.distributed ProcessGroup (`dist.group.WORLD` for all ranks), or a 2-D
             DeviceMesh or a pair (ring_group, heads_group): then the inputs are this rank's shards of a sequence
             split across the group and forward runs `dilated_attn.ring_attention` in the mode its `auto` picks (no
@@ -216,6 +216,19 @@ class DilatedAttention(nn.Module):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False, *,
         kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
+        """Dilated attention of query over key and value, with the module's branches and options.
+
+        Args:
+            query: `[B, N, Hq, D]`; key, value: `[B, N, Hkv, D]` with `Hq % Hkv == 0` (with a process_group,
+                this rank's shards `[B, L, H, D]` of the sequence).
+            is_causal: a query attends only to keys at positions <= its own.
+            kv_cache: keyword-only, a `KVCache`: query, key and value are the `Sq` new tokens `[B, Sq, H, D]`
+                that follow the cache's `length` ones; key and value are written into the cache, which advances.
+                Needs is_causal=True and no grad (torch.no_grad() or torch.inference_mode()).
+
+        Returns:
+            `[B, N, Hq, D]` (`[B, Sq, Hq, D]` with kv_cache), query's dtype.
+        """
         if kv_cache is not None:
             return self._decode(query, key, value, is_causal, kv_cache)
         args = (query, key, value, self.segment_lengths, self.dilation_rates)
@@ -422,6 +435,21 @@ class MultiheadDilatedAttention(nn.Module):
         *,
         kv_cache: Optional[KVCache] = None,
     ) -> tuple[torch.Tensor, None]:
+        """Project, attend and project back, as the class docstring writes it out.
+
+        Args:
+            query: `[B, N, embed_dim]`; key, value: `[B, N, embed_dim]`, default query (self-attention). With a
+                process_group, this rank's shards `[B, L, embed_dim]`; with spatial_shape, `N == prod(spatial_shape)`.
+            is_causal: a token attends only to those at or before it (along the Hilbert curve with
+                ordering="hilbert").
+            kv_cache: keyword-only, a `KVCache` (batch, max_len, num_kv_heads, head_dim): query holds the new
+                tokens `[B, Sq, embed_dim]` after the cache's `length` ones; their keys and values are written
+                into it and it advances. Needs is_causal=True and no grad; not with ordering="hilbert".
+
+        Returns:
+            `(out, None)`, out `[B, N, embed_dim]` (`[B, Sq, embed_dim]` with kv_cache): the pair
+            dilated-attention-pytorch returns (no attention weights).
+        """
         if kv_cache is not None and self.ordering == "hilbert":
             raise ValueError("kv_cache decodes a sequence token by token; ordering='hilbert' reorders a whole grid")
         key = query if key is None else key

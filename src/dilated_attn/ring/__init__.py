@@ -131,12 +131,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
     `torchrun --nproc_per_node=4 example.py` (NCCL on 4 GPUs; on a machine
     without GPUs use "gloo" and CPU tensors)::
 
+        import os
         import torch
         import torch.distributed as dist
         import dilated_attn
 
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # torchrun's: this node's GPU
         dist.init_process_group("nccl")
-        torch.cuda.set_device(dist.get_rank())
         torch.manual_seed(0)  # the same global tensors on every rank
         q_full, k_full, v_full = (
             torch.randn(1, 65536, 16, 128, device="cuda", dtype=torch.bfloat16)
