@@ -3,7 +3,7 @@
 import torch
 
 import dilated_attn
-from dilated_attn.backends import compiled
+from dilated_attn.backends import extension
 
 
 def test_extension_is_loaded():
@@ -14,7 +14,7 @@ def test_extension_is_loaded():
 
 
 def test_ops_are_registered_with_a_cpu_kernel():
-    assert compiled.has_kernel("cpu")
+    assert extension.has_kernel("cpu")
     schema = str(torch.ops.dilated_attn.forward.default._schema)
     assert "int[] segment_lengths" in schema and "-> (Tensor out, Tensor lse)" in schema
     assert torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attn::backward", "CPU")
@@ -61,7 +61,7 @@ def test_every_attention_op_takes_the_one_signature():
 
 def test_a_cpu_only_build_has_no_cuda_kernel():
     if not dilated_attn.build_info()["with_cuda"]:
-        assert not compiled.has_kernel("cuda")
+        assert not extension.has_kernel("cuda")
 
 
 def test_package_is_typed_and_licensed():
@@ -91,9 +91,9 @@ def test_one_version_number():
 
 def test_a_tile_table_this_build_lacks_is_refused_before_the_launch():
     """DILATED_ATTN_CUDA_TILES asks for a tile table by hand: the cuda backend refuses one whose code the build does
-    not hold for the GPU (compiled.tile_table_refusal, the launcher's own rule), so that the call raises its
+    not hold for the GPU (extension.tile_table_refusal, the launcher's own rule), so that the call raises its
     ValueError; Pascal's tables run on newer GPUs only in a DILATED_ATTN_PASCAL_PROXY=1 build."""
-    refusal = compiled.tile_table_refusal
+    refusal = extension.tile_table_refusal
     for requested in ("pascal", "gp100"):
         assert "no code of that tile table for compute capability 9.x" in refusal(requested, (9, 0), False)
         assert refusal(requested, (9, 0), True) is None  # the proxy build

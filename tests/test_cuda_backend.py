@@ -12,14 +12,14 @@ from parity import (
 )
 
 import dilated_attn
-from dilated_attn.backends import compiled
+from dilated_attn.backends import extension
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _needs_cuda_kernels():
-    if torch.cuda.is_available() and not compiled.has_kernel("cuda"):
+    if torch.cuda.is_available() and not extension.has_kernel("cuda"):
         pytest.fail("a GPU is present but dilated_attn._C was built without CUDA kernels")
 
 

@@ -364,13 +364,13 @@ def _log_lanes(log, math_interface, monkeypatch):
     """Run the backward's two lanes on `log`'s stand-in streams, logging each call, store and addition there."""
     monkeypatch.setattr(ops._Lanes, "of", classmethod(lambda cls, like: cls([log.stream("main"), log.stream("side")])))
     _enter_logged_streams(log, monkeypatch)
-    accumulate = ops.compiled.accumulate
+    accumulate = ops.extension.accumulate
 
     def logged_accumulate(targets, parts, store=False):
         log.ops.append((log.current, "store" if store else "add", None))
         accumulate(targets, parts, store)
 
-    monkeypatch.setattr(ops.compiled, "accumulate", logged_accumulate)
+    monkeypatch.setattr(ops.extension, "accumulate", logged_accumulate)
     backward = math_interface._flash_attn_bwd
 
     def logged_backward(*args, dq=None, **kwargs):
@@ -685,10 +685,10 @@ def test_auto_prefers_fa4_where_installed_and_measured_faster(monkeypatch, insta
     import dataclasses
 
     from dilated_attn import dispatch
-    from dilated_attn.backends import compiled, fa4
+    from dilated_attn.backends import extension, fa4
     from dilated_attn.spec import validate
 
-    monkeypatch.setattr(compiled, "_KERNELS", {"cpu": True, "cuda": True})
+    monkeypatch.setattr(extension, "_KERNELS", {"cpu": True, "cuda": True})
     monkeypatch.setattr(dispatch.cudnn_backend.CUDNN, "why_not", lambda p: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fa4, "_installed", lambda: installed)

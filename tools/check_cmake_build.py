@@ -22,12 +22,12 @@ def main() -> int:
     spec.loader.exec_module(library)
 
     import dilated_attn
-    from dilated_attn.backends import compiled
+    from dilated_attn.backends import extension
     from dilated_attn.cli import main as cli
 
     info = dilated_attn.build_info()
     print(f"{library.__file__}: {info}")
-    if compiled._C is not library or not info.get("loaded"):
+    if extension._C is not library or not info.get("loaded"):
         print("the package did not load this library", file=sys.stderr)
         return 1
     return cli(["check", *sys.argv[2:]])

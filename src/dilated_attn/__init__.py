@@ -22,7 +22,7 @@ Docs (in the repository): README.md; docs/SPEC.md (the contract), docs/backends.
 docs/modules.md, docs/numerics.md, docs/cli.md (`python -m dilated_attn`), docs/design.md, docs/development.md.
 """
 
-from .backends.compiled import build_info
+from .backends.extension import build_info
 from .dispatch import explain
 from .functional import dilated_attention, dilated_attention_varlen, dilated_attention_with_kvcache
 from .nn import DilatedAttention, KVCache, MultiheadDilatedAttention

@@ -1,7 +1,7 @@
 """The backends, one module each; each declares what its forward and backward ops support (as data: base.ForwardOp,
 base.BackwardOp), every reason it cannot run an input (`reasons`), and its ops (see base.Backend).
 
-    compiled.py   `cpu` and `cuda`: the ops of the compiled extension dilated_attn._C (csrc/)
+    extension.py  `cpu` and `cuda`: the ops of the compiled extension dilated_attn._C (csrc/)
     triton/       `triton`: Triton kernels, imported on first use
     cudnn/        `cudnn`: cuDNN's fused attention on strided views of each branch, merged by a CUDA kernel
     fa4/          `fa4`: FlashAttention-4 (the optional flash-attn-4 package) on the same views, imported on first use
@@ -17,8 +17,8 @@ from typing import Optional
 
 from ..spec import BACKEND_NAMES, Problem
 from .base import Backend
-from .compiled import CPU, CUDA
 from .cudnn import CUDNN
+from .extension import CPU, CUDA
 from .fa4 import FA4
 from .reference_backend import REFERENCE
 from .triton import TRITON

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .. import backends
-from ..backends import compiled
+from ..backends import extension
 from ..merge import merge_into
 from .plan import BranchRun
 
@@ -65,12 +65,12 @@ def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _merge_kernel_runs(acc_out, acc_lse, out, lse) -> bool:
     return (acc_out.is_cuda and acc_out.dtype == out.dtype and acc_lse.dtype == lse.dtype == torch.float32
-            and acc_out.stride(-1) == 1 and out.stride(-1) == 1 and compiled.has_kernel("cuda"))
+            and acc_out.stride(-1) == 1 and out.stride(-1) == 1 and extension.has_kernel("cuda"))
 
 
 def accumulate(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """sums[i] += grads[i], `[B, n, H, D]` each (compiled.accumulate on their `[B, H, n, D]` views)."""
-    compiled.accumulate([x.transpose(1, 2) for x in sums], [g.transpose(1, 2) for g in grads])
+    """sums[i] += grads[i], `[B, n, H, D]` each (extension.accumulate on their `[B, H, n, D]` views)."""
+    extension.accumulate([x.transpose(1, 2) for x in sums], [g.transpose(1, 2) for g in grads])
 
 
 def merge_block(acc_out, acc_lse, out, lse) -> None:

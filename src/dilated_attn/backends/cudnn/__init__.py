@@ -23,7 +23,7 @@ import torch
 
 from ...compile_hints import trace_constant
 from ...spec import Problem
-from .. import compiled
+from .. import extension
 from ..base import Backend, ForwardOp, OnceLoader
 
 __all__ = ["CUDNN", "MIN_CUDNN_VERSION"]
@@ -38,9 +38,9 @@ def load_error() -> Optional[str]:
 
 
 def _load() -> Optional[str]:
-    if not compiled.has_kernel("cuda"):
+    if not extension.has_kernel("cuda"):
         return ("its loops over the cuDNN calls are CUDA code of dilated_attn._C, "
-                + ("which was built without CUDA" if compiled.LOAD_ERROR is None else "which is not loaded"))
+                + ("which was built without CUDA" if extension.LOAD_ERROR is None else "which is not loaded"))
     if not torch.backends.cudnn.is_available():
         return "this torch has no cuDNN"
     if torch.backends.cudnn.version() < MIN_CUDNN_VERSION:

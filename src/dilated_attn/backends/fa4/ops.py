@@ -24,7 +24,7 @@ import torch
 
 from ...merge import merge_into
 from ...spec import check_offsets, host_offsets, lse_dtype
-from .. import compiled
+from .. import extension
 from ..autograd import register_attention_autograd
 from ..base import device_capability
 
@@ -145,7 +145,7 @@ def _bshd(view: torch.Tensor) -> torch.Tensor:
 def _merge(out_view, lse_view, part_out, part_lse) -> None:
     """(out_view, lse_view) <- their merge with (part_out, part_lse); rows whose part_lse is -inf keep their values
     and part_out is not read there (the kernel skips it: a packed call's rows between its runs hold no result)."""
-    if out_view.is_cuda and compiled.has_kernel("cuda"):
+    if out_view.is_cuda and extension.has_kernel("cuda"):
         torch.ops.dilated_attn.merge_into(out_view, lse_view, part_out, part_lse)
     else:  # an extension built without CUDA: the same merge in PyTorch
         merge_into(out_view, lse_view, part_out.masked_fill((part_lse == float("-inf"))[..., None], 0), part_lse)
@@ -259,7 +259,7 @@ def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilatio
                                     deterministic, dlse=dlse, **given)
             if not written:
                 lanes.write(adds=not stored)
-                compiled.accumulate((dqs, dks, dvs), [_bshd(g) for g in grads], stored)
+                extension.accumulate((dqs, dks, dvs), [_bshd(g) for g in grads], stored)
             lanes.wrote()
     lanes.join()
     return grad_q, grad_k, grad_v
@@ -417,7 +417,7 @@ def fa4_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_s
                                         **_lengths(call, metadata), **given)
                 if not written:
                     lanes.write(adds=not stored)
-                    compiled.accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads],
+                    extension.accumulate([_heads_first(t) for t in targets], [_heads_first(g) for g in grads],
                                         stored)
                 lanes.wrote()
     lanes.join()
