@@ -264,22 +264,9 @@ def test_kernels_called_directly_equal_the_reference(copies, monkeypatch):
     for name in ("FORWARD", "BACKWARD"):
         monkeypatch.setattr(direct, name, direct.Direct(name.lower()))
     _poisoned_empty(monkeypatch)
-    segs, dils = [16, 32, 64], [1, 2, 4]
     for seed, causal in [(0, False), (1, False), (2, True), (3, True)]:
-        g = torch.Generator().manual_seed(seed)
-        q, k, v = (torch.randn(2, 64, h, 8, generator=g, dtype=torch.float64) for h in (8, 2, 2))
         before = collections.Counter(interface.counts)
-        out, lse = ops.fa4_forward(q, k, v, segs, dils, False, causal, 0.3)
-        grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
-        grad_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
-        grads = ops.fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segs, dils, False, causal, 0.3)
-        ref = [x.detach().requires_grad_() for x in (q, k, v)]
-        ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, causal=causal, scale=0.3)
-        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
-        want = torch.autograd.grad((ref_out * grad_out).sum() + (ref_lse * grad_lse).sum(), ref)
-        for got, exp in zip(grads, want):
-            torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-10)
+        _forward_backward_exact(seed, causal)
         kernels = interface.counts["kernel"] - before["kernel"]
         through_interface = interface.counts["interface"] - before["interface"]
         assert kernels > 2
@@ -896,16 +883,18 @@ def _fresh_process(monkeypatch, interface):
     monkeypatch.setattr(ops, "fa", interface)
 
 
-def _forward_backward_exact(seed: int):
+def _forward_backward_exact(seed: int, causal: bool = True):
+    """fa4_forward and fa4_backward (with an LSE gradient) of LongNet-like branches on seeded float64 inputs, exact
+    against the reference."""
     segs, dils = [16, 32, 64], [1, 2, 4]
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, 64, h, 8, generator=g, dtype=torch.float64) for h in (8, 2, 2))
     grad_out, grad_lse = torch.randn(2, 64, 8, 8, generator=g, dtype=torch.float64), \
         torch.randn(2, 8, 64, generator=g, dtype=torch.float64)
-    out, lse = ops.fa4_forward(q, k, v, segs, dils, False, True, 0.3)
-    grads = ops.fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segs, dils, False, True, 0.3)
+    out, lse = ops.fa4_forward(q, k, v, segs, dils, False, causal, 0.3)
+    grads = ops.fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segs, dils, False, causal, 0.3)
     ref = [x.detach().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, causal=True, scale=0.3)
+    ref_out, ref_lse = dilated_attention_reference(*ref, segs, dils, causal=causal, scale=0.3)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
     want = torch.autograd.grad((ref_out * grad_out).sum() + (ref_lse * grad_lse).sum(), ref)
