@@ -9,7 +9,7 @@ import torch
 
 import dilated_attn
 from dilated_attn import backends, compile_hints, dispatch
-from dilated_attn.backends import base, compiled, reference_backend
+from dilated_attn.backends import base, extension, reference_backend
 from dilated_attn.backends import triton as triton_backend
 from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
@@ -31,7 +31,7 @@ def _clean(monkeypatch):
 @pytest.fixture
 def no_cpu_kernels(monkeypatch):
     """A build of the extension without CPU kernels, as the CPU backend sees it."""
-    monkeypatch.setattr(compiled, "_KERNELS", {"cpu": False, "cuda": False})
+    monkeypatch.setattr(extension, "_KERNELS", {"cpu": False, "cuda": False})
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def _recorded(fn):
 def _fake_cuda_problem(monkeypatch, capability=(9, 0), dtype=torch.bfloat16, head_dim=128, cuda_kernels=True):
     """A Problem on a CUDA device of the given compute capability, without a GPU: the verdicts only read the
     problem, the extension's kernel table and the device's capability."""
-    monkeypatch.setattr(compiled, "_KERNELS", {"cpu": True, "cuda": cuda_kernels})
+    monkeypatch.setattr(extension, "_KERNELS", {"cpu": True, "cuda": cuda_kernels})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     q = torch.empty(1, 64, 4, head_dim, dtype=dtype, device="meta")
     return dataclasses.replace(validate(q, q, q, SEGS, DILS), device=torch.device("cuda", 0))
@@ -90,7 +90,7 @@ def test_auto_falls_back_to_the_reference_and_warns_once_per_reason(no_cpu_kerne
     _, warned = _recorded(lambda: dilated_attn.dilated_attention(q, k, v, SEGS, DILS, causal=True))
     assert warned == []  # the same reason again: no second warning
     # A different reason (the extension not loaded at all) is worth its own warning.
-    monkeypatch.setattr(compiled, "LOAD_ERROR", "ImportError: no _C")
+    monkeypatch.setattr(extension, "LOAD_ERROR", "ImportError: no _C")
     _, warned = _recorded(lambda: dilated_attn.dilated_attention(q, k, v, SEGS, DILS))
     assert len(warned) == 1 and "not loaded (ImportError: no _C)" in warned[0], warned
 

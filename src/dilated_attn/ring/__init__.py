@@ -136,7 +136,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_le
         import torch.distributed as dist
         import dilated_attn
 
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # torchrun's: this node's GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # this node's GPU
         dist.init_process_group("nccl")
         torch.manual_seed(0)  # the same global tensors on every rank
         q_full, k_full, v_full = (
