@@ -12,6 +12,7 @@ from cases import make_qkv, random_case
 from parity import case_inputs, math_attend, math_attend_backward, poison_allocator
 
 import dilated_attn
+from dilated_attn.backends import views as planner
 from dilated_attn.backends.cudnn import ops
 from dilated_attn.branches import branch_table
 from dilated_attn.merge import merge_into
@@ -38,7 +39,7 @@ def _forward_steps_cpu(q, k, v, steps, stored_steps, causal, scale):
     if stored_steps == 0:
         out.zero_()
         lse_rows.fill_(-math.inf)
-    for i, (qs, ks, vs, out_view, lse_view) in enumerate(ops.Schedule(steps, stored_steps).views(
+    for i, (qs, ks, vs, out_view, lse_view) in enumerate(planner.Schedule(steps, stored_steps).views(
             q, k, v, out, lse_rows)):
         SEEN_VIEWS.append((qs, ks, vs))
         part_out, part_lse = math_attend(qs, ks, vs, causal, scale)
@@ -56,7 +57,7 @@ def _backward_steps_cpu(grad_out, q, k, v, out, lse_rows, steps, stored_steps, c
     BACKWARD_LOOPS.append((steps.shape[0], stored_steps))
     new = torch.empty if stored_steps else torch.zeros
     grad_q, grad_k, grad_v = (new(shape, dtype=q.dtype) for shape in (q.shape, k.shape, k.shape))
-    schedule = ops.Schedule(steps, stored_steps)
+    schedule = planner.Schedule(steps, stored_steps)
     for i, (*views, q_target, kv_target) in enumerate(schedule.views(grad_out, q, k, v, out, lse_rows, grad_q,
                                                                         grad_k)):
         SEEN_VIEWS.append(tuple(views[:5]))
@@ -96,7 +97,7 @@ def test_calls_cover_every_member_once(index):
         want = {(p, h) for h in range(br.head_lo, br.head_hi) for p in range(case.seq_len)
                 if (p % br.seg_len) % br.dilation == br.offset(h)}
         got = []
-        for c in ops.branch_calls(br, case.seq_len, group):
+        for c in planner.branch_calls(br, case.seq_len, group):
             rows = _member_pairs(c, kv=False)
             # one call's members share one segment: they attend to each other only
             for j in range(c.n_seg):
@@ -125,10 +126,10 @@ def test_longnet_branches_take_few_calls(kv_heads, expected):
     # groups whose heads read one kv head (4 calls); with one kv head, each head of the two calls reads its own view
     # of it. r=16 (groups of one head): 4 interleaved classes with 4 kv heads, 2 runs with 2.
     table = branch_table([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], 65536, 16, "all")
-    assert [len(ops.branch_calls(br, 65536, 16 // kv_heads)) for br in table] == expected
+    assert [len(planner.branch_calls(br, 65536, 16 // kv_heads)) for br in table] == expected
     # N=16384: r=4 and r=8 have fewer segments (2, 1) than heads within a group: one call per segment
     table = branch_table([2048, 4096, 8192, 16384], [1, 2, 4, 8], 16384, 16, "all")
-    assert [len(ops.branch_calls(br, 16384)) for br in table] == [1, 2, 2, 1]
+    assert [len(planner.branch_calls(br, 16384)) for br in table] == [1, 2, 2, 1]
 
 
 def _reference_grads(q, k, v, case, grad_out, grad_lse=None):
@@ -202,7 +203,7 @@ def test_calls_by_segment_equal_the_reference(layout, causal, pieces, kv_heads, 
         _cut_calls_into_pieces(monkeypatch, pieces)
     case = dataclasses.replace(LONGNET, seq_len=80, dilation_rates=(1, 2, 4), layout=layout, causal=causal,
                                num_kv_heads=kv_heads)
-    calls = ops.branch_calls(branch_table([64], [4], 80, 8, "all")[0], 80, 8 // kv_heads)
+    calls = planner.branch_calls(branch_table([64], [4], 80, 8, "all")[0], 80, 8 // kv_heads)
     if kv_heads == 8:
         assert [(c.n_seg, c.n_heads, c.segment_head_step, c.kv_heads, c.kv_segment_head_step) for c in calls] == \
             [(4, 2, 2, 2, 2)] * 2
@@ -219,7 +220,7 @@ def test_calls_by_head_equal_the_reference(causal, kv_heads, math_loops, monkeyp
     heads (8) or one kv head for all (1, kv head step 0); with 2 kv heads they are not evenly spaced (heads 0-3
     read kv head 0, 4-7 kv head 1), so each group takes a call, its 2 heads sharing a kv head."""
     case = dataclasses.replace(LONGNET, seq_len=256, num_kv_heads=kv_heads)
-    calls = ops.branch_calls(branch_table([64], [4], 256, 8, "all")[0], 256, 8 // kv_heads)
+    calls = planner.branch_calls(branch_table([64], [4], 256, 8, "all")[0], 256, 8 // kv_heads)
     if kv_heads == 2:
         assert [(c.n_heads, c.row_step, c.kv_heads) for c in calls] == [(2, 0, 1)] * 4
     else:
@@ -238,7 +239,7 @@ def test_grouped_query_calls_by_class_equal_the_reference(causal, kv_heads, cut,
     step 0). Both cuts take 2 calls, not 8."""
     case = dataclasses.replace(LONGNET, seq_len=256, segment_lengths=(64,), dilation_rates=(8,), num_kv_heads=kv_heads,
                                causal=causal)
-    calls = ops.branch_calls(branch_table([64], [8], 256, 8, "all")[0], 256, 8 // kv_heads)
+    calls = planner.branch_calls(branch_table([64], [8], 256, 8, "all")[0], 256, 8 // kv_heads)
     assert [(c.n_heads, c.head_step, c.row_step, c.kv_head_step) for c in calls] == [(4, *cut)] * 2
     _poisoned_empty(monkeypatch)
     _forward_backward_equal_the_reference(case, seed=7)
@@ -250,11 +251,11 @@ def test_first_branch_stores(math_loops, monkeypatch, kv_heads):
     uninitialised results; the later branches' calls each merge (add their gradients) once."""
     _poisoned_empty(monkeypatch)
     case = dataclasses.replace(LONGNET, num_kv_heads=kv_heads)
-    p = ops.plan((16, 32, 64), (1, 2, 4), 64, 8, kv_heads, False)
+    p = planner.view_plan((16, 32, 64), (1, 2, 4), 64, 8, kv_heads, False)
     assert p.first_stores and len(p.calls[0]) == 1
     _forward_backward_equal_the_reference(case, seed=1)
     q, k, v = make_qkv(case, dtype=torch.float64, seed=1)
-    s = p.schedule(ops._layouts(q, k, v) + ops._contiguous(q.shape, q.shape[:3]), ops.FORWARD_KV,
+    s = p.schedule(planner.layouts_of(q, k, v) + planner.contiguous(q.shape, q.shape[:3]), ops.FORWARD_KV,
                    ops.MAX_CALL_ELEMENTS)
     # r=2: one call per offset group of 4 heads; r=4: every group of the one segment in one call, per batch
     assert [len(calls) for calls in p.calls] == [1, 2, 1] and s.stored == 1 and s.steps.shape[0] == 1 + 2 + 2

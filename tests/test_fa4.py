@@ -793,8 +793,8 @@ def test_aligned_pack_takes_a_uniform_batchs_calls():
     pack: one per offset group, or one per head of a group where the groups stack; the first branch written in
     place. Other starts take a call per residue and offset group, or run moved to multiples of the dilations where
     that saves calls."""
-    from dilated_attn.backends.cudnn.ops import plan
     from dilated_attn.backends.fa4 import packs
+    from dilated_attn.backends.views import view_plan as plan
 
     aligned = packs.plan_pack((0, 32, 48, 112), (16, 32), (1, 4), 16, 16, False)  # 4 heads in each of 4 groups
     assert aligned.starts is None and [len(calls) for calls in aligned.plan.calls] == [1, 4]

@@ -1,6 +1,6 @@
 """The `fa4` backend: FlashAttention-4 (the optional `flash-attn-4` package, NVIDIA's CuTe DSL kernels for Hopper
 and Blackwell) on strided views of each branch's members, planned like the cudnn backend (the same `Call`s and
-`Schedule`s, backends/cudnn/ops.py), each call's result merged into the running one by the same CUDA kernel.
+`Schedule`s, backends/views.py), each call's result merged into the running one by the same CUDA kernel.
 
     ops.py    the `torch.library.custom_op` registrations (`dilated_attn::fa4_forward`, `fa4_backward`, their
               `fa4_varlen_` forms for packed sequences) and the dense ops the ring's joined blocks run

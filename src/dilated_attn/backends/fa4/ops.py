@@ -1,4 +1,4 @@
-"""The fa4 backend's ops: FlashAttention-4 on the strided views of the cudnn backend's plan (backends/cudnn/ops.py:
+"""The fa4 backend's ops: FlashAttention-4 on the strided views of the cudnn backend's plan (backends/views.py:
 the same calls, pieces and steps), each call's result merged into the running `(out, lse)` by the CUDA merge kernel
 (csrc/cuda/merge.cu) or, stored, written in place by the kernel itself.
 
@@ -27,12 +27,11 @@ from ...spec import check_offsets, host_offsets, lse_dtype
 from .. import extension
 from ..autograd import register_attention_autograd
 from ..base import device_capability
+from ..signature import backward_op, forward_op
 
 # FlashAttention reads the views cuDNN reads (unit-stride rows, 16-byte aligned address and strides, no broadcast
-# dimensions): the same copy where a tensor is not so
-from ..cudnn.ops import _cudnn_layout as _aligned
-from ..cudnn.ops import _layouts, _plan_of
-from ..signature import backward_op, forward_op
+# dimensions): the same copy where a tensor is not so (views.aligned)
+from ..views import aligned, layouts_of, plan_of
 from . import direct
 from .packs import PackCall, PackPlan, plan_pack
 
@@ -208,12 +207,12 @@ def _store(into, outs: torch.Tensor, lses: torch.Tensor) -> None:
 
 @forward_op("fa4_forward")
 def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    q, k, v = aligned(q), aligned(k), aligned(v)
     B, N, H, D = q.shape
-    p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
+    p = plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
     out, lse = _results(q, (B, H, N), p.first_stores)
     tensors = (q, k, v, out, lse.transpose(1, 2))  # the plan reads LSEs as [B, N, H]
-    s = p.schedule(_layouts(*tensors), FORWARD_KV, MAX_CALL_ELEMENTS)
+    s = p.schedule(layouts_of(*tensors), FORWARD_KV, MAX_CALL_ELEMENTS)
     options = _forward_options(q, causal)
     stored, merged = [], []
     for i, (qs, ks, vs, outs, lses) in enumerate(s.views(*tensors)):
@@ -236,16 +235,16 @@ def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, s
 @backward_op("fa4_backward")
 def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilation_rates, split_heads, causal,
                  scale, head_start=0, global_heads=0):
-    q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
+    q, k, v, grad_out, out = (aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse = lse.to(lse_dtype(q.dtype))
-    p = _plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
+    p = plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
     grad_q, grad_k, grad_v = _gradients(q, k, p.first_stores)
     tensors = [grad_out, q, k, v, out, lse.transpose(1, 2), grad_q, grad_k, grad_v]
     kv = BACKWARD_KV
     if grad_lse is not None:
         tensors.append(grad_lse.to(lse.dtype).transpose(1, 2))
         kv = kv + (False,)
-    s = p.schedule(_layouts(*tensors), kv, MAX_BACKWARD_CALL_ELEMENTS, whole_first=False)
+    s = p.schedule(layouts_of(*tensors), kv, MAX_BACKWARD_CALL_ELEMENTS, whole_first=False)
     deterministic = torch.are_deterministic_algorithms_enabled()
     lanes = _Lanes.of(q)
     for i, views in enumerate(s.views(*tensors)):
@@ -356,7 +355,7 @@ def _lengths(call: PackCall, metadata: torch.Tensor) -> dict:
 @forward_op("fa4_varlen_forward", packed=True)
 def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, causal, scale,
                        head_start=0, global_heads=0):
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    q, k, v = aligned(q), aligned(k), aligned(v)
     pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, head_start,
                     global_heads)
     q, k, v = pack.spread(q), pack.spread(k), pack.spread(v)
@@ -386,7 +385,7 @@ def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilatio
 @backward_op("fa4_varlen_backward", packed=True)
 def fa4_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_seqlen, segment_lengths,
                         dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
-    q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
+    q, k, v, grad_out, out = (aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse = lse.to(lse_dtype(q.dtype))
     grad_lse = None if grad_lse is None else grad_lse.to(lse.dtype)
     pack = _pack_of(q, k, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, split_heads, head_start,
@@ -430,13 +429,13 @@ register_attention_autograd("dilated_attn::fa4_varlen_forward", "fa4_varlen_back
 def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Full (non-causal) attention of q `[B, nq, H, D]` over k, v `[B, nk, Hk, D]` in one call, the lengths unequal
     where they are: `(out [B, nq, H, D], lse [B, H, nq])` (the ring's blocks over several ranks' keys)."""
-    return direct.forward(fa, _aligned(q), _aligned(k), _aligned(v), scale, False, _forward_options(q, False))
+    return direct.forward(fa, aligned(q), aligned(k), aligned(v), scale, False, _forward_options(q, False))
 
 
 def dense_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, scale: float):
     """The gradients `(dq, dk, dv)` of dense_forward given the merged out and LSE of the rows (each block's share of
     the exact gradient)."""
-    q, k, v, grad_out, out = (_aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
+    q, k, v, grad_out, out = (aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     return direct.backward(fa, q, k, v, out, grad_out, lse.to(torch.float32), scale, False,
                            torch.are_deterministic_algorithms_enabled())

@@ -11,7 +11,7 @@ stack as a uniform batch's do (the cudnn plan's branch_calls): with `head_groups
 than groups, the `j`-th head of every group goes in one call whose head `i` is group `i`'s, at a row shift of `i`
 (head stride `(H + heads per group)*D`), where every group has the same runs, shifted by its offset; with
 grouped-query heads whose groups do not map so onto kv heads, the `j`-th head of each class of groups `p, p + m, ...`
-(or of each run of groups reading one kv head) goes in one call, as the cudnn plan's _by_head cuts them. In a pack of
+(or of each run of groups reading one kv head) goes in one call, as the cudnn plan's by_head cuts them. In a pack of
 other lengths the starts take several residues, one call each (up to `r` per offset group): where that costs more
 calls than copying the tensors does, the ops run on a copy with each sequence moved to a multiple of the dilations
 (plan_pack).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...branches import Branch, branch_table, covers_everything, groups_stack, offset_groups
-from ..cudnn.ops import _by_head
+from ..views import by_head
 
 __all__ = ["Pack", "PackCall", "PackPlan", "plan_pack", "plan_sequences"]
 
@@ -106,14 +106,14 @@ def _runs(br: Branch, offset: int, lengths: list[tuple[int, int]]) -> dict[int, 
 
 def _stacked(br: Branch, group: int, lengths: list[tuple[int, int]]):
     """Where calls can each take the `j`-th head of several offset groups as the cudnn plan cuts them (its
-    _by_head: head `t` of a call that of group `first + t*step`, at a row shift of `t*step`, with its kv heads): the
+    by_head: head `t` of a call that of group `first + t*step`, at a row shift of `t*step`, with its kv heads): the
     residue and runs of the first group, which every group has shifted by its offset, that group's offset, and the
     calls (their `first_row` the offset of their first group); else None. It needs groups that stack
     (branches.groups_stack) and a cut of fewer calls than one per group whose heads map onto kv heads."""
     groups = offset_groups(br)
     offset = groups[0][0]
     # one segment of one member from row 0: the calls' rows are their first groups' offsets
-    calls = _by_head(0, 1, 0, 1, br.dilation, groups, group) if groups_stack(groups) else None
+    calls = by_head(0, 1, 0, 1, br.dilation, groups, group) if groups_stack(groups) else None
     if calls is None:
         return None
     first = _runs(br, offset, lengths)
