@@ -132,7 +132,7 @@ def fa4_preferred(p: Problem) -> bool:
     """Where flash-attn-4 is installed and can run `p` (a problem large enough for cudnn), auto prefers it: LongNet at
     N = 65536, causal or not, Hkv = 16, 4 and 1, with its kernels called directly (backends/fa4/direct.py), ran
     forward+backward 1.07-1.20x cudnn's speed and the forward 1.03-1.16x in every run on an H100 and on H200s
-    (benchmarks/README.md, "Direct kernel calls (8ba66ff), and fa4's two speeds")."""
+    (benchmarks/README.md, "Direct kernel calls")."""
     return fa4_backend.FA4.why_not(p) is None
 
 
