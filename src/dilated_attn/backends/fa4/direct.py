@@ -308,8 +308,9 @@ def _say_first(interface: "Deferred", compiled: int, seconds: float) -> None:
 
 
 class Deferred:
-    """FlashAttention-4's interface module, imported by `load()` at its first use (thread-safe): a process whose calls
-    all find stored programs never imports it (seconds). Its attributes are the module's."""
+    """FlashAttention-4's interface module, imported by the `load` it is given at its first use (`get()`,
+    thread-safe): a process whose calls all find stored programs never imports it (seconds). Its attributes are the
+    module's."""
 
     def __init__(self, load: Callable[[], object]):
         self._load = load

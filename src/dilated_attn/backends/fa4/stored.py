@@ -20,6 +20,7 @@ shape imports FlashAttention-4 in each new process, as before; `store_problem()`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,7 +40,7 @@ FORMAT = 1  # of the JSON below; a change makes a new directory
 _DISTRIBUTIONS = ("flash-attn-4", "nvidia-cutlass-dsl", "apache-tvm-ffi")
 _problem: Optional[str] = None  # why the last program could not be stored
 _lock = threading.Lock()
-_libraries: dict[str, object] = {}  # path -> its tvm_ffi function (kept: a module must outlive its functions)
+_libraries: dict[str, object] = {}  # path -> its kernel's tvm_ffi function, loaded once a process
 
 
 def _fingerprint() -> Optional[str]:
@@ -59,19 +60,14 @@ def _fingerprint() -> Optional[str]:
     return hashlib.sha256(seed.encode()).hexdigest()[:16]
 
 
-_directory: Optional[tuple[Optional[Path]]] = None
-
-
+@functools.lru_cache(maxsize=1)
 def directory() -> Optional[Path]:
     """Where this install's programs are kept (backends.fa4.cache_dir()/programs/<digest>), or None where
     flash-attn-4 is not installed. Looked up once a process (the package versions do not change under it)."""
-    global _directory
-    if _directory is None:
-        from . import cache_dir
+    from . import cache_dir
 
-        digest = _fingerprint()
-        _directory = (None if digest is None else Path(cache_dir()) / "programs" / digest,)
-    return _directory[0]
+    digest = _fingerprint()
+    return None if digest is None else Path(cache_dir()) / "programs" / digest
 
 
 def has_programs() -> bool:
