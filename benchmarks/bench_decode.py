@@ -76,6 +76,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="first time the kernel (CUDA graph) for each count of programs, block of keys, warp count and "
                          "pipeline depth, and keep the best")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="then where the eager call's host time goes: cProfile over --repeats calls, the top functions")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode_<device>.json)")
     args = ap.parse_args(argv)
     B, H, Hkv, D, Sq, cached = args.batch, args.heads, args.kv_heads, args.dim, args.sq, args.cached
@@ -170,6 +172,32 @@ def main(argv=None) -> None:
     say(f"decode is {times['recompute'] / times['decode']:.0f}x faster than recomputing the prefix")
     record.set(speedup_over_recompute=times["recompute"] / times["decode"])
     record.close()
+    if args.host_profile:
+        host_profile(decode, args.repeats)
+
+
+def host_profile(call, repeats: int) -> None:
+    """The host's time per call (issued without waiting for the GPU), then cProfile's top functions."""
+    import cProfile
+    import pstats
+    import time
+
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        say(f"host: {(time.perf_counter() - start) / repeats * 1e6:.1f} us per eager call to issue")
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(repeats):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumtime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ causal; N = 16384 with the same branches; N = 262144 with the long branches (204
 
 Providers (each measured in the same process, on the same inputs):
   triton, cudnn, fa4, cuda    dilated_attn's backends (where they can run); triton with the shipped configs
+  auto                        dilated_attn's default (backend="auto"): what it picks, with the dispatch's host time
   fa4_interface               fa4 with every FlashAttention-4 call, forward and backward, through its Python
                               interface (the direct calls of backends/fa4/direct.py off)
   triton_sweep                triton with DILATED_ATTN_AUTOTUNE's full sweep instead of the shipped configs
@@ -21,7 +22,9 @@ Providers (each measured in the same process, on the same inputs):
   dense_cudnn                 dense cuDNN SDPA over the whole sequence, for scale (N <= 65536)
   segments_cudnn, segments_fa4
                               dense cuDNN SDPA / FlashAttention-4 over sequences of the first segment length
-                              (the first branch's shape alone, where its dilation is 1): the kernels' ceiling
+                              (the first branch's shape alone, where its dilation is 1): the kernels' ceiling;
+                              with segments_fa4, each row gives its rate as a fraction of that one's
+                              (of_segments_fa4_rate: the same kernel's dense rate on the same work)
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
 (dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run), after a few seconds of load that
@@ -102,6 +105,7 @@ def providers(N, segs, dils, causal):
         "triton_sweep": ours("triton"),  # run with configs.AUTOTUNE set (main)
         "cudnn": ours("cudnn"),
         "fa4": ours("fa4"),
+        "auto": ours("auto"),
         "fa4_interface": ours("fa4"),  # timed with direct calls off (without_direct_calls)
         "cuda": ours("cuda"),
         "sdpa_recipe": lambda q, k, v: gather_sdpa_merge(q, k, v, segs, dils, causal=causal),
@@ -292,7 +296,8 @@ def main(argv=None):
                         f"{str(exc)[:120]})")
                     del rounds[name]
                     torch.cuda.empty_cache()
-            for name, samples in rounds.items():
+            dense_rate = None  # the rate of FlashAttention-4's kernel over the first branch's shape alone
+            for name, samples in sorted(rounds.items(), key=lambda item: item[0] != "segments_fa4"):
                 ms = statistics.median(samples)
                 if name == "dense_cudnn" or name.startswith("segments_"):  # all N x n scores, not the branches'
                     n = N if name == "dense_cudnn" else segs[0]
@@ -305,6 +310,10 @@ def main(argv=None):
                            median_ms=ms, tflops=rate, extra_memory_gib=extra[name] / 2**30,
                            working_memory_gib=(extra[name] - results_bytes(inputs, backward)) / 2**30,
                            fraction_of_fp32_peak=rate / peak, host_ms=host[name])
+                if name == "segments_fa4":
+                    dense_rate = rate
+                elif dense_rate is not None:
+                    row["of_segments_fa4_rate"] = rate / dense_rate
                 if args.rounds > 1:
                     row["round_medians_ms"] = samples
                 if args.gpu_state:
@@ -314,7 +323,9 @@ def main(argv=None):
                 say(f"{where} {name:>20} {mode:>7}: {ms:9.3f} ms{spread} {rate:7.1f} TFLOP/s"
                     f" ({100 * row['fraction_of_fp32_peak']:5.1f}% of fp32 peak)"
                     f"  extra {row['extra_memory_gib']:.2f} GiB (working {row['working_memory_gib']:.2f})"
-                    f"  host {row['host_ms']:.3f} ms")
+                    f"  host {row['host_ms']:.3f} ms"
+                    + (f"  {100 * row['of_segments_fa4_rate']:.1f}% of segments_fa4's rate"
+                       if "of_segments_fa4_rate" in row else ""))
                 if args.gpu_state:
                     say(f"{where} {name:>20} {mode:>7}: by round, ms / SM MHz / W / event reasons: " + ", ".join(
                         f"{t:.2f} / {st.get('sm_clock_mhz', '?')} / {st.get('power_w', '?')} / "

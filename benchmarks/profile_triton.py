@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--host", action="store_true",
                     help="the host's time to issue a step, then where it goes (cProfile, the top functions)")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps with --kernel-times or --host")
+    ap.add_argument("--trace", default=None, help="with --kernel-times: write the profiled steps' timeline here "
+                                                  "(Chrome trace JSON: each stream's kernels, the host's calls)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
     q, k, v, go = random_inputs(1, args.seq_len, 16, args.dim, kv_heads=args.kv_heads,
@@ -78,15 +80,28 @@ def kernel_times(step, args) -> None:
         end.record()
         torch.cuda.synchronize()
     wall = start.elapsed_time(end) / args.steps
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     rows = [(e.device_time_total / 1e3 / args.steps, e.count // args.steps, e.key) for e in prof.key_averages()
             if e.device_time_total > 0]
     rows.sort(reverse=True)
     busy = sum(ms for ms, _, _ in rows)
     mode = "forward" if args.forward_only else "forward+backward"
     print(f"{args.backend} {mode}, N={args.seq_len} Hkv={args.kv_heads} causal={args.causal}: wall {wall:.3f} ms "
-          f"per step, kernels {busy:.3f} ms")
+          f"per step, kernels {busy:.3f} ms, GPU busy {gpu_busy_ms(prof) / args.steps:.3f} ms (any stream)")
     for ms, count, name in rows[:14]:
         print(f"  {ms:8.3f} ms {count:4d}x  {name[:110]}")
+
+
+def gpu_busy_ms(prof) -> float:
+    """The time some kernel or copy ran on the GPU (the union of their intervals over every stream)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, reach = 0.0, float("-inf")
+    for begin, end in spans:
+        busy += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    return busy / 1e3
 
 
 def host_times(step, args) -> None:
