@@ -15,7 +15,8 @@ Rows, for each causal setting:
 With --mode fwd+bwd or both, the backends' forward+backward too (the options change its forward). With --serial,
 each fa4 row also without the forward's second stream (`... serial`: ops.OVERLAP_CALLS off), in the same run.
 With --backward, the backward's options instead, forward+backward: its calls on one stream or alternating between
-two (ops.OVERLAP_BACKWARD), the most elements of one call (ops.MAX_BACKWARD_CALL_ELEMENTS), and FlashAttention-4's
+two (ops.OVERLAP_BACKWARD), the most bytes one call holds beside the gradients (ops.MAX_BACKWARD_CALL_BYTES, in
+MiB), and FlashAttention-4's
 Hopper backward tile (BACKWARD_TILES; `other`: its causal tile for non-causal inputs and the reverse), each with
 the extra memory of one call and its gradients' max difference from the first variant's.
 The GPU is brought to its sustained clock before the rounds (settle_clock).
@@ -79,8 +80,9 @@ BACKWARD_TILES = {
                AtomLayoutMdQ=1),
 }
 # (two streams, log2 of the most elements of a call, tile): the first is the reference of the differences
-BACKWARD_VARIANTS = [(False, 25, "own"), (True, 25, "own"), (False, 24, "own"), (True, 24, "own"), (True, 23, "own"),
-                     (True, 26, "own"), (False, 25, "other"), (True, 25, "other"), (True, 24, "other")]
+# (two streams, MiB per call, tile); the first is the shipped choice (each variant's gradients are compared with it)
+BACKWARD_VARIANTS = [(True, 80, "own"), (True, 320, "own"), (True, 160, "own"), (True, 40, "own"), (False, 80, "own"),
+                     (False, 160, "own"), (True, 80, "other"), (True, 320, "other")]
 
 
 def label(options: dict) -> str:
@@ -214,17 +216,17 @@ def backward_variants(args, record, inputs, causal, fa, ops) -> None:
     def attention(backend):
         return lambda q, k, v: dilated_attn.dilated_attention(q, k, v, segs, dils, causal=causal, backend=backend)
 
-    shipped = ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_ELEMENTS
+    shipped = ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_BYTES
 
     @contextlib.contextmanager
-    def settings(lanes, pieces, tile):
-        ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_ELEMENTS = lanes, 1 << pieces
+    def settings(lanes, mib, tile):
+        ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_BYTES = lanes, mib << 20
         if tile == "other":
             fa._tile_size_bwd_sm90 = lambda *a, **kw: fa.BwdConfig(**BACKWARD_TILES[not causal])
         try:
             yield
         finally:
-            ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_ELEMENTS = shipped
+            ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_BYTES = shipped
             fa._tile_size_bwd_sm90 = own_tile
 
     def timed(variant):
@@ -241,8 +243,8 @@ def backward_variants(args, record, inputs, causal, fa, ops) -> None:
     reference = None
     chosen = [BACKWARD_VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else BACKWARD_VARIANTS
     for variant in chosen:
-        lanes, pieces, tile = variant
-        name = f"fa4 fwd+bwd {'two streams' if lanes else 'one stream'}, 2^{pieces}, {tile} tile"
+        lanes, mib, tile = variant
+        name = f"fa4 fwd+bwd {'two streams' if lanes else 'one stream'}, {mib} MiB per call, {tile} tile"
         try:
             with settings(*variant):
                 out = attention("fa4")(*inputs[:3])
@@ -257,7 +259,7 @@ def backward_variants(args, record, inputs, causal, fa, ops) -> None:
         diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, reference))
         say(f"causal={causal} {name}: max gradient difference from the first {diff:.2e}")
         providers[name] = timed(variant)
-        facts[name] = dict(two_streams=lanes, max_call_elements=1 << pieces, tile=tile, max_difference=diff,
+        facts[name] = dict(two_streams=lanes, max_call_mib=mib, tile=tile, max_difference=diff,
                            extra_memory_gib=extra / 2**30)
     samples = {name: [] for name in providers}
     settle_clock(dev)

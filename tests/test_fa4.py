@@ -162,7 +162,7 @@ def test_ops_equal_the_reference(index, pieces, math_interface, monkeypatch):
         if index % 3:
             pytest.skip("a third of the cases is enough")
         monkeypatch.setattr(ops, "MAX_CALL_ELEMENTS", 64)
-        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 64)
+        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_BYTES", 640)  # 64 elements where added
     q, k, v = make_qkv(case, dtype=torch.float64, seed=index)
     _poisoned_empty(monkeypatch)
     out, lse = ops.fa4_forward(q, k, v, *_args(case))
@@ -385,7 +385,7 @@ def test_backward_lanes_keep_the_writes_in_order(packed, lse_gradient, math_inte
         q, k, v, grad_out = (torch.randn(1, 64, 8, 8, generator=g, dtype=torch.float64) for _ in range(4))
         args = (segs, dils, False, False, scale)
         forward, backward = ops.fa4_forward, ops.fa4_backward
-        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_ELEMENTS", 512)
+        monkeypatch.setattr(ops, "MAX_BACKWARD_CALL_BYTES", 5120)  # 512 elements where added
     out, lse = forward(q, k, v, *args)
     grad_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64) if lse_gradient else None
     one_lane = backward(grad_out, grad_lse, q, k, v, out, lse, *args)

@@ -239,17 +239,21 @@ class CallPlan:
     first_stores: bool
 
     @functools.lru_cache(maxsize=256)
-    def schedule(self, layouts: tuple, kv: tuple, limit: int, whole_first: bool = True) -> Schedule:
+    def schedule(self, layouts: tuple, kv: tuple, limit: int, whole_first: bool = True,
+                 stored_limit: Optional[int] = None) -> Schedule:
         """The loop's steps over tensors of `layouts` (whose views are kv-side where `kv` says): every piece of every
-        call, branch after branch, pieces of at most `limit` elements, except (with `whole_first`) a first branch of
-        one call that stores: it is one step, whose result the loops can take as the whole result without a copy.
-        Cached: a layout's steps are planned once and run without Python (the small problems this backend runs are
-        bound by the host's time per call)."""
+        call, branch after branch, pieces of at most `limit` elements (`stored_limit` where given for the steps that
+        store: a backward's stored call holds less beside its results than one whose results are added), except
+        (with `whole_first`) a first branch of one call that stores: it is one step, whose result the loops can take
+        as the whole result without a copy. Cached: a layout's steps are planned once and run without Python (the
+        small problems this backend runs are bound by the host's time per call)."""
         rows, first_branch_steps = [], 0
         for i, calls in enumerate(self.calls):
-            whole = whole_first and i == 0 and self.first_stores and len(calls) == 1
+            stores = i == 0 and self.first_stores
+            whole = whole_first and stores and len(calls) == 1
+            piece_limit = None if whole else (stored_limit or limit) if stores else limit
             for call in calls:
-                for piece in _geometry(call, layouts, kv, None if whole else limit):
+                for piece in _geometry(call, layouts, kv, piece_limit):
                     rows.append([n for view in piece for n in _packed(view)])
                     first_branch_steps += i == 0
         steps = torch.tensor(rows, dtype=torch.int64).view(len(rows), len(layouts) * VIEW_INTS)

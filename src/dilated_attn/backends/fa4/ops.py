@@ -43,15 +43,26 @@ __all__ = ["fa4_forward", "fa4_backward", "fa4_varlen_forward", "fa4_varlen_back
 # the LSE's gradient and strided views, which its autograd functions do not expose.
 fa = None
 
-# The most elements of one call. FlashAttention's Python interface took enough host time per call (70-125 us on an
-# H200 machine's host, before the direct calls of direct.py) that fewer, larger calls ran faster (an H100, LongNet
-# at N = 65536: 2^25 against 2^24). In the backward, calls of 2^24 cut the extra memory of a forward+backward from
-# 1.51 to 1.26 GiB at no cost where the calls are long (MHA), but with grouped-query heads and causal masks the
-# step's 24 short calls were bound by the host: 0.80-0.82x the cudnn backend on an H100, where calls of 2^25 gave
-# 0.95-1.12x (benchmarks/README.md, "FlashAttention-4"). A call's float32 dQ accumulator and its gradients before
-# they are added take 10 bytes per element.
+# The most elements of one forward call. FlashAttention's Python interface took enough host time per call (70-125 us
+# on an H200 machine's host, before the direct calls of direct.py) that fewer, larger calls ran faster (an H100,
+# LongNet at N = 65536: 2^25 against 2^24).
 MAX_CALL_ELEMENTS = 1 << 25
-MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
+
+# The most bytes a backward call holds beside the gradients, in 16-bit dtypes: FlashAttention's float32 dQ
+# accumulator (4 bytes per element), and where the call's gradients are added rather than written in place, its dq,
+# dk and dv before they are (6 more). The two lanes (_Lanes) hold two calls' at once, so this is half the backward's
+# working memory: 80 MiB gives calls of 2^23 elements where they add and 2.5 * 2^23 where they store, and at most
+# 0.16 GiB beside the results of a forward+backward (LongNet at N = 65536: 0.51 GiB with calls of 2^25 elements).
+# Calls of 2^23 elements run the same kernels at the same rate per element as 2^25 on an H200 (profile_triton.py
+# --kernel-times: a backward kernel of 2^23 elements took 266 us, one of 2^25 1052 us); the host's time per call,
+# which made 2^24 slower with grouped-query heads before the direct calls, is benchmarks/README.md's measure.
+MAX_BACKWARD_CALL_BYTES = 80 << 20
+
+
+def _backward_limits() -> tuple[int, int]:
+    """(the most elements of a backward call that adds its gradients, of one that stores them in place)."""
+    return MAX_BACKWARD_CALL_BYTES // 10, MAX_BACKWARD_CALL_BYTES // 4
+
 
 # FlashAttention-4's forward options by (compute capability major, head_dim, causal): its tile (`tile_mn`) and
 # pipeline flags where a measured choice beats its own (benchmarks/tune_fa4.py sweeps them); other cases take
@@ -244,7 +255,8 @@ def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilatio
     if grad_lse is not None:
         tensors.append(grad_lse.to(lse.dtype).transpose(1, 2))
         kv = kv + (False,)
-    s = p.schedule(layouts_of(*tensors), kv, MAX_BACKWARD_CALL_ELEMENTS, whole_first=False)
+    adds, stores = _backward_limits()
+    s = p.schedule(layouts_of(*tensors), kv, adds, whole_first=False, stored_limit=stores)
     deterministic = torch.are_deterministic_algorithms_enabled()
     lanes = _Lanes.of(q)
     for i, views in enumerate(s.views(*tensors)):
