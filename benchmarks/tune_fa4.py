@@ -8,14 +8,13 @@ forward) timed on the fa4 backend's LongNet forward, beside the cudnn backend, i
 
 Rows, for each causal setting:
   cudnn         the cudnn backend's forward (the yardstick of the fa4 backend's forward)
-  fa4 <opts>    the fa4 backend's forward with backends/fa4/ops.py's FORWARD_OPTIONS set to the candidate ({}:
-                FlashAttention's own choice)
+  fa4 <opts>    the fa4 backend's forward with the candidate as FlashAttention-4's options ({}: its own choice)
   dense <opts>  FlashAttention-4 alone on the first branch's shape ([N/2048, 2048, H, D]) with the candidate
                 (forward only)
 With --mode fwd+bwd or both, the backends' forward+backward too (the options change its forward). With --serial,
-each fa4 row also without the forward's second stream (`... serial`: ops.OVERLAP_CALLS off), in the same run.
+each fa4 row also with every call on the caller's stream (`... serial`), in the same run.
 With --backward, the backward's options instead, forward+backward: its calls on one stream or alternating between
-two (ops.OVERLAP_BACKWARD), the most bytes one call holds beside the gradients (ops.MAX_BACKWARD_CALL_BYTES, in
+two (with one stream, the forward's calls are on one stream too), the most bytes one call holds beside the gradients (ops.MAX_BACKWARD_CALL_BYTES, in
 MiB), and FlashAttention-4's
 Hopper backward tile (BACKWARD_TILES; `other`: its causal tile for non-causal inputs and the reverse), each with
 the extra memory of one call and its gradients' max difference from the first variant's.
@@ -23,8 +22,9 @@ The GPU is brought to its sustained clock before the rounds (settle_clock).
 Each candidate's output is checked against the first candidate's (the max difference in the JSON; bf16 rounds at
 about 4e-3 of the values' scale). A candidate the kernel cannot build is recorded with its error. The providers are
 timed in turn for --rounds rounds, each round starting with the next provider; a row gives the median of its round
-medians (dilated_attn.benchmarking.median_ms, L2 flushed). The best candidate goes into FORWARD_OPTIONS by hand,
-with the run that chose it.
+medians (dilated_attn.benchmarking.median_ms, L2 flushed). A candidate that wins goes into backends/fa4/ops.py's
+_forward_options by hand, with the run that chose it. The variants are set by fa4_settings, which replaces the backend's
+private _forward_options and _second_stream for the timed calls: the package has no switch for them.
 """
 
 from __future__ import annotations
@@ -85,6 +85,24 @@ BACKWARD_VARIANTS = [(True, 80, "own"), (True, 320, "own"), (True, 160, "own"), 
                      (False, 160, "own"), (True, 80, "other"), (True, 320, "other")]
 
 
+@contextlib.contextmanager
+def fa4_settings(ops, options=None, overlap=True, backward_bytes=None):
+    """Inside: the fa4 backend's forward calls take FlashAttention-4 `options` (None: its own choice), its calls run
+    on the caller's stream alone unless `overlap`, and a backward call holds at most `backward_bytes` beside the
+    gradients (None: ops.MAX_BACKWARD_CALL_BYTES)."""
+    saved = ops._forward_options, ops._second_stream, ops.MAX_BACKWARD_CALL_BYTES
+    if options is not None:
+        ops._forward_options = lambda q, causal: options
+    if not overlap:
+        ops._second_stream = lambda like: None
+    if backward_bytes is not None:
+        ops.MAX_BACKWARD_CALL_BYTES = backward_bytes
+    try:
+        yield
+    finally:
+        ops._forward_options, ops._second_stream, ops.MAX_BACKWARD_CALL_BYTES = saved
+
+
 def label(options: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in options.items()) or "default"
 
@@ -102,7 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--candidates", default=None, help="indices into CANDIDATES (default: all)")
     ap.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="fwd")
     ap.add_argument("--serial", action="store_true",
-                    help="also each candidate with the forward's calls on one stream (ops.OVERLAP_CALLS off)")
+                    help="also each candidate with the calls on one stream")
     ap.add_argument("--backward", action="store_true",
                     help="the backward's variants (BACKWARD_VARIANTS), forward+backward, instead of forward tiles")
     ap.add_argument("--variants", default=None, help="with --backward: indices into BACKWARD_VARIANTS (default: all)")
@@ -115,7 +133,6 @@ def main(argv=None) -> None:
     from dilated_attn.backends.fa4 import ops
 
     dev = torch.device("cuda")
-    major = torch.cuda.get_device_capability(dev)[0]
     segs, dils = LONGNET
     N, H, D = args.seq_len, args.heads, args.head_dim
     candidates = CANDIDATES if args.candidates is None else [CANDIDATES[int(i)] for i in args.candidates.split(",")]
@@ -136,7 +153,6 @@ def main(argv=None) -> None:
             continue
         work = flops(validate(q, k, v, segs, dils, causal=causal))
         dense_work = 4 * N * first * H * D * (0.5 if causal else 1.0)
-        key = (major, D, causal)
 
         def backend(name, options=None, mode="fwd", overlap=True):
             def attention(q, k, v):
@@ -145,14 +161,8 @@ def main(argv=None) -> None:
             call = attention_call(attention, inputs, mode)
 
             def run():
-                if options is not None:
-                    ops.FORWARD_OPTIONS[key] = options
-                ops.OVERLAP_CALLS = overlap
-                try:
+                with fa4_settings(ops, options, overlap):
                     return call()
-                finally:
-                    ops.FORWARD_OPTIONS.pop(key, None)
-                    ops.OVERLAP_CALLS = True
             return run
 
         def dense(options):
@@ -164,11 +174,8 @@ def main(argv=None) -> None:
         for options in candidates:
             name = label(options)
             try:
-                ops.FORWARD_OPTIONS[key] = options
-                try:
+                with fa4_settings(ops, options):
                     result = dilated_attn.dilated_attention(q, k, v, segs, dils, causal=causal, backend="fa4")
-                finally:
-                    ops.FORWARD_OPTIONS.pop(key, None)
                 dense(options)()
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001 - a tile the kernel cannot build is a result of the sweep
@@ -216,17 +223,14 @@ def backward_variants(args, record, inputs, causal, fa, ops) -> None:
     def attention(backend):
         return lambda q, k, v: dilated_attn.dilated_attention(q, k, v, segs, dils, causal=causal, backend=backend)
 
-    shipped = ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_BYTES
-
     @contextlib.contextmanager
     def settings(lanes, mib, tile):
-        ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_BYTES = lanes, mib << 20
         if tile == "other":
             fa._tile_size_bwd_sm90 = lambda *a, **kw: fa.BwdConfig(**BACKWARD_TILES[not causal])
         try:
-            yield
+            with fa4_settings(ops, overlap=lanes, backward_bytes=mib << 20):
+                yield
         finally:
-            ops.OVERLAP_BACKWARD, ops.MAX_BACKWARD_CALL_BYTES = shipped
             fa._tile_size_bwd_sm90 = own_tile
 
     def timed(variant):

@@ -435,7 +435,7 @@ def test_forward_merges_follow_their_parts(packed, math_interface, monkeypatch):
     one_stream = forward(q, k, v, *args)
     log = _StreamLog()
     main, side = log.stream("main"), log.stream("side")
-    monkeypatch.setattr(ops, "_second_stream", lambda like, enabled: side if enabled else None)
+    monkeypatch.setattr(ops, "_second_stream", lambda like: side)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     _enter_logged_streams(log, monkeypatch)
     attend, merge = math_interface._flash_attn_fwd, ops._merge
@@ -637,6 +637,20 @@ def test_gpu_direct_calls_equal_the_interface(kv_heads, causal, monkeypatch):
         torch.use_deterministic_algorithms(deterministic)
     for calls in (direct.FORWARD, direct.BACKWARD):
         assert calls.hits > 0 and all(calls.programs.values()), calls.why_not
+
+
+def test_direct_calls_turn_off_by_environment():
+    """DILATED_ATTN_FA4_DIRECT=0 sets the direct calls off for the process, and the path says why."""
+    code = ("from dilated_attn.backends.fa4 import direct; "
+            "print(direct.ENABLED); print(direct.path()[1])")
+    env = dict(os.environ, **{direct.DIRECT_ENV: "0"})
+    printed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    enabled, why = printed.stdout.splitlines()
+    assert enabled == "False"
+    assert why == "FlashAttention-4's interface on every call: DILATED_ATTN_FA4_DIRECT=0 turned the direct calls off"
+    env[direct.DIRECT_ENV] = "1"
+    printed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert printed.stdout.splitlines()[0] == "True"
 
 
 @pytest.mark.gpu

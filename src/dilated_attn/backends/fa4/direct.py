@@ -34,11 +34,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ...compile_hints import warn_once
 from . import stored
 
-__all__ = ["ENABLED", "VERIFIED_VERSIONS", "Deferred", "Direct", "backward", "forward", "path", "version_of",
+__all__ = ["DIRECT_ENV", "ENABLED", "VERIFIED_VERSIONS", "Deferred", "Direct", "backward", "forward", "path", "version_of",
            "check_interface"]
 
-# Off: every call through the interface (benchmarks/bench_gpu.py's `fa4_interface` measures both)
-ENABLED = True
+# DILATED_ATTN_FA4_DIRECT=0 runs every call through FlashAttention-4's interface: the same kernels with its host time
+# per call, should a flash-attn-4 release misbehave under the direct calls (benchmarks/bench_gpu.py's `fa4_interface`
+# provider sets ENABLED to measure what they save).
+DIRECT_ENV = "DILATED_ATTN_FA4_DIRECT"
+ENABLED = os.environ.get(DIRECT_ENV, "1") != "0"
 VERIFIED_VERSIONS = ("4.0.0b36",)
 # The most programs kept per function; then they are dropped and noted anew (packs of ever new lengths would grow them
 # without end)
@@ -363,6 +366,8 @@ def version_of(interface=None) -> str:
 def path(interface=None) -> tuple[bool, str]:
     """(whether the fa4 backend calls FlashAttention-4's kernels directly, in words which path its calls take and
     why) for `interface` (None: the installed package, not imported: its version only)."""
+    if not ENABLED:
+        return False, f"FlashAttention-4's interface on every call: {DIRECT_ENV}=0 turned the direct calls off"
     if isinstance(interface, Deferred):
         interface = interface.module
     version = version_of(interface)

@@ -26,7 +26,6 @@ from ...merge import merge_into
 from ...spec import check_offsets, host_offsets, lse_dtype
 from .. import extension
 from ..autograd import register_attention_autograd
-from ..base import device_capability
 from ..signature import backward_op, forward_op
 
 # FlashAttention reads the views cuDNN reads (unit-stride rows, 16-byte aligned address and strides, no broadcast
@@ -64,29 +63,21 @@ def _backward_limits() -> tuple[int, int]:
     return MAX_BACKWARD_CALL_BYTES // 10, MAX_BACKWARD_CALL_BYTES // 4
 
 
-# FlashAttention-4's forward options by (compute capability major, head_dim, causal): its tile (`tile_mn`) and
-# pipeline flags where a measured choice beats its own (benchmarks/tune_fa4.py sweeps them); other cases take
-# FlashAttention's choice.
-FORWARD_OPTIONS: dict[tuple[int, int, bool], dict] = {}
-
-
 def _forward_options(q: torch.Tensor, causal: bool) -> dict:
-    if not q.is_cuda:  # the tests' stand-in for FlashAttention on the CPU
-        return {}
-    return FORWARD_OPTIONS.get((device_capability(q.device)[0], q.shape[-1], bool(causal)), {})
+    """FlashAttention-4's forward options (tile, pipeline flags) for a call: none, its own choice for every shape.
+    benchmarks/tune_fa4.py times other tiles on this backend's calls by replacing this function; its own was the
+    fastest in every run so far (docs/backends.md, "The fa4 backend")."""
+    return {}
 
 
-# Whether a forward runs its merged calls on a second stream beside its stored ones (fa4_forward), and whether a
-# backward alternates its calls between two streams (_Lanes).
-OVERLAP_CALLS = True
-OVERLAP_BACKWARD = True
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _second_stream(like: torch.Tensor, enabled: bool) -> Optional[torch.cuda.Stream]:
-    """The stream beside the caller's for calls on `like`'s device, or None: on the CPU, where the overlap is off, and
-    while a CUDA graph is being captured (the fork and join have not been run inside a capture)."""
-    if not enabled or not like.is_cuda or torch.cuda.is_current_stream_capturing():
+def _second_stream(like: torch.Tensor) -> Optional[torch.cuda.Stream]:
+    """The stream beside the caller's for calls on `like`'s device (a forward's merged calls, the backward's second
+    lane), or None: on the CPU, and while a CUDA graph is being captured (the fork and join have not been run inside
+    a capture). benchmarks/tune_fa4.py times one stream against two by replacing this function."""
+    if not like.is_cuda or torch.cuda.is_current_stream_capturing():
         return None
     if like.device not in _SIDE_STREAMS:
         _SIDE_STREAMS[like.device] = torch.cuda.Stream(like.device)
@@ -112,10 +103,10 @@ class _Lanes:
 
     @classmethod
     def of(cls, like: torch.Tensor) -> "_Lanes":
-        """Two lanes where there is a second stream to use (_second_stream, `OVERLAP_BACKWARD`), else one."""
+        """Two lanes where there is a second stream to use (_second_stream), else one."""
         if not like.is_cuda:
             return cls([None])
-        side = _second_stream(like, OVERLAP_BACKWARD)
+        side = _second_stream(like)
         main = torch.cuda.current_stream(like.device)
         return cls([main] if side is None else [main, side])
 
@@ -185,7 +176,7 @@ def _run_forward(like: torch.Tensor, stored: list, merged: list) -> None:
     on a second stream beside them, each merge on the caller's stream after the stored calls and its own part. The
     parts fill the stored calls' last waves and launch gaps, and each merge runs beside the parts after it. One
     stream where there is no second (_second_stream) or nothing beside the stored calls."""
-    side = _second_stream(like, OVERLAP_CALLS) if stored and merged else None
+    side = _second_stream(like) if stored and merged else None
     if side is None:
         for run in stored:
             run()
