@@ -255,8 +255,8 @@ def test_first_branch_stores(math_loops, monkeypatch, kv_heads):
     assert p.first_stores and len(p.calls[0]) == 1
     _forward_backward_equal_the_reference(case, seed=1)
     q, k, v = make_qkv(case, dtype=torch.float64, seed=1)
-    s = p.schedule(planner.layouts_of(q, k, v) + planner.contiguous(q.shape, q.shape[:3]), ops.FORWARD_KV,
-                   ops.MAX_CALL_ELEMENTS)
+    layouts = planner.layouts_of(q, k, v) + planner.contiguous(q.shape, q.shape[:3])
+    s = p.schedule(layouts, planner.kv_sides("q k v out lse"), ops.MAX_CALL_ELEMENTS)
     # r=2: one call per offset group of 4 heads; r=4: every group of the one segment in one call, per batch
     assert [len(calls) for calls in p.calls] == [1, 2, 1] and s.stored == 1 and s.steps.shape[0] == 1 + 2 + 2
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dilated_attn.backends import views
-from dilated_attn.backends.cudnn.ops import FORWARD_KV, MAX_CALL_ELEMENTS
+from dilated_attn.backends.cudnn.ops import MAX_CALL_ELEMENTS
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "strided_view_plans.json").read_text())
 
@@ -22,8 +22,8 @@ def digest(segment_lengths, dilation_rates, n, hq, hkv, split, head_start, globa
     p = views.view_plan(tuple(segment_lengths), tuple(dilation_rates), n, hq, hkv, split, head_start, global_heads)
     d = 128 if n >= 4096 else 8
     tensors = [torch.empty(1, n, h, d, device="meta") for h in (hq, hkv, hkv)]
-    s = p.schedule(views.layouts_of(*tensors) + views.contiguous((1, n, hq, d), (1, n, hq)), FORWARD_KV,
-                   MAX_CALL_ELEMENTS)
+    layouts = views.layouts_of(*tensors) + views.contiguous((1, n, hq, d), (1, n, hq))
+    s = p.schedule(layouts, views.kv_sides("q k v out lse"), MAX_CALL_ELEMENTS)
     return hashlib.sha256((repr(p) + repr(s.steps.tolist()) + repr(s.stored)).encode()).hexdigest()
 
 

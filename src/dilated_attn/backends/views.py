@@ -26,8 +26,8 @@ import torch
 
 from ..branches import Branch, branch_table, covers_everything, groups_stack, offset_groups
 
-__all__ = ["Call", "CallPlan", "Schedule", "VIEW_INTS", "aligned", "branch_calls", "by_head", "contiguous", "layouts_of",
-           "plan_of", "view_plan"]
+__all__ = ["Call", "CallPlan", "Schedule", "VIEW_INTS", "aligned", "branch_calls", "by_head", "contiguous", "kv_sides",
+           "layouts_of", "plan_of", "view_plan"]
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,17 @@ def _geometry(call: Call, layouts: tuple, kv: tuple, limit: Optional[int]) -> It
             yield tuple(piece)
 
 
+_KV_SIDE = frozenset(("k", "v", "grad_k", "grad_v", "grad_kv"))
+
+
+@functools.lru_cache(maxsize=None)
+def kv_sides(names: str) -> tuple[bool, ...]:
+    """For a loop's tensors named in order (space-separated), which take the calls' kv-side views: k, v and their
+    gradients (`grad_kv`: one layout for both). Written where the loop's tensors are listed, so that each loop's
+    order is read in one place."""
+    return tuple(name in _KV_SIDE for name in names.split())
+
+
 def layouts_of(*tensors: torch.Tensor) -> tuple:
     return tuple((tuple(x.shape), x.stride(), x.storage_offset()) for x in tensors)
 
@@ -239,7 +250,7 @@ class CallPlan:
     first_stores: bool
 
     @functools.lru_cache(maxsize=256)
-    def schedule(self, layouts: tuple, kv: tuple, limit: int, whole_first: bool = True,
+    def schedule(self, layouts: tuple, kv: tuple[bool, ...], limit: int, whole_first: bool = True,
                  stored_limit: Optional[int] = None) -> Schedule:
         """The loop's steps over tensors of `layouts` (whose views are kv-side where `kv` says): every piece of every
         call, branch after branch, pieces of at most `limit` elements (`stored_limit` where given for the steps that

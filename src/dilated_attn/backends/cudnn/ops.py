@@ -15,7 +15,7 @@ import torch
 from ...spec import lse_dtype
 from ..autograd import register_attention_autograd
 from ..signature import backward_op, forward_op
-from ..views import aligned, contiguous, layouts_of, plan_of
+from ..views import aligned, contiguous, kv_sides, layouts_of, plan_of
 from . import CUDNN
 
 __all__ = ["cudnn_forward", "cudnn_backward", "dense_forward", "dense_backward"]
@@ -29,17 +29,14 @@ __all__ = ["cudnn_forward", "cudnn_backward", "dense_forward", "dense_backward"]
 MAX_CALL_ELEMENTS = 1 << 24
 MAX_BACKWARD_CALL_ELEMENTS = 1 << 25
 
-# The tensors of each loop, in order, and whether each takes the kv-side views (csrc/cuda/cudnn_steps.cpp):
-# forward: q, k, v, out, lse; backward: grad_out, q, k, v, out, lse, grad_q's target, grad_k's and grad_v's target.
-FORWARD_KV = (False, True, True, False, False)
-BACKWARD_KV = (False, False, True, True, False, False, False, True)
 
 @forward_op("cudnn_forward")
 def cudnn_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     q, k, v = aligned(q), aligned(k), aligned(v)
     B, N, H, D = q.shape
     p = plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
-    s = p.schedule(layouts_of(q, k, v) + contiguous(q.shape, (B, N, H)), FORWARD_KV, MAX_CALL_ELEMENTS)
+    # the C++ loop's tensors (csrc/cuda/cudnn_steps.cpp): the inputs, then the results it allocates
+    s = p.schedule(layouts_of(q, k, v) + contiguous(q.shape, (B, N, H)), kv_sides("q k v out lse"), MAX_CALL_ELEMENTS)
     out, lse_rows = torch.ops.dilated_attn.cudnn_forward_steps(q, k, v, s.steps, s.stored, causal, scale)
     return out, lse_rows.transpose(1, 2).contiguous()
 
@@ -53,8 +50,9 @@ def cudnn_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilat
     q, k, v, grad_out, out = (aligned(x) for x in (q, k, v, grad_out.to(q.dtype), out))
     lse_rows = lse.to(lse_dtype(q.dtype)).transpose(1, 2).contiguous()
     p = plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
+    # the loop's tensors, then the layouts of the gradients it allocates (one for grad_k and grad_v)
     layouts = layouts_of(grad_out, q, k, v, out, lse_rows) + contiguous(q.shape, k.shape)
-    s = p.schedule(layouts, BACKWARD_KV, MAX_BACKWARD_CALL_ELEMENTS)
+    s = p.schedule(layouts, kv_sides("grad_out q k v out lse grad_q grad_kv"), MAX_BACKWARD_CALL_ELEMENTS)
     return torch.ops.dilated_attn.cudnn_backward_steps(grad_out, q, k, v, out, lse_rows, s.steps, s.stored, causal,
                                                        scale)
 

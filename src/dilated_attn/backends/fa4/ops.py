@@ -30,7 +30,7 @@ from ..signature import backward_op, forward_op
 
 # FlashAttention reads the views cuDNN reads (unit-stride rows, 16-byte aligned address and strides, no broadcast
 # dimensions): the same copy where a tensor is not so (views.aligned)
-from ..views import aligned, layouts_of, plan_of
+from ..views import aligned, kv_sides, layouts_of, plan_of
 from . import direct
 from .packs import PackCall, PackPlan, plan_pack
 
@@ -132,12 +132,6 @@ class _Lanes:
             self.streams[0].wait_stream(self.streams[1])
 
 
-# The tensors of each loop and whether each takes the kv-side views: forward q, k, v, out, lse; backward grad_out,
-# q, k, v, out, lse, grad_q, grad_k, grad_v (then grad_lse where it is given).
-FORWARD_KV = (False, True, True, False, False)
-BACKWARD_KV = (False, False, True, True, False, False, False, True, True)
-
-
 def _bshd(view: torch.Tensor) -> torch.Tensor:
     """A step's `[segments, heads, members, D]` view as FlashAttention's `[batch, seqlen, heads, D]`."""
     return view.transpose(1, 2)
@@ -214,7 +208,7 @@ def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, s
     p = plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
     out, lse = _results(q, (B, H, N), p.first_stores)
     tensors = (q, k, v, out, lse.transpose(1, 2))  # the plan reads LSEs as [B, N, H]
-    s = p.schedule(layouts_of(*tensors), FORWARD_KV, MAX_CALL_ELEMENTS)
+    s = p.schedule(layouts_of(*tensors), kv_sides("q k v out lse"), MAX_CALL_ELEMENTS)
     options = _forward_options(q, causal)
     stored, merged = [], []
     for i, (qs, ks, vs, outs, lses) in enumerate(s.views(*tensors)):
@@ -242,12 +236,12 @@ def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilatio
     p = plan_of(q, k, segment_lengths, dilation_rates, split_heads, head_start, global_heads)
     grad_q, grad_k, grad_v = _gradients(q, k, p.first_stores)
     tensors = [grad_out, q, k, v, out, lse.transpose(1, 2), grad_q, grad_k, grad_v]
-    kv = BACKWARD_KV
+    names = "grad_out q k v out lse grad_q grad_k grad_v"
     if grad_lse is not None:
         tensors.append(grad_lse.to(lse.dtype).transpose(1, 2))
-        kv = kv + (False,)
+        names += " grad_lse"
     adds, stores = _backward_limits()
-    s = p.schedule(layouts_of(*tensors), kv, adds, whole_first=False, stored_limit=stores)
+    s = p.schedule(layouts_of(*tensors), kv_sides(names), adds, whole_first=False, stored_limit=stores)
     deterministic = torch.are_deterministic_algorithms_enabled()
     lanes = _Lanes.of(q)
     for i, views in enumerate(s.views(*tensors)):
