@@ -411,109 +411,138 @@ def ring_forward(q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[
 
 def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, group, exchanged: Exchanged):
     """(dq, dk, dv) of this rank's shards, from the merged out and lse (d_out or d_lse may be None); `exchanged`:
-    what the forward kept (ring_forward's)."""
-    plan, rank, local_problem, scale = cfg.plan, cfg.rank, cfg.local_problem, cfg.scale
-    # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
-    # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
-    # take it, dispatch names the one that runs.
-    name, _ = dispatch.backward_backend(local_problem, cfg.backend, lse_gradient=d_lse is not None)
-    ops = block_ops(name, q.shape[3])
-    B, L, H, D = q.shape
-    acc_dtype = lse_dtype(q.dtype)
-    d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
-    # the forward's rows; this backward's transfers wait for what is queued now (a comm of their own)
-    ex, kept = exchanged, exchanged.received
-    comm = RingComm(plan, rank, group, B, D, q.device)
-    rows, kc, vc, eager, joined, buffers = ex.rows, ex.kc, ex.vc, ex.eager, ex.joined, ex.buffers
-    # Eager: every step's K/V are kept. Stepwise: the last step's are kept and computed first; the others travel
-    # again, each while the step before it computes: step 1's are posted now, each later step's in one batch with
-    # the dK/dV that a computed step returns (RingComm.post_grads says why).
-    order = [0, *range(1, plan.P)] if eager else [plan.P - 1, *range(1, plan.P - 1), 0]
-    travelling = [] if eager else list(range(1, plan.P - 1))
-    arrivals = {1: comm.post_kv(1, kc, vc)} if travelling else {}  # step -> the arrival of its K/V (received_kv)
-    unposted = travelling[1:]
-    runs = plan.runs[rank]
-    # Without local branches or runs, a gradient that one head stack's rows cover whole is that stack's sums: it
-    # starts empty and takes them with one rounding, where it would start as zeros and add them
-    whole = [not plan.local_branches and not runs and len(rows) == 1 and rowset.covers(x)
-             for rowset, x in ((rows[0].q, q), (rows[0].kv, k), (rows[0].kv, v))] if rows else [False] * 3
+    what the forward kept (ring_forward's). One of two schedules runs the blocks (_stepwise_backward where the
+    forward posted its steps one by one, _eager_backward where it posted them all at once); both leave each head
+    stack's float32 sums, added to their rows here with one rounding."""
+    b = _Backward(q, k, v, out, lse, d_out, d_lse, cfg, group, exchanged)
+    returning, (dq, dk, dv) = (_eager_backward if exchanged.eager else _stepwise_backward)(b)
+    for ret, dst in returning:
+        b.comm.add_returned_grads(ret, dst, b.dkc, b.dvc)
+    for cp, g_q, g_k, g_v in zip(b.rows, b.dqc, b.dkc, b.dvc):
+        for rowset, grad, sums, w in zip((cp.q, cp.kv, cp.kv), (dq, dk, dv), (g_q, g_k, g_v), b.whole):
+            (rowset.put if w else rowset.add)(grad, sums)
+    return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
-    def local_branches():
+
+class _Backward:
+    """What both backward schedules share: the call's tensors, this backward's comm (its transfers wait for what is
+    queued when it is made), the rows the forward kept, and the steps' work (local_branches, gather, blocks)."""
+
+    def __init__(self, q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, group, exchanged: Exchanged):
+        self.cfg, self.plan, self.ex = cfg, cfg.plan, exchanged
+        # Every block's backward takes the merged out and LSE of its rows, so only the user's own LSE gradient
+        # (None where the LSE was not used) reaches the blocks: where it is there and this backend's backward cannot
+        # take it, dispatch names the one that runs.
+        name, _ = dispatch.backward_backend(cfg.local_problem, cfg.backend, lse_gradient=d_lse is not None)
+        self.ops = block_ops(name, q.shape[3])
+        self.acc_dtype = lse_dtype(q.dtype)
+        self.d_out = torch.zeros_like(out) if d_out is None else d_out.to(q.dtype)
+        self.q, self.k, self.v, self.out, self.lse, self.d_lse = q, k, v, out, lse, d_lse
+        self.comm = RingComm(self.plan, cfg.rank, group, q.shape[0], q.shape[3], q.device)
+        self.rows, self.kc, self.vc = exchanged.rows, exchanged.kc, exchanged.vc
+        self.runs = self.plan.runs[cfg.rank]
+        # Without local branches or runs, a gradient that one head stack's rows cover whole is that stack's sums: it
+        # starts empty and takes them with one rounding, where it would start as zeros and add them
+        rows = self.rows
+        self.whole = [not self.plan.local_branches and not self.runs and len(rows) == 1 and rowset.covers(x)
+                      for rowset, x in ((rows[0].q, q), (rows[0].kv, k), (rows[0].kv, v))] if rows else [False] * 3
+
+    def local_branches(self) -> tuple:
         """The gradients of the local branches and of the internal runs: with runs, float32 (float64) sums of
         every branch's part, rounded once at the end, as the stacks' are."""
-        if plan.local_branches:
-            grads = ops.backward(d_out, d_lse, q, k, v, out, lse, **local_problem.op_arguments())
+        q, k, v, cfg = self.q, self.k, self.v, self.cfg
+        if self.plan.local_branches:
+            grads = self.ops.backward(self.d_out, self.d_lse, q, k, v, self.out, self.lse,
+                                      **cfg.local_problem.op_arguments())
         else:
             grads = tuple((torch.empty if w else torch.zeros)(x.shape, dtype=x.dtype, device=x.device)
-                          for x, w in zip((q, k, v), whole))
-        if not runs:
+                          for x, w in zip((q, k, v), self.whole))
+        if not self.runs:
             return grads
-        grads = tuple(g.to(acc_dtype) for g in grads)
-        for run in runs:
-            run_backward(ops, run, q, k, v, out, lse, d_out, d_lse, _run_arguments(cfg, run), grads)
+        grads = tuple(g.to(self.acc_dtype) for g in grads)
+        for run in self.runs:
+            run_backward(self.ops, run, q, k, v, self.out, self.lse, self.d_out, self.d_lse, _run_arguments(cfg, run),
+                         grads)
         return grads
 
-    # Stepwise: the local branches' gradients (the kernel's, as on one device) and the kept last block while the
-    # first K/V block travels again; then the received blocks, each one's dK/dV sent back as soon as they are
-    # complete (with the K/V of the step after next); the own rows last, while the last of them travel. Eager (the
-    # forward's K/V kept, or every step posted at once): the own rows, the received blocks and the joined ones,
-    # then every step's dK/dV sent back in one batch while the local branches compute. Each head stack's float32
-    # sums are added to their rows with one rounding.
-    if not eager:
-        dq, dk, dv = local_branches()
-    qc, oc, doc = ([cp.q.gather(x) for cp in rows] for x in (q, out, d_out))
-    lc = [cp.q.gather_lse(lse) for cp in rows]
-    dlc = [None if d_lse is None else cp.q.gather_lse(d_lse) for cp in rows]
-    # float32 sums of each stack's gradients (a whole joined block's dq is its call's own)
-    dqc = _zeros_like([None if s in joined and joined[s].whole else x for s, x in enumerate(qc)], acc_dtype)
-    dkc, dvc = _zeros_like(kc, acc_dtype), _zeros_like(vc, acc_dtype)
-    returning = []  # the dK/dV of my rows coming back from the ranks that read them
-    held = {}  # step -> (dK, dV, send buffer) of the received rows, where joined blocks read them
-    for t in order:
-        src = (rank - t) % plan.P
-        grads = None
-        if t == 0:
-            keys, values, gk, gv = kc, vc, dkc, dvc
-        else:
-            keys, values = kept[t] if t in kept else comm.received_kv(arrivals.pop(t), t)
-            grads, gk, gv = comm.grad_buffer(t, acc_dtype)
-        for task in plan.tasks[rank][src]:
-            if task.stack in joined and not task.causal:
+    def gather(self) -> None:
+        """Each head stack's rows of q, out, dO, LSE and its gradient, and its float32 gradient sums (a whole joined
+        block's dq is its call's own)."""
+        rows, joined = self.rows, self.ex.joined
+        self.qc, self.oc, self.doc = ([cp.q.gather(x) for cp in rows] for x in (self.q, self.out, self.d_out))
+        self.lc = [cp.q.gather_lse(self.lse) for cp in rows]
+        self.dlc = [None if self.d_lse is None else cp.q.gather_lse(self.d_lse) for cp in rows]
+        self.dqc = _zeros_like([None if s in joined and joined[s].whole else x for s, x in enumerate(self.qc)],
+                               self.acc_dtype)
+        self.dkc, self.dvc = _zeros_like(self.kc, self.acc_dtype), _zeros_like(self.vc, self.acc_dtype)
+
+    def blocks(self, t: int, keys, values, gk, gv) -> None:
+        """The backward of step t's blocks (the keys of rank - t) but the joined ones, their dK/dV added into gk, gv."""
+        for task in self.plan.tasks[self.cfg.rank][(self.cfg.rank - t) % self.plan.P]:
+            if task.stack in self.ex.joined and not task.causal:
                 continue
             s, qs, ks = _task_slices(task)
-            block_backward(ops, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], oc[s][:, qs],
-                           lc[s][:, :, qs], doc[s][:, qs], None if dlc[s] is None else dlc[s][:, :, qs],
-                           task.causal, scale, dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks], task.seg_len)
-        if eager:
-            held[t] = (gk, gv, grads)
-        elif t > 0:
-            del keys, values  # the received rows' memory serves the next ones (in stream order)
-            nxt = unposted.pop(0) if unposted else None
-            ret, arrival = comm.post_grads(t, grads, None if nxt is None else (nxt, kc, vc))
-            returning.append(ret)
-            if nxt is not None:
-                arrivals[nxt] = arrival
-    for s, j in joined.items():
+            dlc = self.dlc[s]
+            block_backward(self.ops, self.qc[s][:, qs], keys[s][:, ks], values[s][:, ks], self.oc[s][:, qs],
+                           self.lc[s][:, :, qs], self.doc[s][:, qs], None if dlc is None else dlc[:, :, qs],
+                           task.causal, self.cfg.scale, self.dqc[s][:, qs], gk[s][:, ks], gv[s][:, ks], task.seg_len)
+
+
+def _stepwise_backward(b: _Backward):
+    """The forward posted its steps one by one and kept the last step's K/V: the local branches' gradients (the
+    kernel's, as on one device) and the kept last block while the first K/V block travels again; then the received
+    blocks, each one's dK/dV sent back as soon as they are complete, in one batch with the K/V of the step after next
+    (RingComm.post_grads says why); the own rows last, while the last of them travel. (the dK/dV coming back, the
+    local gradients)"""
+    P, comm, kc, vc = b.plan.P, b.comm, b.kc, b.vc
+    travelling = list(range(1, P - 1))
+    arrivals = {1: comm.post_kv(1, kc, vc)} if travelling else {}  # step -> the arrival of its K/V (received_kv)
+    unposted = travelling[1:]
+    grads = b.local_branches()
+    b.gather()
+    returning = []
+    for t in [P - 1, *travelling, 0]:
+        if t == 0:
+            b.blocks(0, kc, vc, b.dkc, b.dvc)
+            continue
+        keys, values = b.ex.received[t] if t in b.ex.received else comm.received_kv(arrivals.pop(t), t)
+        buffer, gk, gv = comm.grad_buffer(t, b.acc_dtype)
+        b.blocks(t, keys, values, gk, gv)
+        del keys, values  # the received rows' memory serves the next ones (in stream order)
+        nxt = unposted.pop(0) if unposted else None
+        ret, arrival = comm.post_grads(t, buffer, None if nxt is None else (nxt, kc, vc))
+        returning.append(ret)
+        if nxt is not None:
+            arrivals[nxt] = arrival
+    return returning, grads
+
+
+def _eager_backward(b: _Backward):
+    """The forward posted every step at once and kept every step's K/V: the own rows, the received blocks and the
+    joined ones, then every step's dK/dV sent back in one batch (one transfer kernel) while the local branches
+    compute. (the dK/dV coming back, the local gradients)"""
+    P, comm = b.plan.P, b.comm
+    b.gather()
+    held = {0: (b.dkc, b.dvc, None)}  # step -> (dK, dV, send buffer) of its rows, where joined blocks read them
+    b.blocks(0, b.kc, b.vc, b.dkc, b.dvc)
+    for t in range(1, P):
+        keys, values = b.ex.received[t]
+        buffer, gk, gv = comm.grad_buffer(t, b.acc_dtype)
+        b.blocks(t, keys, values, gk, gv)
+        held[t] = (gk, gv, buffer)
+    for s, j in b.ex.joined.items():
         # The joined block's gradients of each buffer's rows are those rows' whole share: the own rows' go to
         # their float32 sums, the received rows' into the buffers sent back; and where the block is all of the
         # stack's work, its dq is the stack's.
-        keys, values, spans = buffers[s]
-        args = (qc[s][:, j.q], keys, values, oc[s][:, j.q], lc[s][:, :, j.q], doc[s][:, j.q],
-                None if dlc[s] is None else dlc[s][:, :, j.q])
+        keys, values, spans = b.ex.buffers[s]
+        args = (b.qc[s][:, j.q], keys, values, b.oc[s][:, j.q], b.lc[s][:, :, j.q], b.doc[s][:, j.q],
+                None if b.dlc[s] is None else b.dlc[s][:, :, j.q])
         if j.whole:
-            dqc[s], gk, gv = block_gradients(ops, *args, scale)
+            b.dqc[s], gk, gv = block_gradients(b.ops, *args, b.cfg.scale)
         else:
-            gk, gv = _zeros_like([keys, values], acc_dtype)
-            block_backward(ops, *args, False, scale, dqc[s][:, j.q], gk, gv)
-        for t, (a, b) in spans.items():
-            accumulate([held[t][0][s], held[t][1][s]], [gk[:, a:b], gv[:, a:b]])
-    if eager:  # every step's dK/dV in one batch (one transfer kernel, which the local branches' hide)
-        returning = comm.post_all_grads({t: held[t][2] for t in range(1, plan.P)})
-    if eager:
-        dq, dk, dv = local_branches()
-    for ret, dst in returning:
-        comm.add_returned_grads(ret, dst, dkc, dvc)
-    for cp, g_q, g_k, g_v in zip(rows, dqc, dkc, dvc):
-        for rowset, grad, sums, w in zip((cp.q, cp.kv, cp.kv), (dq, dk, dv), (g_q, g_k, g_v), whole):
-            (rowset.put if w else rowset.add)(grad, sums)
-    return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
+            gk, gv = _zeros_like([keys, values], b.acc_dtype)
+            block_backward(b.ops, *args, False, b.cfg.scale, b.dqc[s][:, j.q], gk, gv)
+        for t, (lo, hi) in spans.items():
+            accumulate([held[t][0][s], held[t][1][s]], [gk[:, lo:hi], gv[:, lo:hi]])
+    returning = comm.post_all_grads({t: held[t][2] for t in range(1, P)})
+    return returning, b.local_branches()
