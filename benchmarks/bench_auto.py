@@ -7,7 +7,7 @@
 For every configuration it times each backend that can run it (triton, cuda, reference; the same inputs,
 in the same process), records which one `dilated_attn.explain` says auto picks, and reports auto's time
 over the best backend's. The auto rule lives in dilated_attn.dispatch.auto_preference; this is its
-evidence. Times are medians over --repeats runs after --warmup runs (dilated_attn.benchmarking.median_ms:
+evidence. Times are medians over --repeats runs after --warmup runs (dilated_attn.cli.measure.median_ms:
 CUDA events, L2 flushed before each run); peak_memory_mib is what one call allocates beyond the inputs at
 its peak (outputs, saved tensors, gradients). JSON goes to benchmarks/results/auto_<device>.json (or --out),
 rewritten after every row (a run cut short keeps its rows).
@@ -28,7 +28,7 @@ import triton
 import dilated_attn
 from dilated_attn.backends import triton as triton_backend
 from dilated_attn.backends.triton import configs, ops
-from dilated_attn.benchmarking import (
+from dilated_attn.cli.measure import (
     LOCAL2,
     LONGNET,
     Record,
@@ -45,7 +45,7 @@ BRANCHES = {"longnet4": LONGNET, "local2": LOCAL2}
 GRID = dict(dtype=["bfloat16", "float16", "float32"], head_dim=[64, 128], N=[4096, 16384, 65536],
             branches=list(BRANCHES))
 QUICK = dict(dtype=["bfloat16"], head_dim=[64, 128], N=[4096, 65536], branches=["longnet4"])
-MODE_NAMES = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}  # --mode -> dilated_attn.benchmarking's mode
+MODE_NAMES = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}  # --mode -> dilated_attn.cli.measure's mode
 
 
 def _inputs(dtype_name, head_dim, N, heads):

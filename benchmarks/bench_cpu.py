@@ -19,8 +19,8 @@ import os
 import torch
 
 import dilated_attn
-from dilated_attn.benchmarking import DTYPES, Record, say
 from dilated_attn.cli.bench import BenchConfig, plan, print_table, run_bench
+from dilated_attn.cli.measure import DTYPES, Record, say
 
 PROVIDERS = ("cpu", "reference")
 

@@ -3,7 +3,7 @@
     python benchmarks/bench_cuda_kernels.py [--tables volta,pascal,gp100] [--label NAME] [--out JSON]
 
 float32 at head dims 64 and 128, bfloat16 and float16 at 128 (N=16384, B=1, H=16, the longnet4 branches, TF32 off),
-each a median of --repeats timed runs after --warmup runs (dilated_attn.benchmarking.median_ms, as bench_auto.py times:
+each a median of --repeats timed runs after --warmup runs (dilated_attn.cli.measure.median_ms, as bench_auto.py times:
 CUDA events, L2 flushed before each run; the forward under no_grad). The fp32 FMA peak is measured in the same call
 (bench_gpu.fp32_fma_peak); the backward is the difference of the two. Each table runs through
 DILATED_ATTN_CUDA_TILES: Pascal's two (GP10x's and the P100's) on a newer GPU need a build with
@@ -23,7 +23,7 @@ import sys
 import torch
 
 import dilated_attn
-from dilated_attn.benchmarking import LONGNET, attention_call, device_info, median_ms, random_inputs, tflops
+from dilated_attn.cli.measure import LONGNET, attention_call, device_info, median_ms, random_inputs, tflops
 from dilated_attn.spec import Problem
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

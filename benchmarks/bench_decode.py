@@ -16,7 +16,7 @@ Rows:
 The yardstick: the bytes of cached K and V the new tokens attend to (the union of their member rows over the
 branches and the query heads of each kv head, read once) over the device's copy bandwidth, measured here as
 bytes read + written per second by a 1 GiB device-to-device copy. Times are medians of --repeats runs after
---warmup (dilated_attn.benchmarking.median_ms, L2 flushed before each run).
+--warmup (dilated_attn.cli.measure.median_ms, L2 flushed before each run).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 import triton
 
 import dilated_attn
-from dilated_attn.benchmarking import LONGNET, Record, median_ms, say
 from dilated_attn.branches import branch_table
+from dilated_attn.cli.measure import LONGNET, Record, median_ms, say
 
 
 def attended_rows(position: int, segs, dils, heads: int, kv_heads: int, head_groups: str) -> list[int]:

@@ -7,7 +7,7 @@
 
 Configurations: N = 65536 with the LongNet branches (2048,1), (4096,2), (8192,4), (16384,8), non-causal and
 causal; N = 16384 with the same branches; N = 262144 with the long branches (2048,1), (8192,4), (32768,16),
-(131072,64) (dilated_attn.benchmarking.LONGNET, LONGNET_LONG).
+(131072,64) (dilated_attn.cli.measure.LONGNET, LONGNET_LONG).
 
 Providers (each measured in the same process, on the same inputs):
   triton, cudnn, fa4, cuda    dilated_attn's backends (where they can run); triton with the shipped configs
@@ -27,12 +27,12 @@ Providers (each measured in the same process, on the same inputs):
                               (of_segments_fa4_rate: the same kernel's dense rate on the same work)
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
-(dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run), after a few seconds of load that
+(dilated_attn.cli.measure.median_ms: CUDA events, L2 flushed before each run), after a few seconds of load that
 bring the GPU to its sustained clock (settle_clock); with --rounds R the providers of a configuration are timed in
 turn R times, each round starting with the next provider, and a row gives the median of its R medians; TFLOP/s use
 FLOPs = 4*B*H*N*D*sum_i(w_i/r_i^2) forward (half with causal), x3.5 for forward+backward; with --gpu-state each
 round also records the GPU's SM clock, power draw, temperature and clock-event reasons read while it ran
-(dilated_attn.benchmarking.GpuSampler), which tell a GPU's state from the host's in rounds of unequal speed;
+(dilated_attn.cli.measure.GpuSampler), which tell a GPU's state from the host's in rounds of unequal speed;
 "host" is the median time one call takes to return, started on an idle GPU (host_ms; where it nears the GPU time,
 the host bounds the call); "extra memory" is the peak allocated above the inputs during one call, "working memory"
 that less the results every provider must hold (out, and with the backward its float32 LSE, dQ, dK and dV:
@@ -56,7 +56,7 @@ import triton.language as tl
 
 import dilated_attn
 from dilated_attn import backends
-from dilated_attn.benchmarking import (
+from dilated_attn.cli.measure import (
     LONGNET,
     LONGNET_LONG,
     GpuSampler,

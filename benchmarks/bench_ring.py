@@ -23,11 +23,11 @@ Strong scaling (the default): the preset's N on P GPUs. efficiency = T1 / (P * T
 GPU (rank 0 alone, the others wait) for the global tensors (auto's backend: the fastest single-GPU path), TP
 ring_attention on P GPUs (each iteration starts after a barrier; the slowest rank's time counts), forward+backward
 and forward apart. Weak scaling (--tokens-per-gpu, default 131072 tokens a GPU for longnet, 32768 for dense): N = P
-times that, the preset's branches; per-GPU TFLOP/s = benchmarking.flops(N) / (P * TP), against one GPU's on the
+times that, the preset's branches; per-GPU TFLOP/s = measure.flops(N) / (P * TP), against one GPU's on the
 same tokens per GPU (N = tokens, measured in the same run): weak efficiency = their ratio; one GPU's time on the
 whole N is measured too (one_gpu_same_n_*: the kernels' own rate at that N) and gives the same_n_efficiency_* of
 strong scaling. Times are medians over
---repeats after --warmup calls (dilated_attn.benchmarking.median_ms: CUDA events, L2 flushed before each run).
+--repeats after --warmup calls (dilated_attn.cli.measure.median_ms: CUDA events, L2 flushed before each run).
 Each row also holds each rank's own median (tp_rank_median_ms: above TP where the ranks start apart) and the time
 per call of --repeats calls in a row with no barrier between them, as a training loop runs (tp_back_to_back_ms).
 
@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 import dilated_attn
 from dilated_attn import dispatch
-from dilated_attn.benchmarking import Record, attention_call, flops, host_ms, median_ms, random_inputs, say
+from dilated_attn.cli.measure import Record, attention_call, flops, host_ms, median_ms, random_inputs, say
 from dilated_attn.spec import validate, validate_varlen
 
 PRESETS = {
@@ -168,7 +168,7 @@ def offsets(cfg: dict, N: int) -> torch.Tensor:
 
 
 def work(cfg: dict, N: int, backward: bool) -> float:
-    """The FLOPs of the preset on N tokens (a pack: each sequence with its own length, as benchmarking.flops counts)."""
+    """The FLOPs of the preset on N tokens (a pack: each sequence with its own length, as measure.flops counts)."""
     def problem(n):
         x = torch.empty(B, n, H, D, device="meta")
         return validate(x, x.clone(), x.clone(), cfg["w"] or [n], cfg["r"] or [1], causal=cfg["causal"])

@@ -7,7 +7,7 @@ segment together, so GQA heads that share K/V rows run at the same time), hilber
 curve over the (head, segment) grid). Configurations: N = 16384 and 65536 with the LongNet branches (2048,1),
 (4096,2), (8192,4), (16384,8), N = 262144 with (2048,1), (8192,4), (32768,16), (131072,64); each with 16 and
 with 2 K/V heads. Each configuration is timed in --rounds interleaved rounds (every order once per round,
-medians over --repeats runs after --warmup runs, dilated_attn.benchmarking.median_ms); an order "wins" only if
+medians over --repeats runs after --warmup runs, dilated_attn.cli.measure.median_ms); an order "wins" only if
 its slowest round beats plain's fastest round, i.e. by more than the run-to-run spread. JSON goes to
 benchmarks/results/tile_order_<device>.json (or --out), rewritten after every row.
 """
@@ -23,7 +23,7 @@ import triton
 
 import dilated_attn
 from dilated_attn.backends.triton import ops as triton_ops
-from dilated_attn.benchmarking import (
+from dilated_attn.cli.measure import (
     LONGNET,
     LONGNET_LONG,
     Record,

@@ -14,9 +14,9 @@ Rows (each measured in this process, on the same GPU, forward and forward+backwa
   uniform   dilated_attention over one sequence of those 128K tokens ([1, 131072, H, D])
   padded    dilated_attention over the pack padded to a batch of 16 x 16K ([16, 16384, H, D]): what a user
             without varlen runs (padding keys then enter the short sequences' softmax: a cost only, not a result)
-TFLOP/s count each sequence with its own length (segments clipped to it: dilated_attn.benchmarking.flops), so the pack's
+TFLOP/s count each sequence with its own length (segments clipped to it: dilated_attn.cli.measure.flops), so the pack's
 and the uniform sequence's rates compare the kernels' speed, and padded's rate counts only the pack's work.
-Times are medians of --repeats runs after --warmup (dilated_attn.benchmarking.median_ms, L2 flushed), on a GPU
+Times are medians of --repeats runs after --warmup (dilated_attn.cli.measure.median_ms, L2 flushed), on a GPU
 brought to its sustained clock first (settle_clock), the providers timed in turn for --rounds rounds, each round
 starting one provider further along, and the median of the round medians reported.
 """
@@ -32,7 +32,7 @@ import torch
 import triton
 
 import dilated_attn
-from dilated_attn.benchmarking import (
+from dilated_attn.cli.measure import (
     LONGNET,
     Record,
     attention_call,

@@ -54,7 +54,7 @@ def child(family: str, seq_len: int, backend: str, profile: bool) -> None:
     import dilated_attn
 
     import_s = time.perf_counter() - began
-    from dilated_attn.benchmarking import LONGNET, random_inputs
+    from dilated_attn.cli.measure import LONGNET, random_inputs
 
     dtype, head_dim, kv_heads, causal = FAMILIES[family]
     compiled = []
@@ -119,7 +119,7 @@ def child(family: str, seq_len: int, backend: str, profile: bool) -> None:
 
 def warmup_command(family: str, seq_len: int) -> list[str]:
     """`dilated-attn warmup --backend fa4` at the child's shapes."""
-    from dilated_attn.benchmarking import LONGNET
+    from dilated_attn.cli.measure import LONGNET
 
     dtype, head_dim, kv_heads, causal = FAMILIES[family]
     segments, dilations = LONGNET
@@ -162,7 +162,7 @@ def main() -> None:
 
     import torch
 
-    from dilated_attn.benchmarking import command_line, device_info, say, versions
+    from dilated_attn.cli.measure import command_line, device_info, say, versions
 
     rows = []
     for family in args.families:

@@ -8,7 +8,7 @@ A dilated-attention branch of segment length w attends within the runs of w cons
 Area alone does not show locality: an aligned raster run of m full rows fills its box exactly, as a
 Hilbert square does; the half-perimeter tells a 1 x 256 stripe from a 16 x 16 square.
 
-Build times (dilated_attn.benchmarking.median_ms): "first" is a cold build (cache cleared before each run;
+Build times (dilated_attn.cli.measure.median_ms): "first" is a cold build (cache cleared before each run;
 median of 3), "cached" a repeated call (median of 1000). CPU only; the index is built on the CPU and copied
 once per device. --json writes the locality rows as `results` and the build times as `build`.
 """
@@ -21,7 +21,7 @@ import math
 import torch
 
 from dilated_attn import hilbert
-from dilated_attn.benchmarking import Record, median_ms
+from dilated_attn.cli.measure import Record, median_ms
 
 LOCALITY = [((256, 256), (256, 1024, 4096)), ((224, 224), (256, 1024, 4096)), ((32, 32, 32), (512, 4096))]
 BUILD = [(256, 256), (224, 224), (1024, 1024), (1000, 999), (32, 32, 32), (100, 37, 55), (128, 128, 128)]

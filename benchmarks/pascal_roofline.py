@@ -9,7 +9,7 @@ TileTable::kPascal on a GTX 1080, kGp100 on a P100; every operand streamed, noth
 - requested: every load a block issues goes to DRAM (no reuse in L2): the lower bound of the rate;
 - unique: each tensor crosses DRAM once per branch (perfect reuse in L2): the upper bound.
 The roofline then allows min(peak, FLOPs / traffic x bandwidth) per kernel; a pass's share of the fp32 peak is its
-useful FLOPs (dilated_attn.benchmarking.flops) over the sum of its kernels' times. The proxy's measured shares (an H100's or
+useful FLOPs (dilated_attn.cli.measure.flops) over the sum of its kernels' times. The proxy's measured shares (an H100's or
 H200's SM has Pascal's 128 fp32 lanes a clock, 64K registers and 32 shared-memory banks) carry over to a Pascal GPU
 wherever they are below the requested bound: then its memory does not cap them.
 """
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from dilated_attn.benchmarking import LONGNET, flops
+from dilated_attn.cli.measure import LONGNET, flops
 from dilated_attn.spec import Problem
 
 # fp32 peak (TFLOP/s), DRAM bandwidth (GB/s), SMs, L2 (MiB), and the tile table each runs (csrc/cuda/launch.h)
@@ -78,7 +78,7 @@ def kernel_costs(tiles: dict, dim: int, size: int) -> dict:
 
 
 def useful_flops(dim: int, backward: bool) -> float:
-    """dilated_attn.benchmarking.flops for this configuration (the FLOPs the benchmarks' rates count)."""
+    """dilated_attn.cli.measure.flops for this configuration (the FLOPs the benchmarks' rates count)."""
     p = Problem.from_sizes(1, SEQ_LEN, HEADS, HEADS, dim, *BRANCHES, dtype=torch.float32, device="cpu")
     return flops(p, backward=backward)
 

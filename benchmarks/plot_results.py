@@ -6,7 +6,7 @@
 Reads the JSON of benchmarks/bench_gpu.py and of `python -m dilated_attn bench --json` (a `results` list of
 rows with N, provider, mode, median_ms, tflops); other files are skipped with a note (named files: an
 error). Each PNG goes next to its JSON (same name, .png; _ms.png for --metric ms) or into --out-dir. Needs
-matplotlib. The plotting itself is dilated_attn.cli.bench.plot_rows, shared with `bench --plot`.
+matplotlib. The plotting itself is dilated_attn.cli.measure.plot_rows, shared with `bench --plot`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from dilated_attn.cli.bench import matplotlib_missing, plot_rows
+from dilated_attn.cli.measure import matplotlib_missing, plot_rows
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ROW_KEYS = ("N", "provider", "mode", "median_ms", "tflops")

@@ -26,7 +26,7 @@ import argparse
 import torch
 
 import dilated_attn
-from dilated_attn.benchmarking import LONGNET, random_inputs
+from dilated_attn.cli.measure import LONGNET, random_inputs
 
 
 def main() -> None:

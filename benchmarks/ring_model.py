@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from dilated_attn.benchmarking import flops
+from dilated_attn.cli.measure import flops
 from dilated_attn.ring import ring_plan
 from dilated_attn.ring.comm import RingComm
 from dilated_attn.spec import Problem

@@ -33,7 +33,7 @@ import triton
 
 import dilated_attn
 from dilated_attn.backends import triton as triton_backend
-from dilated_attn.benchmarking import command_line, random_inputs, say
+from dilated_attn.cli.measure import command_line, random_inputs, say
 
 GRID = dict(dtypes=["bfloat16", "float16", "float32"], head_dims=[128, 64], causal=[False, True],
             members=[64, 512, 2048, 8192])

@@ -22,7 +22,7 @@ The GPU is brought to its sustained clock before the rounds (settle_clock).
 Each candidate's output is checked against the first candidate's (the max difference in the JSON; bf16 rounds at
 about 4e-3 of the values' scale). A candidate the kernel cannot build is recorded with its error. The providers are
 timed in turn for --rounds rounds, each round starting with the next provider; a row gives the median of its round
-medians (dilated_attn.benchmarking.median_ms, L2 flushed). A candidate that wins goes into backends/fa4/ops.py's
+medians (dilated_attn.cli.measure.median_ms, L2 flushed). A candidate that wins goes into backends/fa4/ops.py's
 _forward_options by hand, with the run that chose it. The variants are set by fa4_settings, which replaces the backend's
 private _forward_options and _second_stream for the timed calls: the package has no switch for them.
 """
@@ -38,7 +38,7 @@ import torch
 
 import dilated_attn
 from dilated_attn import backends
-from dilated_attn.benchmarking import (
+from dilated_attn.cli.measure import (
     LONGNET,
     Record,
     attention_call,

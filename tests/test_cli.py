@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import dilated_attn
-from dilated_attn import backends, benchmarking, cli
-from dilated_attn.benchmarking import flops
-from dilated_attn.cli import bench, check
+from dilated_attn import backends, cli
+from dilated_attn.cli import bench, check, measure
+from dilated_attn.cli.measure import flops
 from dilated_attn.spec import Problem, validate
 from dilated_attn.warmup import fa4_families, prepare_cudnn, warmup_fa4
 
@@ -81,8 +81,8 @@ def test_check_and_bench_on_gpu(tmp_path, capsys):
     assert {r["provider"] for r in rows} >= {"reference"}
     assert all(r["peak_memory_mib"] is not None and r["median_ms"] > 0 for r in rows)
     x = torch.randn(1 << 20, device="cuda")
-    assert benchmarking.median_ms(lambda: x.mul(2), "cuda", warmup=1, repeats=5) > 0
-    assert benchmarking.peak_memory_bytes(lambda: x.mul(2), "cuda") >= x.numel() * 4
+    assert measure.median_ms(lambda: x.mul(2), "cuda", warmup=1, repeats=5) > 0
+    assert measure.peak_memory_bytes(lambda: x.mul(2), "cuda") >= x.numel() * 4
 
 
 def test_env(capsys):
@@ -475,7 +475,7 @@ def test_fa4_warmup_fills_the_cache_that_another_process_finds(tmp_path):
 
 
 def test_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):
-    timed = benchmarking.run_times_ms
+    timed = measure.run_times_ms
 
     def interrupted_at_the_third(fn, *args, **kwargs):
         if len(calls) == 2:

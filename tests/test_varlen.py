@@ -204,7 +204,7 @@ def test_bad_packs_raise_naming_the_argument(change, error, message):
 
 
 def test_varlen_flops_count_each_sequence_alone():
-    from dilated_attn.benchmarking import flops
+    from dilated_attn.cli.measure import flops
     from dilated_attn.spec import validate, validate_varlen
 
     q, k, v, cu = pack([5, 0, 40], 2, 2, 8, torch.float32, "cpu")

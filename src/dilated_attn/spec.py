@@ -3,7 +3,7 @@ validate_varlen() for packed sequences).
 
 The errors raised here are the spec's Errors section: ValueError (TypeError for wrong types) naming the argument and
 the rule it broke. The branch table a Problem holds is branches.py's; the KV-cache call's checks are cache_spec.py's;
-FLOP counts are benchmarking.flops.
+FLOP counts are dilated_attn.cli.measure.flops.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Exit status: 0 when all is well; 1 when the self-check (or the warm-up of a fami
 (argparse's errors, and attention configurations the package rejects, with its ValueError message); 3 when a
 backend named with --backends (or warmup's --backend) cannot run on this device or configuration (with the
 package's reason). Backends not named that cannot run are skipped. docs/cli.md is the reference. The self-check is
-dilated_attn.cli.check's, the bench command's run dilated_attn.cli.bench's, and their measuring
-dilated_attn.benchmarking's.
+dilated_attn.cli.check's, the bench command's run dilated_attn.cli.bench's, and their measuring (and the plots)
+dilated_attn.cli.measure's.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from .. import __version__, build_info
 from ..backends import FA4
 from ..backends import triton as triton_backend
 from ..backends import verdicts as backend_verdicts
-from ..benchmarking import DTYPES, PASSES, Record, device_info, say, triton_version
 from ..spec import BACKEND_NAMES, Problem, dtype_name
-from .bench import BENCH_DEFAULTS, BenchConfig, matplotlib_missing, plan, plot_rows, print_table, refusals, run_bench
+from .bench import BENCH_DEFAULTS, BenchConfig, plan, print_table, refusals, run_bench
 from .check import CHECK_DTYPES, check_problems, self_check
+from .measure import DTYPES, PASSES, Record, device_info, matplotlib_missing, plot_rows, say, triton_version
 
 __all__ = ["main", "build_parser", "environment", "print_environment", "EXIT_CHECK_FAILED", "EXIT_CANNOT_RUN"]
 

@@ -1,12 +1,11 @@
 """The `bench` command's run: its configuration (BenchConfig, and BENCH_DEFAULTS for the flags left out), the
 plan made before anything runs (which backends at each N, which are refused and why), the timing of every
-(N, backend, mode) into a Record, the table printed at the end, and the plots of `bench --plot` (plot_rows,
-which benchmarks/plot_results.py draws with too). The measuring itself is dilated_attn.benchmarking's.
+(N, backend, mode) into a Record, and the table printed at the end. The measuring itself, and the plots of
+`bench --plot`, are dilated_attn.cli.measure's.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -15,7 +14,9 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .. import backends
-from ..benchmarking import (
+from ..functional import dilated_attention
+from ..spec import Problem, dtype_name, validate
+from .measure import (
     LONGNET,
     PASSES,
     Record,
@@ -28,16 +29,13 @@ from ..benchmarking import (
     say,
     tflops,
 )
-from ..functional import dilated_attention
-from ..spec import Problem, dtype_name, validate
 
 # A measurement whose first call takes longer than this says so before it times the rest (a CPU run of the
 # reference at the GPU sizes takes minutes).
 SLOW_CALL_S = 2.0
 
 __all__ = [
-    "BENCH_DEFAULTS", "METRICS", "BenchConfig", "BenchPlan", "plan", "refusals", "run_bench", "print_table",
-    "plot_rows", "matplotlib_missing",
+    "BENCH_DEFAULTS", "BenchConfig", "BenchPlan", "plan", "refusals", "run_bench", "print_table",
 ]
 
 
@@ -193,70 +191,5 @@ def print_table(rows: list[dict]) -> None:
             f"{cell(n, name, 'fwd', 'speedup_over_reference', '.2f'):>10} "
             f"{cell(n, name, 'fwd+bwd', 'speedup_over_reference', '.2f'):>10}")
     say("  (medians; each measurement's line above gives its fastest and slowest run; TFLOP/s from "
-        "dilated_attn.benchmarking.flops; peak MiB: CUDA only, the most allocated above the inputs during one call; vs ref: "
+        "dilated_attn.cli.measure.flops; peak MiB: CUDA only, the most allocated above the inputs during one call; vs ref: "
         "the reference backend's time over this backend's)")
-
-
-# --- plots ----------------------------------------------------------------------------------------------
-
-METRICS = {"tflops": "TFLOP/s", "median_ms": "time (ms)"}
-
-
-def matplotlib_missing() -> Optional[str]:
-    """None if matplotlib imports, else an error message naming it."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        return f"plotting needs matplotlib, which is not importable here ({exc}); pip install matplotlib"
-    return None
-
-
-def plot_rows(rows: list[dict], path: str, metric: str = "tflops", title: Optional[str] = None) -> None:
-    """One panel per mode (fwd, fwd+bwd), `metric` ("tflops" or "median_ms") against N, a line per provider
-    (its causal rows dashed, in the same colour). Rows need N, provider, mode and the metric (the rows of
-    `bench` and of benchmarks/bench_gpu.py)."""
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {tuple(METRICS)}, got {metric!r}")
-    import matplotlib
-    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
-
-    modes = [m for m in ("fwd", "fwd+bwd") if any(r["mode"] == m for r in rows)]
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    colours = matplotlib.colormaps["tab10"]
-    ns = sorted({r["N"] for r in rows})
-    fig = Figure(figsize=(5.5 * len(modes) + 2.5, 4.5), layout="constrained")
-    for ax, mode in zip(fig.subplots(1, len(modes), squeeze=False)[0], modes):
-        series: dict[tuple, list] = {}
-        for r in rows:
-            if r["mode"] == mode and r.get(metric) is not None:
-                series.setdefault((r["provider"], bool(r.get("causal"))), []).append((r["N"], r[metric]))
-        for (provider, causal), points in sorted(series.items(), key=lambda kv: (providers.index(kv[0][0]), kv[0][1])):
-            ax.plot(*zip(*sorted(points)), color=colours(providers.index(provider) % 10),
-                    linestyle="--" if causal else "-", marker="s" if causal else "o",
-                    label=provider + (" (causal)" if causal else ""))
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ns, labels=[str(n) for n in ns])
-        ax.minorticks_off()
-        if metric == "median_ms":
-            ax.set_yscale("log")
-        ax.set(xlabel="sequence length N", ylabel=METRICS[metric],
-               title="forward" if mode == "fwd" else "forward + backward")
-        ax.grid(alpha=0.3)
-    # One legend for both panels, outside them: the union of their lines, in the order drawn.
-    handles = {}
-    for ax in fig.axes:
-        for line in ax.get_lines():
-            handles.setdefault(line.get_label(), line)
-    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize="small")
-    # Say so when N values come with different branch sets, since a line then joins different configurations.
-    branch_sets: dict[str, set] = {}
-    for r in rows:
-        key = ", ".join(f"({w},{d})" for w, d in zip(r.get("segment_lengths", ()), r.get("dilation_rates", ())))
-        branch_sets.setdefault(key, set()).add(r["N"])
-    if len(branch_sets) > 1:
-        fig.supxlabel("branches (w,r): " + "; ".join(f"N={'/'.join(map(str, sorted(n)))}: {key}"
-                                                     for key, n in branch_sets.items()), fontsize="small")
-    if title:
-        fig.suptitle(title)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)

@@ -14,10 +14,10 @@ import torch
 
 from ..backends import REGISTRY
 from ..backends import verdicts as backend_verdicts
-from ..benchmarking import DTYPES, applicable_backends, say
 from ..functional import dilated_attention
 from ..reference import allowed_error, dilated_attention_reference, max_error
 from ..spec import Problem, validate
+from .measure import DTYPES, applicable_backends, say
 
 __all__ = [
     "CHECK_SHAPE", "CHECK_BRANCHES", "CHECK_CASES", "CHECK_DTYPES", "CUDNN_CHECK_SHAPE", "CUDNN_CHECK_BRANCHES",

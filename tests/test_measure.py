@@ -1,4 +1,4 @@
-"""dilated_attn.benchmarking, the library `dilated-attn bench` and the scripts in benchmarks/ measure with: timing,
+"""dilated_attn.cli.measure, the toolkit `dilated-attn bench` and the scripts in benchmarks/ measure with: timing,
 seeded inputs, the call to time, records, number formats. Its GPU timing runs in test_cli.py's GPU test."""
 
 import csv
@@ -12,41 +12,41 @@ import pytest
 import torch
 
 import dilated_attn
-from dilated_attn import benchmarking
+from dilated_attn.cli import measure
 
 
 def test_median_ms_times_after_warmup_with_hooks():
     calls = []
-    ms = benchmarking.median_ms(lambda: calls.append("run") or sum(range(10_000)), "cpu", warmup=2, repeats=5,
+    ms = measure.median_ms(lambda: calls.append("run") or sum(range(10_000)), "cpu", warmup=2, repeats=5,
                            before_run=lambda: calls.append("before"))
     assert ms > 0 and calls == ["before", "run"] * 7  # every run, warm-up included, after its hook
     # combine maps the run times before the median, as bench_ring takes the slowest rank's
-    assert benchmarking.median_ms(lambda: None, "cpu", warmup=0, repeats=3, combine=lambda t: [7.0, 1.0, 7.0]) == 7.0
+    assert measure.median_ms(lambda: None, "cpu", warmup=0, repeats=3, combine=lambda t: [7.0, 1.0, 7.0]) == 7.0
     with pytest.raises(ValueError, match="repeats must be a positive integer, got 0"):
-        benchmarking.median_ms(lambda: None, "cpu", warmup=0, repeats=0)
-    assert benchmarking.peak_memory_bytes(lambda: None, "cpu") is None
+        measure.median_ms(lambda: None, "cpu", warmup=0, repeats=0)
+    assert measure.peak_memory_bytes(lambda: None, "cpu") is None
     start = time.perf_counter()
-    benchmarking.settle_clock("cpu", seconds=30)  # nothing to settle on the CPU: returns at once
+    measure.settle_clock("cpu", seconds=30)  # nothing to settle on the CPU: returns at once
     assert time.perf_counter() - start < 1.0
     # each round starts one provider further along, so none is always first or always after the same one
-    assert list(benchmarking.in_turn({"a": 1, "b": 2, "c": 3}, 4)) == list("abc" "bca" "cab" "abc")
-    assert list(benchmarking.in_turn([], 3)) == []
+    assert list(measure.in_turn({"a": 1, "b": 2, "c": 3}, 4)) == list("abc" "bca" "cab" "abc")
+    assert list(measure.in_turn([], 3)) == []
 
 
 def test_random_inputs_are_seeded_and_gqa_shaped():
-    a = benchmarking.random_inputs(2, 24, 4, 8, kv_heads=2, dtype=torch.float64, seed=3)
-    b = benchmarking.random_inputs(2, 24, 4, 8, kv_heads=2, dtype=torch.float64, seed=3)
+    a = measure.random_inputs(2, 24, 4, 8, kv_heads=2, dtype=torch.float64, seed=3)
+    b = measure.random_inputs(2, 24, 4, 8, kv_heads=2, dtype=torch.float64, seed=3)
     assert [tuple(x.shape) for x in a] == [(2, 24, 4, 8), (2, 24, 2, 8), (2, 24, 2, 8), (2, 24, 4, 8)]
     assert all(x.requires_grad for x in a[:3]) and not a.grad_out.requires_grad
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and a.q.dtype == torch.float64
     with pytest.raises(ValueError, match="mode must be 'fwd' or 'fwd\\+bwd', got 'back'"):
-        benchmarking.attention_call(lambda q, k, v: q, a, "back")
+        measure.attention_call(lambda q, k, v: q, a, "back")
 
 
 
 def test_record_rewrites_json_and_csv_after_every_row(tmp_path):
     jpath, cpath = tmp_path / "r" / "rows.json", tmp_path / "rows.csv"
-    record = benchmarking.Record("unit", "cpu", dict(size=1), json_path=str(jpath), csv_path=str(cpath), extra="x")
+    record = measure.Record("unit", "cpu", dict(size=1), json_path=str(jpath), csv_path=str(cpath), extra="x")
     data = json.loads(jpath.read_text())  # written at once, with no rows yet
     assert {"benchmark", "command", "date", "device", "versions", "config", "extra", "results"} <= set(data)
     assert data["results"] == [] and data["versions"]["dilated_attn"] == dilated_attn.__version__
@@ -70,13 +70,13 @@ def test_host_ms_times_until_the_call_returns():
         calls.append(1)
         time.sleep(0.002 * len(calls))  # 2, 4 and 6 ms: the median is the second
 
-    ms = benchmarking.host_ms(call, "cpu", repeats=3)
+    ms = measure.host_ms(call, "cpu", repeats=3)
     assert len(calls) == 3 and 3.9 <= ms < 6
 
 
 def test_format_ms_keeps_four_digits_without_exponents():
     """Benchmark times print alike at every size: no `1160.` and no `1.668e+04`."""
-    assert [benchmarking.format_ms(x) for x in (16680.4, 1160.2, 999.96, 72.346, 1.6, 0.43101)] == [
+    assert [measure.format_ms(x) for x in (16680.4, 1160.2, 999.96, 72.346, 1.6, 0.43101)] == [
         "16680", "1160", "1000", "72.35", "1.600", "0.4310"]
 
 
@@ -84,8 +84,8 @@ def test_gpu_state_reads_nvidia_smi_by_uuid(monkeypatch):
     """gpu_state asks nvidia-smi for the device by UUID (CUDA's numbering follows CUDA_VISIBLE_DEVICES), parses its
     CSV (the clock-event reasons as a hex mask, "[N/A]" left out), falls back to the fields an older driver knows,
     and gives {} where nvidia-smi is missing; GpuSampler summarises a round's readings. On the CPU: nothing."""
-    assert benchmarking.gpu_state("cpu") == {}
-    with benchmarking.GpuSampler("cpu") as sampler:
+    assert measure.gpu_state("cpu") == {}
+    with measure.GpuSampler("cpu") as sampler:
         pass
     assert sampler.summary() == {}
 
@@ -104,16 +104,16 @@ def test_gpu_state_reads_nvidia_smi_by_uuid(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     monkeypatch.setattr(subprocess, "run", smi)
-    monkeypatch.setattr(benchmarking, "_SMI_FIELDS", None)
+    monkeypatch.setattr(measure, "_SMI_FIELDS", None)
     # a fresh cache of the UUIDs, which monkeypatch puts back: the fake UUID must not outlive the test
-    monkeypatch.setattr(benchmarking, "_smi_id", functools.lru_cache(maxsize=None)(benchmarking._smi_id.__wrapped__))
-    assert benchmarking.gpu_state("cuda:0") == {"sm_clock_mhz": 1980.0, "temperature_c": 55.0}
+    monkeypatch.setattr(measure, "_smi_id", functools.lru_cache(maxsize=None)(measure._smi_id.__wrapped__))
+    assert measure.gpu_state("cuda:0") == {"sm_clock_mhz": 1980.0, "temperature_c": 55.0}
     assert asked[0][-2:] == ["-i", "GPU-58bd63f5-0000-1111-2222-333344445555"]
     assert "clocks_event_reasons" not in asked[1][1]
-    monkeypatch.setattr(benchmarking, "_SMI_FIELDS", None)  # a driver that knows the reasons
-    assert benchmarking.gpu_state("cuda:0") == {"sm_clock_mhz": 1755.0, "power_w": 612.4, "temperature_c": 61.0,
+    monkeypatch.setattr(measure, "_SMI_FIELDS", None)  # a driver that knows the reasons
+    assert measure.gpu_state("cuda:0") == {"sm_clock_mhz": 1755.0, "power_w": 612.4, "temperature_c": 61.0,
                                                 "clock_event_reasons": 4}
-    with benchmarking.GpuSampler("cuda:0", interval=0.01) as sampler:  # reads on its thread until the block ends
+    with measure.GpuSampler("cuda:0", interval=0.01) as sampler:  # reads on its thread until the block ends
         time.sleep(0.1)
     assert sampler.summary()["samples"] >= 2 and sampler.summary()["clock_event_reasons"] == "0x4"
 
@@ -121,10 +121,10 @@ def test_gpu_state_reads_nvidia_smi_by_uuid(monkeypatch):
         raise FileNotFoundError("nvidia-smi")
 
     monkeypatch.setattr(subprocess, "run", missing)
-    monkeypatch.setattr(benchmarking, "_SMI_FIELDS", None)
-    assert benchmarking.gpu_state("cuda:0") == {}
+    monkeypatch.setattr(measure, "_SMI_FIELDS", None)
+    assert measure.gpu_state("cuda:0") == {}
 
-    sampler = benchmarking.GpuSampler("cpu")
+    sampler = measure.GpuSampler("cpu")
     sampler.samples = [dict(sm_clock_mhz=1700.0, power_w=600.0, clock_event_reasons=4),
                        dict(sm_clock_mhz=1900.0, power_w=500.0, clock_event_reasons=0x20),
                        dict(sm_clock_mhz=1800.0, power_w=550.0)]

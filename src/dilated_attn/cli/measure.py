@@ -1,4 +1,5 @@
-"""The benchmark library: the measuring of every script in benchmarks/ and of `dilated-attn bench`.
+"""The measuring toolkit of the main job (`dilated-attn bench`, dilated_attn.cli.bench) and of the scripts in
+benchmarks/, which import it from here (dilated_attn.cli.measure). The runtime package never imports it.
 
     median_ms               median time of a call after warm-up (CUDA events with L2 flushed; time.perf_counter)
     settle_clock            a few seconds of matrix products, so that the timings that follow run at the GPU's
@@ -6,6 +7,7 @@
     in_turn                 the order in which a comparison's rounds time its providers
     peak_memory_bytes       the most one call allocates on a GPU above what was allocated before it
     gpu_state, GpuSampler   the GPU's SM clock, power draw, temperature and clock-event reasons, now or over a round
+                            (read with nvidia-smi)
     random_inputs           seeded q, k, v (requiring grad) and an output gradient, GQA-capable
     attention_call          a forward, or forward and backward, of an attention function, as one call to time
     LONGNET, ...            branch presets (segment_lengths, dilation_rates)
@@ -13,6 +15,8 @@
     device_info, versions   the device and the software a record was measured with
     Record                  a benchmark's JSON (and CSV) file, rewritten after every row
     applicable_backends     the backends the auto rule considers for a problem's device
+    plot_rows               benchmark rows drawn to a PNG (`bench --plot`, benchmarks/plot_results.py; matplotlib,
+                            which matplotlib_missing checks for)
 
 The `bench` command's run is dilated_attn.cli.bench's. A problem of given sizes, without tensors:
 dilated_attn.spec.Problem.from_sizes.
@@ -37,8 +41,8 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import __version__, dispatch
-from .spec import BACKEND_NAMES, Problem, host_offsets, sequence_problem
+from .. import __version__, dispatch
+from ..spec import BACKEND_NAMES, Problem, host_offsets, sequence_problem
 
 __all__ = [
     "LONGNET", "LONGNET_LONG", "LOCAL2", "DTYPES", "PASSES", "L2_FLUSH_BYTES",
@@ -46,6 +50,7 @@ __all__ = [
     "GpuSampler", "Inputs",
     "random_inputs", "attention_call", "tflops",
     "device_info", "versions", "triton_version", "command_line", "Record", "applicable_backends",
+    "METRICS", "matplotlib_missing", "plot_rows",
 ]
 
 # Branch presets, (segment_lengths, dilation_rates).
@@ -469,3 +474,68 @@ def flops(problem: Problem, backward: bool = False) -> float:
     if b.causal:
         f /= 2
     return f * (3.5 if backward else 1.0)
+
+
+# --- plots ----------------------------------------------------------------------------------------------
+
+METRICS = {"tflops": "TFLOP/s", "median_ms": "time (ms)"}
+
+
+def matplotlib_missing() -> Optional[str]:
+    """None if matplotlib imports, else an error message naming it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"plotting needs matplotlib, which is not importable here ({exc}); pip install matplotlib"
+    return None
+
+
+def plot_rows(rows: list[dict], path: str, metric: str = "tflops", title: Optional[str] = None) -> None:
+    """One panel per mode (fwd, fwd+bwd), `metric` ("tflops" or "median_ms") against N, a line per provider
+    (its causal rows dashed, in the same colour). Rows need N, provider, mode and the metric (the rows of
+    `bench` and of benchmarks/bench_gpu.py)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {tuple(METRICS)}, got {metric!r}")
+    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+
+    modes = [m for m in ("fwd", "fwd+bwd") if any(r["mode"] == m for r in rows)]
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    colours = matplotlib.colormaps["tab10"]
+    ns = sorted({r["N"] for r in rows})
+    fig = Figure(figsize=(5.5 * len(modes) + 2.5, 4.5), layout="constrained")
+    for ax, mode in zip(fig.subplots(1, len(modes), squeeze=False)[0], modes):
+        series: dict[tuple, list] = {}
+        for r in rows:
+            if r["mode"] == mode and r.get(metric) is not None:
+                series.setdefault((r["provider"], bool(r.get("causal"))), []).append((r["N"], r[metric]))
+        for (provider, causal), points in sorted(series.items(), key=lambda kv: (providers.index(kv[0][0]), kv[0][1])):
+            ax.plot(*zip(*sorted(points)), color=colours(providers.index(provider) % 10),
+                    linestyle="--" if causal else "-", marker="s" if causal else "o",
+                    label=provider + (" (causal)" if causal else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, labels=[str(n) for n in ns])
+        ax.minorticks_off()
+        if metric == "median_ms":
+            ax.set_yscale("log")
+        ax.set(xlabel="sequence length N", ylabel=METRICS[metric],
+               title="forward" if mode == "fwd" else "forward + backward")
+        ax.grid(alpha=0.3)
+    # One legend for both panels, outside them: the union of their lines, in the order drawn.
+    handles = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            handles.setdefault(line.get_label(), line)
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize="small")
+    # Say so when N values come with different branch sets, since a line then joins different configurations.
+    branch_sets: dict[str, set] = {}
+    for r in rows:
+        key = ", ".join(f"({w},{d})" for w, d in zip(r.get("segment_lengths", ()), r.get("dilation_rates", ())))
+        branch_sets.setdefault(key, set()).add(r["N"])
+    if len(branch_sets) > 1:
+        fig.supxlabel("branches (w,r): " + "; ".join(f"N={'/'.join(map(str, sorted(n)))}: {key}"
+                                                     for key, n in branch_sets.items()), fontsize="small")
+    if title:
+        fig.suptitle(title)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
