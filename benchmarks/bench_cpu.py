@@ -19,7 +19,7 @@ import os
 import torch
 
 import dilated_attn
-from dilated_attn.cli.bench import BenchConfig, plan, print_table, run_bench
+from dilated_attn.cli.bench import BenchConfig, bench_plan, print_table, run_bench
 from dilated_attn.cli.measure import DTYPES, Record, say
 
 PROVIDERS = ("cpu", "reference")
@@ -58,7 +58,7 @@ def main(argv=None) -> Record:
                       dilation_rates=dils, causal=args.causal, mode="both", warmup=args.warmup,
                       repeats=args.repeats)
     try:
-        planned = plan(cfg, PROVIDERS)
+        planned = bench_plan(cfg, PROVIDERS)
     except (ValueError, TypeError) as exc:
         ap.error(str(exc))
     if planned.refused:

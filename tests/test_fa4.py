@@ -808,7 +808,7 @@ def test_aligned_pack_takes_a_uniform_batchs_calls():
     place. Other starts take a call per residue and offset group, or run moved to multiples of the dilations where
     that saves calls."""
     from dilated_attn.backends.fa4 import packs
-    from dilated_attn.backends.views import view_plan as plan
+    from dilated_attn.backends.views import view_plan
 
     aligned = packs.plan_pack((0, 32, 48, 112), (16, 32), (1, 4), 16, 16, False)  # 4 heads in each of 4 groups
     assert aligned.starts is None and [len(calls) for calls in aligned.plan.calls] == [1, 4]
@@ -823,7 +823,7 @@ def test_aligned_pack_takes_a_uniform_batchs_calls():
     longnet = ((2048, 4096, 8192, 16384), (1, 2, 4, 8))
     for kv_heads, counts in ((16, [1, 2, 4, 2]), (4, [1, 2, 4, 4]), (1, [1, 2, 4, 2])):
         calls = packs.plan_pack(eight, *longnet, 16, kv_heads, False).plan.calls
-        uniform = plan(*longnet, 65536, 16, kv_heads, False).calls
+        uniform = view_plan(*longnet, 65536, 16, kv_heads, False).calls
         assert [len(c) for c in calls] == [len(c) for c in uniform] == counts
     here = packs.plan_sequences(((0, 31), (31, 17), (48, 65)), 113, (16, 32), (1, 4), 8, 8, False)
     # starts 0, 31 and 48, residues 0, 3 and 0 modulo 4: two calls per offset group, the second sequence's apart

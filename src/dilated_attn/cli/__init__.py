@@ -33,7 +33,7 @@ from ..backends import FA4
 from ..backends import triton as triton_backend
 from ..backends import verdicts as backend_verdicts
 from ..spec import BACKEND_NAMES, Problem, dtype_name
-from .bench import BENCH_DEFAULTS, BenchConfig, plan, print_table, refusals, run_bench
+from .bench import BENCH_DEFAULTS, BenchConfig, bench_plan, print_table, refusals, run_bench
 from .check import CHECK_DTYPES, check_problems, self_check
 from .measure import DTYPES, PASSES, Record, device_info, matplotlib_missing, plot_rows, say, triton_version
 
@@ -284,7 +284,7 @@ def bench_command(args, env=None, failed: frozenset = frozenset()) -> int:
     cfg = bench_config(args)
     use_device(cfg.device)
     try:
-        planned = plan(cfg, args.backends)
+        planned = bench_plan(cfg, args.backends)
     except (ValueError, TypeError) as exc:  # the package's own message for an invalid configuration
         args.fail(str(exc))
     if planned.refused:

@@ -35,7 +35,7 @@ from .measure import (
 SLOW_CALL_S = 2.0
 
 __all__ = [
-    "BENCH_DEFAULTS", "BenchConfig", "BenchPlan", "plan", "refusals", "run_bench", "print_table",
+    "BENCH_DEFAULTS", "BenchConfig", "BenchPlan", "bench_plan", "refusals", "run_bench", "print_table",
 ]
 
 
@@ -94,7 +94,7 @@ class BenchPlan(NamedTuple):
     refused: dict[str, str]  # a backend named that cannot run -> why (the run must not start)
 
 
-def plan(cfg: BenchConfig, names: Optional[Sequence[str]] = None) -> BenchPlan:
+def bench_plan(cfg: BenchConfig, names: Optional[Sequence[str]] = None) -> BenchPlan:
     """Validates the configuration at every N before anything runs (raising the package's ValueError/TypeError
     for an invalid one) and picks the backends at each N: those named, or every one that applies to the device
     and can run."""
