@@ -14,7 +14,7 @@ and which does not shrink with the bytes. The transfer time is the bytes the bus
 bandwidth (the forward's: the ring plan's K/V (dilated_attn.ring.ring_plan), or the heads mode's all-to-all;
 forward+backward: the ring sends dK/dV in float32 and, where its forward exchanged step by step, K/V again: 3x or 4x
 the forward's (RingComm.eager); the heads mode d_out in and dq, dk, dv back, 2x); the ring hides it behind a rank's
-compute and exposes only what outlasts it, the heads mode (one head group) waits for all of it. The two measured
+compute and exposes only what outlasts it, the heads mode (one head chunk) waits for all of it. The two measured
 GPU counts give e and s (two equations), so the model reproduces both runs, except where they would make s
 negative: then s = 0 and e is the mean of the two (the table prints how closely it reproduces them). The 2-D mode,
 measured at one size only (2 x 2), takes the ring's and the heads mode's waits and fits e.
@@ -125,7 +125,7 @@ def measured_transfer_ms(row, mode: str, bw: float, name: str, factor_heads: flo
 
 def exposed_ms(mode: str, compute_ms: float, comm: dict) -> float:
     """Transfer time no compute hides: the ring's K/V travel while the previous step computes (exposed only past
-    the rank's compute), the heads mode's all-to-all waits (one head group), the 2-D mode both."""
+    the rank's compute), the heads mode's all-to-all waits (one head chunk), the 2-D mode both."""
     return comm.get("inner", 0.0) + max(0.0, comm.get("outer", 0.0) - compute_ms)
 
 

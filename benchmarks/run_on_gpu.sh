@@ -128,10 +128,10 @@ for stage in $stages; do
         torchrun --standalone --nproc_per_node="$p" benchmarks/bench_ring.py --tokens-per-gpu ${RING_ARGS:-} \
           --out "$OUT/ring_${p}gpu_weak.json" 2>&1 | tee -a "$OUT/ring.log"
       done
-      # the head-parallel modes with RING_HEAD_GROUPS head groups overlapping their exchanges, for comparison
-      if [ -n "${RING_HEAD_GROUPS:-}" ]; then
-        DILATED_ATTN_HEAD_GROUPS=$RING_HEAD_GROUPS torchrun --standalone --nproc_per_node="${RING_GPUS%% *}" \
-          benchmarks/bench_ring.py --mode heads --out "$OUT/ring_heads_${RING_HEAD_GROUPS}groups.json" 2>&1 \
+      # the head-parallel modes with RING_HEAD_CHUNKS head chunks overlapping their exchanges, for comparison
+      if [ -n "${RING_HEAD_CHUNKS:-}" ]; then
+        DILATED_ATTN_HEAD_CHUNKS=$RING_HEAD_CHUNKS torchrun --standalone --nproc_per_node="${RING_GPUS%% *}" \
+          benchmarks/bench_ring.py --mode heads --out "$OUT/ring_heads_${RING_HEAD_CHUNKS}chunks.json" 2>&1 \
           | tee -a "$OUT/ring.log"
       fi ;;
     ab|ring_ab)

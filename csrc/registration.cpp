@@ -29,8 +29,9 @@ TORCH_LIBRARY(dilated_attn, m) {
       "int stored_steps, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The merge kernel (cudnn_forward_steps's, and every path's) on whole [b, h, s, d] tensors: (out, lse) <- merge([out, part_out], [lse, part_lse]).
   m.def("merge_into(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse) -> ()");
-  // ... and their gradient addition: targets[t] += parts[t] (store: =), [b, h, s, d] views of one shape, 1 to 3.
-  m.def("cudnn_accumulate(Tensor(a!)[] targets, Tensor[] parts, bool store) -> ()");
+  // ... and their gradient addition: targets[t] += parts[t] (store: =), [b, h, s, d] views of one shape, 1 to 3
+  // (cudnn_backward_steps's kernel, which the fa4 backend and the ring call through this op).
+  m.def("accumulate(Tensor(a!)[] targets, Tensor[] parts, bool store) -> ()");
 }
 
 namespace dilated_attn::cpu {

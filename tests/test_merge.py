@@ -141,7 +141,7 @@ def test_merge_into_kernel_is_the_merge(dtype, vectors):
 @pytest.mark.parametrize("vectors", [True, False])
 @pytest.mark.parametrize("store", [False, True])
 def test_addition_kernel_adds_each_gradient_once(sums, grads, vectors, store):
-    """The gradient-addition kernel (csrc/cuda/merge.cu, op cudnn_accumulate): targets[t] += parts[t] (= with
+    """The gradient-addition kernel (csrc/cuda/merge.cu, op accumulate): targets[t] += parts[t] (= with
     `store`) for three pairs in one launch, the targets strided views (rows of a wider tensor, as the ring's sums of
     a block's rows are) of the parts' dtype or float32 sums of 16-bit parts, with 16-byte vectors or (views one
     element past them) element by element; rows beside the views stay as they were. Exact for float32 sums (one
@@ -161,7 +161,7 @@ def test_addition_kernel_adds_each_gradient_once(sums, grads, vectors, store):
         want.append(x.to(sums))
     on_gpu = [w.cuda() for w in wide]
     targets = [w[start:].view(2, 37, 3, 24)[:, 5:29, :, :16].transpose(1, 2) for w in on_gpu]  # [b, h, s, d]
-    torch.ops.dilated_attn.cudnn_accumulate(targets, [p.cuda().transpose(1, 2) for p in parts], store)
+    torch.ops.dilated_attn.accumulate(targets, [p.cuda().transpose(1, 2) for p in parts], store)
     for w, x in zip(on_gpu, want):
         torch.testing.assert_close(w[start:].view(2, 37, 3, 24).cpu(), x, rtol=0, atol=0)
 

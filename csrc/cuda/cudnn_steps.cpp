@@ -267,16 +267,18 @@ void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& 
              c10::cuda::getCurrentCUDAStream());
 }
 
-// Their gradient-addition kernel on whole [b, h, s, d] views: targets[t] += parts[t] (or = with `store`), up to three
-// pairs of one shape in one launch; the targets of the parts' dtype, or float32 sums of float16/bfloat16 parts (the
-// fa4 backend adds FlashAttention's gradients with it, the ring its blocks' into their float32 sums).
-void cudnn_accumulate(at::TensorList targets, at::TensorList parts, bool store) {
+// Their gradient-addition kernel on whole [b, h, s, d] views (op dilated_attn::accumulate): targets[t] += parts[t] (or
+// = with `store`), up to three pairs of one shape in one launch; the targets of the parts' dtype, or float32 sums of
+// float16/bfloat16 parts. Not the cudnn backend's alone: the fa4 backend adds FlashAttention's gradients with it, the
+// ring its blocks' into their float32 sums (backends/extension.py's accumulate); it lives here beside the kernel's
+// first user, cudnn_backward_steps (accumulate above).
+void accumulate_into(at::TensorList targets, at::TensorList parts, bool store) {
   const int count = static_cast<int>(targets.size());
   TORCH_CHECK_VALUE(count >= 1 && count <= 3 && parts.size() == targets.size(),
-                    message("cudnn_accumulate takes 1 to 3 targets and as many parts, got ", targets.size(), " and ",
+                    message("accumulate takes 1 to 3 targets and as many parts, got ", targets.size(), " and ",
                             parts.size()));
   const at::Tensor& first = targets[0];
-  TORCH_CHECK_VALUE(first.is_cuda() && first.dim() == 4, "cudnn_accumulate's targets are 4-D CUDA tensors");
+  TORCH_CHECK_VALUE(first.is_cuda() && first.dim() == 4, "accumulate's targets are 4-D CUDA tensors");
   const bool float_sums = first.scalar_type() == at::kFloat && parts[0].scalar_type() != at::kFloat;
   at::Tensor grads[3];
   RowsView dst[3];
@@ -284,11 +286,11 @@ void cudnn_accumulate(at::TensorList targets, at::TensorList parts, bool store) 
     TORCH_CHECK_VALUE(targets[t].sizes() == first.sizes() && parts[t].sizes() == first.sizes() &&
                           targets[t].stride(3) == 1 && targets[t].device() == first.device() &&
                           parts[t].device() == first.device(),
-                      "cudnn_accumulate takes targets and parts of one [b, h, s, d] shape on one device, the targets "
+                      "accumulate takes targets and parts of one [b, h, s, d] shape on one device, the targets "
                       "with unit-stride rows");
     TORCH_CHECK_TYPE(targets[t].scalar_type() == first.scalar_type() && parts[t].scalar_type() == parts[0].scalar_type()
                          && (parts[t].scalar_type() == first.scalar_type() || float_sums),
-                     "cudnn_accumulate's targets and parts must share one dtype, or the targets be float32");
+                     "accumulate's targets and parts must share one dtype, or the targets be float32");
     grads[t] = unit_stride_rows(parts[t]);
     dst[t] = rows_of(targets[t]);
   }
@@ -305,7 +307,7 @@ TORCH_LIBRARY_IMPL(dilated_attn, CUDA, m) {
   m.impl("cudnn_forward_steps", &cuda::cudnn_forward_steps);
   m.impl("cudnn_backward_steps", &cuda::cudnn_backward_steps);
   m.impl("merge_into", &cuda::merge_into);
-  m.impl("cudnn_accumulate", &cuda::cudnn_accumulate);
+  m.impl("accumulate", &cuda::accumulate_into);
 }
 
 }  // namespace dilated_attn

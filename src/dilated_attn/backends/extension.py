@@ -74,7 +74,7 @@ def accumulate(targets, parts, store: bool = False) -> None:
         for target, part in zip(targets, parts):
             shapes.setdefault(tuple(target.shape), []).append((target, part))
         for pairs in shapes.values():
-            torch.ops.dilated_attn.cudnn_accumulate([t for t, _ in pairs], [p for _, p in pairs], store)
+            torch.ops.dilated_attn.accumulate([t for t, _ in pairs], [p for _, p in pairs], store)
         return
     for target, part in zip(targets, parts):
         target.copy_(part) if store else target.add_(part)

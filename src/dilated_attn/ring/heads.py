@@ -7,12 +7,12 @@ step, no merge), and trades the output back; the backward mirrors it. Rank j tak
 read: a key/value head that serves the query heads of several ranks (Hkv < P) goes to each of them, and the
 gradients of its copies are summed where it came from.
 
-The heads of a rank's share are cut into groups that run one after another: the exchange of group g+1 travels
-while group g computes, and the output of group g travels back while group g+1 computes, so only the first
-group's inputs and the last group's output wait for the network.
+The heads of a rank's share are cut into chunks that run one after another: the exchange of chunk g+1 travels
+while chunk g computes, and the output of chunk g travels back while chunk g+1 computes, so only the first
+chunk's inputs and the last chunk's output wait for the network.
 
 The "2d" mode (USP, LoongTrain) does the same inside an inner group (the GPUs of a node) and runs the ring across
-an outer group (the nodes) on each head group: the inner exchange gathers the inner group's shards, which are one
+an outer group (the nodes) on each head chunk: the inner exchange gathers the inner group's shards, which are one
 rank's shard of the outer ring (layout.py's chunks nest so, for both layouts).
 """
 
@@ -30,18 +30,18 @@ from .autograd import save_state, saved_state
 
 __all__ = ["HeadShare", "head_share", "HeadParallelAttention"]
 
-# A rank's heads are cut into at most this many groups (fewer where the heads do not divide so): with n groups the
-# first group's exchange and the last one's return are what stays exposed, 1/n of the traffic each. On 4 H200s
-# (NVLink) one group was the faster (benchmarks/README.md, "Ring attention"): NCCL's all-to-all kernels running
+# A rank's heads are cut into at most this many chunks (fewer where the heads do not divide so): with n chunks the
+# first chunk's exchange and the last one's return are what stays exposed, 1/n of the traffic each. On 4 H200s
+# (NVLink) one chunk was the faster (benchmarks/README.md, "Ring attention"): NCCL's all-to-all kernels running
 # beside the attention slowed both, and one-head attention calls ran slower than four-head ones. Slower links
-# may gain from more: DILATED_ATTN_HEAD_GROUPS sets the bound.
-MAX_HEAD_GROUPS = int(os.environ.get("DILATED_ATTN_HEAD_GROUPS", "1"))
+# may gain from more: DILATED_ATTN_HEAD_CHUNKS sets the bound.
+MAX_HEAD_CHUNKS = int(os.environ.get("DILATED_ATTN_HEAD_CHUNKS", "1"))
 
 
 @dataclass(frozen=True)
 class HeadShare:
     """How the P ranks of a group share the heads: rank j takes query heads [j*hq, (j+1)*hq) and key/value heads
-    [kv_first[j], kv_first[j] + hkv); its heads run in groups (query head slice, key/value head slice) of the
+    [kv_first[j], kv_first[j] + hkv); its heads run in chunks (query head slice, key/value head slice) of the
     share, locally numbered."""
 
     P: int
@@ -51,7 +51,7 @@ class HeadShare:
     hq: int
     hkv: int
     kv_first: tuple[int, ...]
-    groups: tuple[tuple[slice, slice], ...]
+    chunks: tuple[tuple[slice, slice], ...]
     layout: str
 
     @property
@@ -60,10 +60,10 @@ class HeadShare:
 
 
 def head_share(P: int, rank: int, num_heads: int, num_kv_heads: int, layout: str,
-               max_groups: int = MAX_HEAD_GROUPS, check: Optional[Callable[[int, int], None]] = None) -> HeadShare:
+               max_chunks: int = MAX_HEAD_CHUNKS, check: Optional[Callable[[int, int], None]] = None) -> HeadShare:
     """The share of `rank`, or ValueError naming the rule the head counts break. `check(head_start, heads)` raises
     where the kernels cannot run heads [head_start, head_start + heads) (spec.Problem.with_heads); it is asked
-    for every rank's share and group, so that every rank raises alike."""
+    for every rank's share and chunk, so that every rank raises alike."""
     if num_heads % P:
         raise ValueError(f"mode='heads' and '2d' give each rank of the head-parallel group an equal share of the "
                          f"query heads: their number ({num_heads}) must be divisible by the group's size ({P})")
@@ -73,21 +73,21 @@ def head_share(P: int, rank: int, num_heads: int, num_kv_heads: int, layout: str
                          f"({group} query heads share one): one of the two counts must divide the other")
     hkv = max(hq // group, 1)
     kv_first = tuple(j * hq // group for j in range(P))
-    # n groups: n divides hq, whole key/value heads per group where there are several. The most groups up to
-    # max_groups; where a kernel cannot run such a group's heads (their offsets start inside a run of heads sharing
-    # one), more and smaller groups, which it can.
+    # n chunks: n divides hq, whole key/value heads per chunk where there are several. The most chunks up to
+    # max_chunks; where a kernel cannot run such a chunk's heads (their offsets start inside a run of heads sharing
+    # one), more and smaller chunks, which it can.
     valid = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or hkv == 1)]
     error = None
-    for n in [*(n for n in reversed(valid) if n <= max_groups), *(n for n in valid if n > max_groups)]:
+    for n in [*(n for n in reversed(valid) if n <= max_chunks), *(n for n in valid if n > max_chunks)]:
         size = hq // n
-        groups = []
+        chunks = []
         for g in range(n):
             kv = slice(g * size // group, g * size // group + max(size // group, 1)) if hkv > 1 else slice(0, 1)
-            groups.append((slice(g * size, (g + 1) * size), kv))
+            chunks.append((slice(g * size, (g + 1) * size), kv))
         try:
             if check is not None:
                 for j in range(P):
-                    for qs, _ in groups:
+                    for qs, _ in chunks:
                         check(j * hq + qs.start, qs.stop - qs.start)
         except ValueError as exc:
             error = error or exc
@@ -95,7 +95,7 @@ def head_share(P: int, rank: int, num_heads: int, num_kv_heads: int, layout: str
         break
     else:
         raise error
-    return HeadShare(P, rank, num_heads, num_kv_heads, hq, hkv, kv_first, tuple(groups), layout)
+    return HeadShare(P, rank, num_heads, num_kv_heads, hq, hkv, kv_first, tuple(chunks), layout)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,12 +211,12 @@ def _lse_rows(lse: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class HeadParallelAttention:
-    """Attention of a head-parallel mode on this rank. `attend(g, q, k, v, groups)` gives (out, lse) of head group g
+    """Attention of a head-parallel mode on this rank. `attend(g, q, k, v, groups)` gives (out, lse) of head chunk g
     on the gathered [B, P*L, h, D] tensors (plus whatever its backward keeps), `attend_backward(g, kept, d_out,
-    d_lse, groups)` that group's (dq, dk, dv); both run on the sequence of the whole group (the single-device ops
+    d_lse, groups)` that chunk's (dq, dk, dv); both run on the sequence of the whole group (the single-device ops
     for "heads", the outer ring for "2d"). `groups`: the call's process groups, the head-parallel one first (a
     configuration is kept between calls and holds none: a kept group would outlive destroy_process_group); "head
-    group" below is a run of this rank's heads."""
+    chunk" below is a run of this rank's heads."""
 
     share: HeadShare
     attend: Callable
@@ -226,16 +226,16 @@ class HeadParallelAttention:
                 with_lse: bool = True):
         """(out [B, L, Hq, D], lse [B, Hq, L] or None without `with_lse`, what the backward keeps). `check()`:
         ring_attention's configuration check, read before the first transfer. The backward needs only what it keeps
-        (each head group's LSE at every position), so the LSE travels back only where the caller returns it."""
+        (each head chunk's LSE at every position), so the LSE travels back only where the caller returns it."""
         share, group = self.share, process_groups[0]
         B, L, H, D = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, L), dtype=lse_dtype(q.dtype), device=q.device) if with_lse else None
-        groups = share.groups
+        chunks = share.chunks
 
         def post(g):
-            qs, ks = groups[g]
-            kv = g == 0 or share.hkv > 1  # a single key/value head serves every group: it travels once
+            qs, ks = chunks[g]
+            kv = g == 0 or share.hkv > 1  # a single key/value head serves every chunk: it travels once
             parts = [(q, _query_heads(share, qs))]
             if kv and k.dtype == q.dtype == v.dtype:
                 parts += [(k, _kv_heads(share, ks)), (v, _kv_heads(share, ks))]
@@ -246,12 +246,12 @@ class HeadParallelAttention:
 
         kept, returning, pending = [], [], post(0)
         k_h = v_h = None
-        for g, (qs, _) in enumerate(groups):
+        for g, (qs, _) in enumerate(chunks):
             arrived = [t for x in pending for t in x.wait()]
             q_h = arrived[0]
             if len(arrived) == 3:
                 k_h, v_h = arrived[1], arrived[2]
-            if g + 1 < len(groups):
+            if g + 1 < len(chunks):
                 pending = post(g + 1)
             o_h, l_h, keep = self.attend(g, q_h, k_h, v_h, process_groups)
             kept.append(keep)
@@ -271,7 +271,7 @@ class HeadParallelAttention:
         share, group = self.share, process_groups[0]
         B, L, H, D = q.shape
         acc = lse_dtype(q.dtype)
-        groups = share.groups
+        chunks = share.chunks
         if d_out is None:
             d_out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         d_out = d_out.to(q.dtype)
@@ -279,7 +279,7 @@ class HeadParallelAttention:
             d_lse = torch.zeros((B, H, L), dtype=acc, device=q.device)
 
         def post(g):
-            heads = _query_heads(share, groups[g][0])
+            heads = _query_heads(share, chunks[g][0])
             return (to_heads([(d_out, heads)], share, group),
                     None if d_lse is None else to_heads([(_lse_rows(d_lse), heads)], share, group))
 
@@ -292,24 +292,24 @@ class HeadParallelAttention:
                   torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
         returning, pending = [], post(0)
         dk_h = dv_h = None
-        for g, (qs, ks) in enumerate(groups):
+        for g, (qs, ks) in enumerate(chunks):
             do_h = pending[0].wait()[0]
             dl_h = None if pending[1] is None else pending[1].wait()[0][..., 0].transpose(1, 2)
-            if g + 1 < len(groups):
+            if g + 1 < len(chunks):
                 pending = post(g + 1)
             gq, gk, gv = self.attend_backward(g, kept[g], do_h, dl_h, process_groups)
             kept[g] = None
-            if (share.hkv > 1 or len(groups) == 1) and gq.dtype == gk.dtype == gv.dtype:  # one exchange of all
+            if (share.hkv > 1 or len(chunks) == 1) and gq.dtype == gk.dtype == gv.dtype:  # one exchange of all
                 returning.append((qs, ks, to_positions([gq, gk, gv], share, group)))
                 continue
             returning.append((qs, None, to_positions([gq], share, group)))
-            if share.hkv > 1 or len(groups) == 1:
+            if share.hkv > 1 or len(chunks) == 1:
                 returning.append((None, ks, to_positions([gk, gv], share, group)))
-            else:  # one key/value head for every group: summed here, sent once
+            else:  # one key/value head for every chunk: summed here, sent once
                 dk_h = gk.to(acc) if dk_h is None else dk_h + gk
                 dv_h = gv.to(acc) if dv_h is None else dv_h + gv
         if dk_h is not None:
-            returning.append((None, groups[0][1], to_positions([dk_h, dv_h], share, group)))
+            returning.append((None, chunks[0][1], to_positions([dk_h, dv_h], share, group)))
         for qs, ks, exchange in returning:
             arrived = exchange.wait()
             if qs is not None:

@@ -248,8 +248,8 @@ def _heads_share(batch, seq_len, Hq, Hkv, head_dim, w, r, dtype, device, causal,
 
 
 @functools.lru_cache(maxsize=256)
-def _group_problem(p: Problem, heads: int, kv_heads: int, seq_len: int, gw, gr, head_start: int) -> Problem:
-    """The problem of one head group: `heads` query heads from `head_start` on, all seq_len positions (kept, as
+def _chunk_problem(p: Problem, heads: int, kv_heads: int, seq_len: int, gw, gr, head_start: int) -> Problem:
+    """The problem of one head chunk: `heads` query heads from `head_start` on, all seq_len positions (kept, as
     _heads_share)."""
     return Problem.from_sizes(p.batch, seq_len, heads, kv_heads, p.head_dim, gw, gr, dtype=p.dtype, device=p.device,
                               causal=p.causal, scale=p.scale,
@@ -257,16 +257,16 @@ def _group_problem(p: Problem, heads: int, kv_heads: int, seq_len: int, gw, gr, 
 
 
 def _heads(p: Problem, share: HeadShare, N: int, gw, gr, backend: str, packed=None):
-    """The heads mode: the single-device ops on each head group's gathered [B, N, h, D] tensors; with `packed`
+    """The heads mode: the single-device ops on each head chunk's gathered [B, N, h, D] tensors; with `packed`
     (cu_seqlens, max_seqlen), the backends' packed path on them (_packed_heads)."""
-    problems = [_group_problem(p, qs.stop - qs.start, ks.stop - ks.start, N, gw, gr, share.head_start + qs.start)
-                for qs, ks in share.groups]
+    problems = [_chunk_problem(p, qs.stop - qs.start, ks.stop - ks.start, N, gw, gr, share.head_start + qs.start)
+                for qs, ks in share.chunks]
     if packed is not None:
         problems = [dataclasses.replace(x, cu_seqlens=packed[0], max_seqlen=packed[1]) for x in problems]
         return _packed_heads(p, share, problems, backend)
     chosen = [dispatch.select(x, backend).name for x in problems]
 
-    def attend(g, q_h, k_h, v_h, groups):  # k_h, v_h: the group's key/value heads
+    def attend(g, q_h, k_h, v_h, groups):  # k_h, v_h: the chunk's key/value heads
         forward_op, _ = backends.get(chosen[g]).ops()
         out, lse = forward_op(q_h, k_h, v_h, **problems[g].op_arguments())
         return out, lse, (q_h, k_h, v_h, out, lse)
@@ -281,7 +281,7 @@ def _heads(p: Problem, share: HeadShare, N: int, gw, gr, backend: str, packed=No
 
 
 def _packed_heads(p: Problem, share: HeadShare, problems: list[Problem], backend: str):
-    """The heads mode on packed sequences: each head group's whole pack `[N, h, D]` through its backend's
+    """The heads mode on packed sequences: each head chunk's whole pack `[N, h, D]` through its backend's
     forward_varlen (the packed kernels, or one call per sequence), whose autograd graph the backward runs. That
     graph is kept with the call's (retained: a second backward through a retained graph runs it again), and freed
     with it."""
@@ -308,10 +308,10 @@ def _packed_heads(p: Problem, share: HeadShare, problems: list[Problem], backend
 
 def _two_d(p: Problem, share: HeadShare, outer_rank: int, Po: int, L_outer: int, gw, gr, layout: str,
            backend: str, packed=None, offsets=None) -> tuple[HeadParallelAttention, str]:
-    """The 2-D mode: each head group's gathered [B, Pi*L, h, D] tensors are one shard of a ring across the outer
+    """The 2-D mode: each head chunk's gathered [B, Pi*L, h, D] tensors are one shard of a ring across the outer
     group (`packed`: a pack's (cu_seqlens, max_seqlen), `offsets` its offsets, for the ring's plan)."""
     configs = []
-    for g, (qs, ks) in enumerate(share.groups):
+    for g, (qs, ks) in enumerate(share.chunks):
         h0 = share.head_start + qs.start
         n_q, n_kv = qs.stop - qs.start, ks.stop - ks.start
         plan = ring_plan(Po, L_outer, n_q, n_kv, gw, gr, "all", p.causal, layout, h0, p.num_heads, offsets)

@@ -196,7 +196,7 @@ def ring_plan(P: int, L: int, num_heads: int, num_kv_heads: int, segment_lengths
     """The plan of `ring_attention` for a configuration (cached): local branches, head stacks of the spanning
     branches, the rows every rank sends every other, and each rank's block tasks. With `global_heads` > 0 the
     heads are the heads `[head_start, head_start + num_heads)` of a problem of that many (the 2-D mode's ring over
-    one head group), with their global offsets. `offsets`: the cu_seqlens of packed sequences over the N = P*L rows
+    one head chunk), with their global offsets. `offsets`: the cu_seqlens of packed sequences over the N = P*L rows
     (segment_ranges). `rank_chunks`: with `offsets`, each rank's ranges of the pack in its local order, in place
     of the layout's (ranks may then hold unequal numbers of rows, or none; `L` is unused): a DocumentLayout's
     shared documents."""
