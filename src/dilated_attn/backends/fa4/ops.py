@@ -49,18 +49,19 @@ MAX_CALL_ELEMENTS = 1 << 25
 
 # The most bytes a backward call holds beside the gradients, in 16-bit dtypes: FlashAttention's float32 dQ
 # accumulator (4 bytes per element), and where the call's gradients are added rather than written in place, its dq,
-# dk and dv before they are (6 more). The two lanes (_Lanes) hold two calls' at once, so this is half the backward's
-# working memory: 80 MiB gives calls of 2^23 elements where they add and 2.5 * 2^23 where they store, and at most
-# 0.16 GiB beside the results of a forward+backward (LongNet at N = 65536: 0.51 GiB with calls of 2^25 elements).
-# Calls of 2^23 elements run the same kernels at the same rate per element as 2^25 on an H200 (profile_triton.py
-# --kernel-times: a backward kernel of 2^23 elements took 266 us, one of 2^25 1052 us); the host's time per call,
-# which made 2^24 slower with grouped-query heads before the direct calls, is benchmarks/README.md's measure.
+# dk and dv before they are (6 more). The two lanes (_Lanes) hold two calls' at once. A causal call does half the work
+# per element, so it takes twice the bytes: smaller calls leave the GPU waiting for the host, whose time per backward
+# call (0.2-0.3 ms on an H200 machine's host) does not shrink with the call. On an H200, LongNet at N = 65536
+# (benchmarks/README.md, "The backward's calls"): 80 MiB ran non-causal forward+backward 0.3-0.7% faster than 320 MiB
+# (calls of 2^25 elements, before) at 0.13 GiB of working memory, not 0.51; causal, 80 MiB was 5-29% slower (Hkv 16,
+# 4, 1) and 160 MiB 0-3.6% slower, at 0.26 GiB.
 MAX_BACKWARD_CALL_BYTES = 80 << 20
 
 
-def _backward_limits() -> tuple[int, int]:
+def _backward_limits(causal: bool) -> tuple[int, int]:
     """(the most elements of a backward call that adds its gradients, of one that stores them in place)."""
-    return MAX_BACKWARD_CALL_BYTES // 10, MAX_BACKWARD_CALL_BYTES // 4
+    budget = MAX_BACKWARD_CALL_BYTES * (2 if causal else 1)
+    return budget // 10, budget // 4
 
 
 def _forward_options(q: torch.Tensor, causal: bool) -> dict:
@@ -240,7 +241,7 @@ def fa4_backward(grad_out, grad_lse, q, k, v, out, lse, segment_lengths, dilatio
     if grad_lse is not None:
         tensors.append(grad_lse.to(lse.dtype).transpose(1, 2))
         names += " grad_lse"
-    adds, stores = _backward_limits()
+    adds, stores = _backward_limits(causal)
     s = p.schedule(layouts_of(*tensors), kv_sides(names), adds, whole_first=False, stored_limit=stores)
     deterministic = torch.are_deterministic_algorithms_enabled()
     lanes = _Lanes.of(q)
