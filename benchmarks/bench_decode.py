@@ -77,7 +77,8 @@ def main(argv=None) -> None:
                     help="first time the kernel (CUDA graph) for each count of programs, block of keys, warp count and "
                          "pipeline depth, and keep the best")
     ap.add_argument("--host-profile", action="store_true",
-                    help="then where the eager call's host time goes: cProfile over --repeats calls, the top functions")
+                    help="then where the eager call's host time goes: each part's host time per call (into the JSON's "
+                         "host_parts_us) and cProfile's top functions over --repeats calls")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode_<device>.json)")
     args = ap.parse_args(argv)
     B, H, Hkv, D, Sq, cached = args.batch, args.heads, args.kv_heads, args.dim, args.sq, args.cached
@@ -173,31 +174,51 @@ def main(argv=None) -> None:
     record.set(speedup_over_recompute=times["recompute"] / times["decode"])
     record.close()
     if args.host_profile:
-        host_profile(decode, args.repeats)
+        from dilated_attn import dispatch
+
+        chosen = dispatch.select(cp.problem, "triton")
+        cp_new = validate_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new, backend="triton")
+        parts = {
+            "whole call": decode,
+            "validate_kvcache": lambda: validate_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new,
+                                                         backend="triton"),
+            "dispatch.select": lambda: dispatch.select(cp.problem, "triton"),
+            "append_kvcache (one launch)": lambda: chosen.append_kvcache(k_cache, v_cache, k_new, v_new, cp_new),
+            "forward_kvcache (two launches)": lambda: chosen.forward_kvcache(q, k_cache, v_cache, cp),
+            "torch.empty": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        }
+        record.set(host_parts_us=host_profile(parts, args.repeats))
 
 
-def host_profile(call, repeats: int) -> None:
-    """The host's time per call (issued without waiting for the GPU), then cProfile's top functions."""
+def host_profile(parts: dict, repeats: int) -> dict:
+    """The host's time per call of each part (issued without waiting for the GPU; "whole call" first), then
+    cProfile's top functions over the whole call. Returns {part: us}."""
     import cProfile
     import pstats
     import time
 
+    times = {}
     with torch.no_grad():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        say(f"host: {(time.perf_counter() - start) / repeats * 1e6:.1f} us per eager call to issue")
-        torch.cuda.synchronize()
+        for name, call in parts.items():
+            for _ in range(10):
+                call()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            times[name] = (time.perf_counter() - start) / repeats * 1e6
+            torch.cuda.synchronize()
+            say(f"host, {name}: {times[name]:.1f} us per call to issue")
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(repeats):
-            call()
+            parts["whole call"]()
         profiler.disable()
         torch.cuda.synchronize()
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumtime").print_stats(30)
+    return times
 
 
 if __name__ == "__main__":
