@@ -54,7 +54,7 @@ MAX_CALL_ELEMENTS = 1 << 25
 # call (0.2-0.3 ms on an H200 machine's host) does not shrink with the call. On an H200, LongNet at N = 65536
 # (benchmarks/README.md, "The backward's calls"): 80 MiB ran non-causal forward+backward 0.3-0.7% faster than 320 MiB
 # (calls of 2^25 elements, before) at 0.13 GiB of working memory, not 0.51; causal, 80 MiB was 5-29% slower (Hkv 16,
-# 4, 1) and 160 MiB 0-3.6% slower, at 0.26 GiB.
+# 4, 1) and 160 MiB 0-3.6% slower, at 0.25 GiB.
 MAX_BACKWARD_CALL_BYTES = 80 << 20
 
 
