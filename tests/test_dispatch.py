@@ -9,8 +9,9 @@ import torch
 
 import dilated_attn
 from dilated_attn import backends, compile_hints, dispatch
-from dilated_attn.backends import base, extension, reference_backend
+from dilated_attn.backends import base, extension
 from dilated_attn.backends import triton as triton_backend
+from dilated_attn.backends.reference import memory_bytes as reference_memory_bytes
 from dilated_attn.reference import dilated_attention_reference
 from dilated_attn.spec import validate
 
@@ -243,7 +244,7 @@ def test_auto_runs_the_reference_on_a_gpu_only_within_its_memory_share(monkeypat
     products in Triton) only while its estimate is at most a quarter of the GPU's memory, and says so."""
     monkeypatch.setattr(dispatch.triton_backend, "_tf32x3_fits", lambda index, block_d: True)
     p = _fake_cuda_problem(monkeypatch, dtype=torch.float32, head_dim=256)
-    need = reference_backend.memory_bytes(p)
+    need = reference_memory_bytes(p)
     # branches (8, 1) and (16, 2) over N=64, 4 heads: 4 * 8 segments of 8 members, 4 * 4 segments of 8 members
     scores, gathered = 4 * 8 * 8 * 8 + 4 * 4 * 8 * 8, 2 * 4 * 65 * 256
     assert need == 4 * (4 * scores + 4 * gathered)  # float32
@@ -523,7 +524,7 @@ def test_compile_fullgraph_forward_backward_matches_eager_gpu(dtype, head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, causal, head_groups", [(128, False, "all"), (256, True, "split")])
 def test_gpu_reference_memory_estimate_bounds_its_peak(head_dim, causal, head_groups):
-    """auto's memory rule rests on backends.reference_backend.memory_bytes: an upper bound on the reference's peak for a
+    """auto's memory rule rests on backends.reference.memory_bytes: an upper bound on the reference's peak for a
     forward and backward, and not a loose one (the measured peak is at least a quarter of it)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 3000, 8, head_dim, device="cuda", generator=g, requires_grad=True)
@@ -537,5 +538,5 @@ def test_gpu_reference_memory_estimate_bounds_its_peak(head_dim, causal, head_gr
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    estimate = reference_backend.memory_bytes(validate(q, k, v, *args, causal=causal, head_groups=head_groups))
+    estimate = reference_memory_bytes(validate(q, k, v, *args, causal=causal, head_groups=head_groups))
     assert estimate / 4 <= peak <= estimate, (peak, estimate)

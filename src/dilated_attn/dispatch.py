@@ -25,10 +25,10 @@ import torch
 from . import backends
 from .backends import cudnn as cudnn_backend
 from .backends import fa4 as fa4_backend
-from .backends import reference_backend
 from .backends import triton as triton_backend
 from .backends.autograd import set_lse_gradient_chooser
 from .backends.base import OnceLoader, device_capability
+from .backends.reference import memory_bytes as reference_memory_bytes
 from .compile_hints import trace_constant, warn_once
 from .spec import BACKEND_NAMES, Problem, dtype_name, validate
 
@@ -87,7 +87,7 @@ def reference_preferred(p: Problem) -> Optional[str]:
     where Triton would multiply with IEEE fp32 FMAs, while the reference's memory estimate fits the share."""
     if not (p.head_dim > 64 and _float32_with_ieee_products(p)):
         return None
-    need, total = reference_backend.memory_bytes(p), _gpu_memory_bytes(p.device)
+    need, total = reference_memory_bytes(p), _gpu_memory_bytes(p.device)
     if need > REFERENCE_MEMORY_SHARE * total:
         return None
     return (f"float32 with head_dim {p.head_dim} > 64 and IEEE products in Triton: cuBLAS makes the reference "

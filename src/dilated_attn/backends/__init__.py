@@ -5,7 +5,7 @@ base.BackwardOp), every reason it cannot run an input (`reasons`), and its ops (
     triton/       `triton`: Triton kernels, imported on first use
     cudnn/        `cudnn`: cuDNN's fused attention on strided views of each branch, merged by a CUDA kernel
     fa4/          `fa4`: FlashAttention-4 (the optional flash-attn-4 package) on the same views, imported on first use
-    reference_backend.py  `reference`: pure PyTorch, any device
+    reference.py  `reference`: dilated_attn.reference (pure PyTorch) as a backend, any device
     signature.py  the ops' one signature, and the registration of a Python backend's ops under it
 
 dispatch.py ranks them for `backend="auto"`; the ring and the benchmarks look them up here by name.
@@ -20,7 +20,7 @@ from .base import Backend
 from .cudnn import CUDNN
 from .extension import CPU, CUDA
 from .fa4 import FA4
-from .reference_backend import REFERENCE
+from .reference import REFERENCE
 from .triton import TRITON
 
 __all__ = ["Backend", "REGISTRY", "get", "verdicts", "CPU", "CUDA", "CUDNN", "FA4", "TRITON", "REFERENCE"]
