@@ -41,7 +41,7 @@ TILE_ORDER = os.environ.get("DILATED_ATTN_TILE_ORDER", "auto")
 
 def auto_tile_order(seq_len: int, num_heads: int, num_kv_heads: int) -> str:
     """The order "auto" uses: hilbert where it beat plain by more than the run-to-run spread (N >= 262144, and
-    N >= 65536 with GQA), plain elsewhere (benchmarks/README.md, "Tile order")."""
+    N >= 65536 with GQA), plain elsewhere (benchmarks/README.md, "Tile order and Hilbert locality")."""
     if seq_len >= 262144 or (num_kv_heads < num_heads and seq_len >= 65536):
         return "hilbert"
     return "plain"
