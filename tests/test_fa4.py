@@ -295,6 +295,26 @@ def test_direct_programs_stay_bounded(monkeypatch):
     assert direct.FORWARD.hits == 0 and interface.counts["interface"] == 4
 
 
+def test_direct_calls_resume_when_turned_on_again(monkeypatch):
+    """Turned off and on again in one process (bench_gpu.py's fa4_interface provider beside fa4), the calls go
+    directly again: an interface's first call while they were off does not keep it on the interface."""
+    interface = kernel_interface()
+    monkeypatch.setattr(ops, "fa", interface)
+    monkeypatch.setattr(direct, "FORWARD", direct.Direct("forward"))
+    monkeypatch.setattr(direct, "_PATHS", {})
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 64, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    args = ([16, 32, 64], [1, 2, 4], False, False, 0.3)
+    monkeypatch.setattr(direct, "ENABLED", False)
+    ops.fa4_forward(q, k, v, *args)
+    assert direct.FORWARD.hits == 0 and not direct.FORWARD.programs
+    monkeypatch.setattr(direct, "ENABLED", True)
+    ops.fa4_forward(q, k, v, *args)  # each shape's first call watched
+    watched, hits = interface.counts["interface"], direct.FORWARD.hits
+    ops.fa4_forward(q, k, v, *args)
+    assert interface.counts["interface"] == watched and direct.FORWARD.hits > hits
+
+
 class _StreamLog:
     """Stand-in CUDA streams that log what each lane runs, in the order the host enqueues it: `(lane, kind, x)`."""
 

@@ -257,7 +257,7 @@ class Direct:
         self.loaded = 0  # programs loaded from disk
 
     def call(self, interface, given: tuple, key: tuple, run: Callable[[], object]):
-        if not (ENABLED and _verified(interface)):  # the interface: path() says why
+        if not (ENABLED and _verified(interface)):  # the interface: path() says why (ENABLED first: _verified caches)
             return run()
         device = given[0].device
         key = (key, _signature(given))
