@@ -262,7 +262,7 @@ class CallPlan:
         for i, calls in enumerate(self.calls):
             stores = i == 0 and self.first_stores
             whole = whole_first and stores and len(calls) == 1
-            piece_limit = None if whole else (stored_limit or limit) if stores else limit
+            piece_limit = None if whole else stored_limit if stores and stored_limit else limit
             for call in calls:
                 for piece in _geometry(call, layouts, kv, piece_limit):
                     rows.append([n for view in piece for n in _packed(view)])
