@@ -4,13 +4,13 @@
     python benchmarks/bench_decode.py --cached 16384 --sq 4
 
 Rows:
-  decode     dilated_attn.dilated_attention_with_kvcache (backend triton: one launch for every branch), the
-             whole call as a user makes it in eager mode (validation, dispatch and the cache write of the new k, v
-             included), cache_seqlens an int
+  decode     dilated_attn.dilated_attention_with_kvcache (backend triton: one launch writes the new k, v into
+             the cache and attends over every branch), the whole call as a user makes it in eager mode (validation
+             and dispatch included), cache_seqlens an int
   graphed    the same whole call with cache_seqlens a GPU tensor (no device-to-host copy), captured in a CUDA graph
-             and replayed, as a decoding loop runs it: the GPU's time for the cache write, the decode and the merge
-  kernel     the decode and combine kernels alone (backends/triton/ops.decode), captured in a CUDA graph and
-             replayed: the GPU's time without the host's
+             and replayed, as a decoding loop runs it: the GPU's time
+  kernel     the decode kernel alone without the write (backends/triton/ops.decode), captured in a CUDA graph and
+             replayed
   recompute  dilated_attention over the whole prefix, causal, for the new token's row (what a model without a
              cache path does; run once per batch element's prefix as one batch)
 The yardstick: the bytes of cached K and V the new tokens attend to (the union of their member rows over the
@@ -110,19 +110,20 @@ def main(argv=None) -> None:
     cp = validate_kvcache(q, k_cache, v_cache, cached, segs, dils)
 
     def captured():
-        ops.decode(q, k_cache, v_cache, cp)  # compiled before capture
+        ops.decode(q, k_cache, v_cache, None, None, cp)  # compiled before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            ops.decode(q, k_cache, v_cache, cp)
+            ops.decode(q, k_cache, v_cache, None, None, cp)
         return graph
 
     sweep, choices = {}, {}
     if args.sweep:
-        for programs, block_n, warps, stages in itertools.product((256, 512, 1024), (16, 32, 64), (2, 4), (2, 3)):
+        for union, programs, block_n, warps, stages in itertools.product((True, False), (256, 512, 1024), (16, 32, 64),
+                                                                         (2, 4), (2, 3)):
             ops.DECODE_PROGRAMS = programs
-            ops.DECODE_CONFIG = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            name = f"programs={programs}, BLOCK_N={block_n}, num_warps={warps}, num_stages={stages}"
+            ops.DECODE_CONFIG = dict(BLOCK_N=block_n, UNION=union, num_warps=warps, num_stages=stages)
+            name = f"UNION={union}, programs={programs}, BLOCK_N={block_n}, num_warps={warps}, num_stages={stages}"
             try:
                 graph = captured()
             except triton.runtime.errors.OutOfResources as exc:
@@ -183,8 +184,7 @@ def main(argv=None) -> None:
             "validate_kvcache": lambda: validate_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new,
                                                          backend="triton"),
             "dispatch.select": lambda: dispatch.select(cp.problem, "triton"),
-            "append_kvcache (one launch)": lambda: chosen.append_kvcache(k_cache, v_cache, k_new, v_new, cp_new),
-            "forward_kvcache (two launches)": lambda: chosen.forward_kvcache(q, k_cache, v_cache, cp),
+            "forward_kvcache (one launch)": lambda: chosen.forward_kvcache(q, k_cache, v_cache, k_new, v_new, cp_new),
             "torch.empty": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
         }
         record.set(host_parts_us=host_profile(parts, args.repeats))

@@ -42,7 +42,7 @@ def decode_matches_full(backend, dtype, device, Sq, write, per_batch, head_group
         positions = [start, start + lag][::-1] if per_batch else [start, start]
         cached = torch.tensor(positions, device=device) if per_batch else start
         rows = [slice(p, p + n) for p in positions]
-        new_q = torch.stack([q[b, rows[b]] for b in range(B)])
+        new_q = torch.stack([q[b, rows[b]] for b in range(B)], dim=1).transpose(0, 1)  # not contiguous
         kv = {}
         if write:
             kv = dict(k=torch.stack([k[b, rows[b]] for b in range(B)]),

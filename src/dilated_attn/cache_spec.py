@@ -10,20 +10,21 @@ from typing import Optional, Union
 
 import torch
 
-from .spec import Problem, check_tensor, is_int, validate
+from .spec import Problem, check_tensor, is_int
 
 __all__ = ["CacheProblem", "reads_cache_seqlens", "validate_kvcache"]
 
 
 @dataclass(frozen=True)
 class CacheProblem:
-    """Validated arguments of one dilated_attention_with_kvcache call: the problem of the longest prefix a new
-    token attends over (batch 1, causal; what dispatch decides on) and each batch element's cached length."""
+    """Validated arguments of one dilated_attention_with_kvcache call: the problem of a sequence as long as the
+    cache (batch 1, causal, `decodes`; what dispatch decides on) and each batch element's cached length."""
 
     problem: Problem
     cache_seqlens: Optional[tuple[int, ...]]  # on the host; None where that needs a device-to-host copy
     new_tokens: int
     given_seqlens: Union[int, torch.Tensor]  # cache_seqlens as the caller gave it: an int, or a tensor [B] kernels may read
+    return_lse: bool = False
 
 
 def _byte_span(x: torch.Tensor) -> tuple[int, int]:
@@ -97,7 +98,7 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilati
     # A traced call (torch.compile) and meta tensors have no memory to look at: there only strides of 0 can be seen.
     eager = not torch.compiler.is_compiling() and q.device.type != "meta"
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)) or (
+        if (0 in x.stride() and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape))) or (
                 eager and torch._debug_has_internal_overlap(x) == 1):
             raise ValueError(f"{name} has elements that share memory (a stride of 0, as expand() makes, or "
                              f"overlapping strides): the cache is written in place, so each row needs its own memory")
@@ -120,22 +121,44 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilati
     elif not is_int(cache_seqlens):
         raise TypeError(f"cache_seqlens must be an int or an integer tensor [B], got {type(cache_seqlens).__name__}")
     lengths: Optional[tuple[int, ...]] = None
-    longest = Nmax  # what dispatch decides on where the lengths stay on the device
     if reads_cache_seqlens(cache_seqlens):
-        if isinstance(cache_seqlens, torch.Tensor):
-            lengths = tuple(int(n) for n in cache_seqlens.tolist())
-        else:
-            lengths = (cache_seqlens,) * B
-        for element, cached in enumerate(lengths):
+        tensor = isinstance(cache_seqlens, torch.Tensor)
+        lengths = tuple(int(n) for n in cache_seqlens.tolist()) if tensor else (cache_seqlens,) * B
+        for element, cached in enumerate(lengths if tensor else lengths[:1]):  # an int: one check for every element
             if cached < 0:
                 raise ValueError(f"cache_seqlens must be >= 0, got {cached} for batch element {element}")
             if cached + Sq > Nmax:
                 raise ValueError(f"the cache is too short: cache_seqlens + Sq = {cached} + {Sq} > Nmax = {Nmax} (batch "
                                  f"element {element}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
-        # B = 0: no element, no length (no max(..., default=): torch.compile's fullgraph does not take it)
-        longest = (max(lengths) if lengths else 0) + Sq
-    # the problem of one batch element's longest attended prefix (batch 0 where there is no element)
-    p = validate(q[:1, :1].expand(min(B, 1), longest, Hq, D), k_cache[:1, :longest], v_cache[:1, :longest],
-                 segment_lengths, dilation_rates, causal=True, scale=scale, head_groups=head_groups,
-                 return_lse=return_lse, backend=backend)
-    return CacheProblem(p, lengths, Sq, cache_seqlens)
+    args = (min(B, 1), Nmax, Hq, Hkv, D, segment_lengths, dilation_rates, q.dtype, q.device, scale, head_groups,
+            return_lse, backend)
+    return CacheProblem(_decode_problem(args), lengths, Sq, cache_seqlens, bool(return_lse))
+
+
+def _problem(batch, cache_len, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, scale, head_groups,
+             return_lse, backend) -> Problem:
+    """The problem dispatch decides on: one batch element's sequence as long as the cache, causal, decoding."""
+    return Problem.from_sizes(batch, cache_len, Hq, Hkv, D, segment_lengths, dilation_rates, dtype=dtype,
+                              device=device, causal=True, scale=scale, head_groups=head_groups, return_lse=return_lse,
+                              backend=backend, decodes=True)
+
+
+_PROBLEMS: dict = {}  # _key(args) -> _problem(*args), at most MAX_PROBLEMS
+MAX_PROBLEMS = 64
+
+
+def _decode_problem(args: tuple) -> Problem:
+    """_problem(*args), its rules checked once per key: a decoding loop gives the same arguments every step. Equal
+    arguments share a key only where their types are the same too (1.0 == 1 and True == 1, but a rule takes one and
+    refuses the other); lists and tuples are keyed by their items."""
+    key = (tuple(tuple(x) if type(x) in (list, tuple) else x for x in args),
+           tuple(tuple(map(type, x)) if type(x) in (list, tuple) else type(x) for x in args))
+    try:
+        p = _PROBLEMS.get(key)
+    except TypeError:  # an unhashable argument: no key
+        return _problem(*args)
+    if p is None:
+        if len(_PROBLEMS) >= MAX_PROBLEMS:
+            _PROBLEMS.clear()
+        p = _PROBLEMS[key] = _problem(*args)
+    return p

@@ -106,6 +106,9 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
 
+    A KV-cache call (`p.decodes`) takes the device's order as it is: triton first on a GPU, the one backend with a
+    decode kernel (the others compute each new token as the last row of a forward over its whole prefix).
+
     The fa4 backend, where flash-attn-4 is installed, comes before cudnn where fa4_preferred says so, packed
     sequences included (a few varlen calls per branch for the whole pack; cudnn runs a pack one sequence at a
     time, so packs without fa4 go to triton's kernels, which take the whole pack). The cudnn
@@ -115,6 +118,8 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     (benchmarks/README.md, "The auto rule"). It is listed only there, so other inputs go to triton without a
     warning.
     """
+    if p.decodes:
+        return AUTO_ORDER.get(p.device.type, ("reference",))
     if _float32_with_ieee_products(p):
         return ("reference", "cuda", "triton") if reference_preferred(p) else ("cuda", "triton", "reference")
     order = AUTO_ORDER.get(p.device.type, ("reference",))

@@ -127,8 +127,5 @@ def dilated_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         out, lse = torch.empty_like(q), torch.empty((0, q.shape[2], q.shape[1]), dtype=lse_dtype(q.dtype),
                                                     device=q.device)
         return (out, lse) if return_lse else out
-    with torch.no_grad():
-        if k is not None:
-            chosen.append_kvcache(k_cache, v_cache, k, v, cp)
-        out, lse = chosen.forward_kvcache(q, k_cache, v_cache, cp)
+    out, lse = chosen.forward_kvcache(q, k_cache, v_cache, k, v, cp)  # nothing requires grad (validate_kvcache)
     return (out, lse) if return_lse else out

@@ -97,11 +97,15 @@ class Problem:
     # global_heads query heads, each with its global offsets (branch_table); 0: the heads are the whole problem.
     head_start: int = 0
     global_heads: int = 0
+    # A KV-cache call (dilated_attention_with_kvcache): dispatch.auto_preference puts backends with a decode kernel
+    # first, since the others recompute the prefix.
+    decodes: bool = False
 
     @classmethod
     def from_sizes(cls, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, segment_lengths,
                    dilation_rates, *, dtype: torch.dtype, device, causal=False, scale=None, head_groups="all",
-                   return_lse=False, backend="auto", records_backward: bool = False) -> "Problem":
+                   return_lse=False, backend="auto", records_backward: bool = False,
+                   decodes: bool = False) -> "Problem":
         """The validated Problem of a call on q [batch, seq_len, heads, head_dim] and k, v [.., kv_heads, ..] of
         `dtype` on `device`, without tensors: every rule of validate() but the tensors' own (raises the same
         ValueError/TypeError)."""
@@ -111,8 +115,9 @@ class Problem:
                 raise TypeError(f"{name} must be an int >= 0, got {n!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        return _problem(batch, seq_len, heads, kv_heads, head_dim, segment_lengths, dilation_rates, dtype,
-                        torch.device(device), causal, scale, head_groups, return_lse, backend, records_backward)
+        p = _problem(batch, seq_len, heads, kv_heads, head_dim, segment_lengths, dilation_rates, dtype,
+                     torch.device(device), causal, scale, head_groups, return_lse, backend, records_backward)
+        return dataclasses.replace(p, decodes=True) if decodes else p
 
     @property
     def varlen(self) -> bool:

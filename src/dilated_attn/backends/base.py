@@ -251,10 +251,12 @@ class Backend:
             k_cache[:, first:first + cp.new_tokens] = k
             v_cache[:, first:first + cp.new_tokens] = v
 
-    def forward_kvcache(self, q, k_cache, v_cache, cp: CacheProblem):
-        """Decoding (dilated_attention_with_kvcache, the cache already written): `(out [B, Sq, Hq, D],
-        lse [B, Hq, Sq])`. Here the new queries are the last rows of a causal forward over the cache prefix (the
-        rows before them computed and dropped: O(prefix) work per call)."""
+    def forward_kvcache(self, q, k_cache, v_cache, k, v, cp: CacheProblem):
+        """Decoding (dilated_attention_with_kvcache): the new k, v written into the caches where given
+        (append_kvcache), then `(out [B, Sq, Hq, D], lse [B, Hq, Sq])`. Here the new queries are the last rows of a
+        causal forward over the cache prefix (the rows before them computed and dropped: O(prefix) work per call)."""
+        if k is not None:
+            self.append_kvcache(k_cache, v_cache, k, v, cp)
         if cp.cache_seqlens is None:
             return self._forward_kvcache_whole(q, k_cache, v_cache, cp)
         B, Sq, H, D = q.shape

@@ -49,18 +49,20 @@ MAX_CALL_ELEMENTS = 1 << 25
 
 # The most bytes a backward call holds beside the gradients, in 16-bit dtypes: FlashAttention's float32 dQ
 # accumulator (4 bytes per element), and where the call's gradients are added rather than written in place, its dq,
-# dk and dv before they are (6 more). The two lanes (_Lanes) hold two calls' at once. A causal call does half the work
-# per element, so it takes twice the bytes: smaller calls leave the GPU waiting for the host, whose time per backward
-# call (0.2-0.3 ms on an H200 machine's host) does not shrink with the call. On an H200, LongNet at N = 65536
+# dk and dv before they are (6 more). The two lanes (_Lanes) hold two calls' at once. On an H200, LongNet at N = 65536
 # (benchmarks/README.md, "The backward's calls"): 80 MiB ran non-causal forward+backward 0.3-0.7% faster than 320 MiB
-# (calls of 2^25 elements, before) at 0.13 GiB of working memory, not 0.51; causal, 80 MiB was 5-29% slower (Hkv 16,
-# 4, 1) and 160 MiB 0-3.6% slower, at 0.25 GiB.
+# (calls of 2^25 elements, before) at 0.13 GiB of working memory, not 0.51.
 MAX_BACKWARD_CALL_BYTES = 80 << 20
+# A causal call does half the work per element, so it takes more bytes: smaller calls leave the GPU waiting for the
+# host, whose time per backward call (0.2-0.35 ms on an H200 machine's host) does not shrink with the call. Causal
+# calls of 80 MiB were 5-29% slower (Hkv 16, 4, 1). Twice the bytes ran as fast as 320 MiB, but put N = 65536's first
+# branch in calls of 4 segments and the working memory at 0.2515 GiB; 1.9 times cuts them to 3 (0.220 GiB), as fast.
+CAUSAL_BACKWARD_FACTOR = 1.9
 
 
 def _backward_limits(causal: bool) -> tuple[int, int]:
     """(the most elements of a backward call that adds its gradients, of one that stores them in place)."""
-    budget = MAX_BACKWARD_CALL_BYTES * (2 if causal else 1)
+    budget = int(MAX_BACKWARD_CALL_BYTES * (CAUSAL_BACKWARD_FACTOR if causal else 1))
     return budget // 10, budget // 4
 
 

@@ -127,15 +127,11 @@ class TritonBackend(Backend):
             _ops.prepare(q, k, v, p, backward=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
         return super().forward(q, k, v, p)
 
-    def append_kvcache(self, k_cache, v_cache, k, v, cp):
-        # one launch for both caches, whatever cache_seqlens is (a graph of small index ops otherwise)
+    def forward_kvcache(self, q, k_cache, v_cache, k, v, cp):
+        # one launch: the new rows' write, every branch and new token (decode.py), instead of a forward over each
+        # prefix; (out, None) where the call did not ask for the lse
         self.ops()
-        _ops.append_kv(k_cache, v_cache, k, v, cp)
-
-    def forward_kvcache(self, q, k_cache, v_cache, cp):
-        # one launch for every branch and new token (decode.py), instead of a forward over each prefix
-        self.ops()
-        return _ops.decode(q, k_cache, v_cache, cp)
+        return _ops.decode(q, k_cache, v_cache, k, v, cp)
 
     def varlen_ops(self, head_dim):
         # the whole pack in each launch: a program per (sequence, head, segment, block), no padding copies

@@ -1,19 +1,29 @@
-"""The decode kernel: new queries over a KV cache, every branch in one launch (dilated_attention_with_kvcache).
+"""The decode kernel: new queries over a KV cache, with the new rows' write, every branch and the merge of the
+programs' shares in one launch (dilated_attention_with_kvcache).
 
 New token i of batch element b sits at position P = cache_seqlens[b] + i. For each branch a query head takes part
 in, P's segment starts at (P // w) * w (clipping a segment to the sequence never moves a causal row's keys:
 docs/SPEC.md, "Decoding with a KV cache"); P is a member iff its offset in the segment is the head's offset modulo
-r, and then its keys are the members up to P, every r-th row from the segment's start plus the offset: in each
-branch only the heads of one offset attend, and those of a kv head read the same rows, so one pass per (kv head,
-branch) reads them once for all its heads, as one [heads, keys] matrix product, and all of a head's passes feed one
-online softmax, which is the merge of the branches (one softmax over the union of their keys).
+r, and then its keys are the members up to P, every r-th row from the segment's start plus the offset. In each
+branch only the heads of one offset attend, and those of a kv head read the same rows.
 
-One token's passes differ in length from kv head to kv head (a head's offset decides which dilated branches it
-takes part in), so the work is cut by keys, not by heads: the passes of all kv heads, one after the other, make one
-list of keys, and each of SPLITS programs of a (b, i) takes an equal share of it (one token's queries alone would
-leave most of the GPU idle, and the slowest program sets the time). Each share's partial softmax (max, sum,
-unnormalised output) per query head goes to a scratch buffer, and `_decode_combine_kernel` merges the shares. The
-kernels are bound by reading the keys and values.
+So each kv head reads the union of its heads' rows once: one pass per branch its heads take part in, each pass
+leaving out the rows an earlier pass reads (a pass ends where an earlier branch, whose dilation divides its own and
+whose rows align with its, takes over all its rows: with LongNet's dilations, each a multiple of the one before, no
+other row is shared; any other shared row is read again but counted only once). A row's score enters a head's
+softmax once per branch of that head holding the row (the merge of the branches is one softmax over the branches'
+keys, a key in two branches counted twice): score + log2(multiplicity). One online softmax per head over all its
+passes is then the merge.
+
+One token's passes differ in length from kv head to kv head, so the work is cut by keys, not by heads: the passes of
+all kv heads, one after the other, make one list of keys, and each of SPLITS programs of a (b, i) takes an equal
+share of it. Each share writes its partial softmax (max, sum, unnormalised output) per query head to a workspace and
+counts itself done on its kv head's counter; the last share of a kv head to finish merges that kv head's shares into
+the output and sets the counter back to 0 (so the counters are 0 between launches). The kernel is bound by reading
+the keys and values.
+
+With APPEND the new rows k, v are written into the caches (by each token's first share), and every program reads
+rows at or past cache_seqlens[b] from k, v themselves, so no program waits for the write.
 """
 
 from __future__ import annotations
@@ -26,50 +36,97 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _branch_keys(Branches, br, pos):
-    """The keys of branch `br` for the token at `pos`: (the first key row, the dilation, the key count, the query
-    heads [head_a, head_b) that attend to them). Those heads are the ones whose offset is pos's offset in its
-    segment modulo r (offsets grow with the head, so they are a range); the count is 0 where there are none."""
-    w = tl.load(Branches + br * 6)
-    r = tl.load(Branches + br * 6 + 1)
-    head_lo = tl.load(Branches + br * 6 + 2)
-    head_hi = tl.load(Branches + br * 6 + 3)
-    offset_div = tl.load(Branches + br * 6 + 4)
-    offset_base = tl.load(Branches + br * 6 + 5)
+def _branch(Branches, e, n_branches, pos):
+    """Branch e's (a scalar, or a vector of branches) first member row of P's segment (first), its dilation (r),
+    whether P is a member for some heads (member), and those query heads [head_a, head_b): the ones whose offset is
+    P's offset in its segment modulo r (offsets grow with the head, so they are a range). Branches past n_branches
+    are no member."""
+    valid = e < n_branches
+    w = tl.load(Branches + e * 6, mask=valid, other=1)
+    r = tl.load(Branches + e * 6 + 1, mask=valid, other=1)
+    head_lo = tl.load(Branches + e * 6 + 2, mask=valid, other=0)
+    head_hi = tl.load(Branches + e * 6 + 3, mask=valid, other=0)
+    offset_div = tl.load(Branches + e * 6 + 4, mask=valid, other=1)
+    offset_base = tl.load(Branches + e * 6 + 5, mask=valid, other=0)
     start = pos // w * w
     offset = (pos - start) % r
     head_a = head_lo + (offset - offset_base) * offset_div
     head_b = tl.minimum(head_a + offset_div, head_hi)
-    n_keys = tl.where((offset >= offset_base) & (head_a < head_b), (pos - start) // r + 1, 0)  # members t <= pos
-    return start + offset, r, n_keys, head_a, head_b
+    member = valid & (offset >= offset_base) & (head_a < head_b)
+    return start + offset, r, member, head_a, head_b
 
 
 @triton.jit
-def _kv_head_keys(n_keys, head_a, head_b, kvh, GROUP):
-    """A branch's key count for kv head `kvh`: n_keys where one of its query heads is among [head_a, head_b)."""
-    return tl.where((kvh * GROUP < head_b) & (kvh * GROUP + GROUP > head_a), n_keys, 0)
+def _passes(first, r, member, head_a, head_b, kvh, pos, GROUP, NB: tl.constexpr, UNION: tl.constexpr):
+    """Kv head kvh's passes: (which branches its heads take part in, each branch's rows it reads). Pass j runs from
+    first[j] by r[j] up to P, and stops at first[e] of an earlier pass e whose rows hold all of j's from there on
+    (r[e] divides r[j] and their rows align)."""
+    takes = member & (kvh * GROUP < head_b) & (kvh * GROUP + GROUP > head_a)
+    nb = tl.arange(0, NB)
+    covers = (takes[:, None] & (nb[:, None] < nb[None, :]) & (r[None, :] % r[:, None] == 0)
+              & ((first[None, :] - first[:, None]) % r[:, None] == 0) & UNION)  # [e, j]: e takes over j's rows
+    end = tl.min(tl.where(covers, tl.maximum(first[:, None], first[None, :]), pos + 1), axis=0)
+    return takes, tl.where(takes, tl.maximum(end - first + r - 1, 0) // r, 0)
 
 
-@triton.jit(do_not_specialize=["Sq", "H", "n_branches", "cache_len", "max_pos", "GROUP"])
+@triton.jit
+def _pick(x, nb, j):
+    """x[j] of a per-branch vector."""
+    return tl.sum(tl.where(nb == j, x, 0), axis=0)
+
+
+@triton.jit
+def _share_of(x, total, splits):
+    """The share holding position x of a token's list of `total` keys (share s holds total // splits keys, one
+    more for the first total % splits)."""
+    size = total // splits
+    big = total % splits * (size + 1)
+    return tl.where(x < big, x // (size + 1), total % splits + (x - big) // tl.maximum(size, 1))
+
+
+@triton.jit
+def _copy_row(New, Cache, b, i, row, stride_nb, stride_ns, stride_nh, stride_nd, stride_cb, stride_cn, stride_ch,
+              stride_cd, H_KV, HEAD_DIM, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < H_KV) & (offs_d[None, :] < HEAD_DIM)
+    x = tl.load(New + b * stride_nb + i * stride_ns + offs_h[:, None] * stride_nh + offs_d[None, :] * stride_nd,
+                mask=mask)
+    tl.store(Cache + b * stride_cb + row.to(tl.int64) * stride_cn + offs_h[:, None] * stride_ch
+             + offs_d[None, :] * stride_cd, x, mask=mask)
+
+
+@triton.jit(do_not_specialize=["cache_len", "Sq", "H", "n_branches", "max_pos", "GROUP"])
 def _decode_kernel(
-    Q, K, V,
-    PartStats,  # fp32 [B * H * Sq, SPLITS, 2]: each share's running max (base 2) and sum
-    PartAcc,  # fp32 [B * H * Sq, SPLITS, BLOCK_D]: each share's unnormalised output (written where its sum > 0)
+    Q, K, V,  # q [B, Sq, H, D]; the caches [B, Nmax, H_KV, D]
+    KNew, VNew,  # with APPEND, the new rows [B, Sq, H_KV, D], written into the caches at rows cache_seqlens[b] + i
+    Out, Lse,  # out like q; lse fp32 [B, H, Sq]
+    PartStats,  # fp32 [B * Sq, SPLITS, H, 2]: each share's running max (base 2) and sum
+    PartAcc,  # fp32 [B * Sq, SPLITS, H, BLOCK_D]: each share's unnormalised output (written where its sum > 0)
+    Counters,  # int32 [B * Sq, H_KV], 0 at the start: shares done per (token, kv head)
     CacheSeqlens,  # with PER_BATCH, each batch element's cached tokens (int32 or int64 [B]); else cache_len for all
     Branches,  # int32 [n_branches, 6]
+    cache_len,
     stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    Sq, H, n_branches, cache_len,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_nkb, stride_nks, stride_nkh, stride_nkd,
+    stride_nvb, stride_nvs, stride_nvh, stride_nvd,
+    stride_ob, stride_os, stride_oh,
+    Sq, H, n_branches,
     max_pos,  # the last cache row: positions are clamped to [0, max_pos], so no program reads outside the cache
     qk_scale,  # scale * log2(e)
     GROUP,  # query heads per kv head
-    HEAD_DIM,
+    HEAD_DIM: tl.constexpr,
     PER_BATCH: tl.constexpr,
+    APPEND: tl.constexpr,
     PRECISION: tl.constexpr,
+    NB: tl.constexpr,  # n_branches rounded up to a power of two, at least 16 (a matrix product's depth)
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two, at least 16 (a matrix product's rows)
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # H_KV rounded up to a power of two (the write of a new row)
+    UNION: tl.constexpr,  # read the union of a kv head's rows once (else each branch's rows in its pass)
 ):
     pid = tl.program_id(0)  # (batch element, new token)
     share = tl.program_id(1)
@@ -80,146 +137,134 @@ def _decode_kernel(
     cached = cache_len
     if PER_BATCH:
         cached = tl.load(CacheSeqlens + b).to(tl.int32)
+    if APPEND:
+        row = cached + i
+        if (share == 0) & (row >= 0) & (row <= max_pos):  # a row outside the cache is not written
+            _copy_row(KNew, K, b, i, row, stride_nkb, stride_nks, stride_nkh, stride_nkd, stride_kb, stride_kn,
+                      stride_kh, stride_kd, H_KV, HEAD_DIM, BLOCK_H, BLOCK_D)
+            _copy_row(VNew, V, b, i, row, stride_nvb, stride_nvs, stride_nvh, stride_nvd, stride_vb, stride_vn,
+                      stride_vh, stride_vd, H_KV, HEAD_DIM, BLOCK_H, BLOCK_D)
     pos = tl.maximum(tl.minimum(cached + i, max_pos), 0)  # lengths not checked on the host may be out of range
+    nb = tl.arange(0, NB)
+    first, r, member, head_a, head_b = _branch(Branches, nb, n_branches, pos)  # every branch's, as vectors
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     # The passes of every kv head, one after the other, make one list of keys; this share takes an equal part
     total = 0
-    for br in range(n_branches):
-        _, _, n_keys, head_a, head_b = _branch_keys(Branches, br, pos)
-        total += n_keys * ((head_b - 1) // GROUP - head_a // GROUP + 1)  # a pass per kv head of those heads
+    for kvh in range(H_KV):
+        _, keys = _passes(first, r, member, head_a, head_b, kvh, pos, GROUP, NB, UNION)
+        total += tl.sum(keys, axis=0)
     lo = share * (total // splits) + tl.minimum(share, total % splits)
     hi = lo + total // splits + (share < total % splits).to(tl.int32)
     scale2 = tl.cast(qk_scale, tl.float32)
     before = 0  # the keys of the passes of the kv heads before this one
     for kvh in range(H_KV):
+        takes, keys = _passes(first, r, member, head_a, head_b, kvh, pos, GROUP, NB, UNION)
+        kvh_keys = tl.sum(keys, axis=0)
         heads = kvh * GROUP + offs_g  # the query heads of this kv head (rows past GROUP are padding)
-        kvh_keys = 0
-        for br in range(n_branches):
-            _, _, n_keys, head_a, head_b = _branch_keys(Branches, br, pos)
-            kvh_keys += _kv_head_keys(n_keys, head_a, head_b, kvh, GROUP)
-        part = ((b * H + heads) * Sq + i) * splits + share  # the combine's (batch, query head, token) order
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
         if (before < hi) & (before + kvh_keys > lo):  # this share has keys of this kv head
+            # [heads, branches]: the branches each head takes part in
+            in_branch = (g_mask[:, None] & member[None, :] & (heads[:, None] >= head_a[None, :])
+                         & (heads[:, None] < head_b[None, :])).to(tl.float16)
             q = tl.load(Q + b * stride_qb + i * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                         mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
             k_base = K + b * stride_kb + kvh * stride_kh
             v_base = V + b * stride_vb + kvh * stride_vh
             pass_start = before
-            for br in range(n_branches):
-                first, r, n_keys, head_a, head_b = _branch_keys(Branches, br, pos)
-                in_pass = g_mask & (heads >= head_a) & (heads < head_b)
-                n_keys = _kv_head_keys(n_keys, head_a, head_b, kvh, GROUP)
+            for j in range(n_branches):
+                n_keys = _pick(keys, nb, j)
+                first_j, r_j, _, _, _ = _branch(Branches, j, n_branches, pos)
                 j_lo = tl.maximum(lo - pass_start, 0)
                 j_hi = tl.minimum(hi - pass_start, n_keys)
-                if j_lo < j_hi:
-                    for j0 in range(j_lo, j_hi, BLOCK_N):
-                        offs_n = j0 + tl.arange(0, BLOCK_N)
-                        n_mask = offs_n < j_hi
-                        rows = (first + offs_n * r).to(tl.int64)
-                        kv_mask = n_mask[:, None] & d_mask[None, :]
-                        k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-                        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
-                        s = tl.where(in_pass[:, None] & n_mask[None, :], s, float("-inf"))
-                        m_new = tl.maximum(m_i, tl.max(s, 1))
-                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads not in the pass keep theirs
-                        alpha = tl.math.exp2(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
-                        p = tl.math.exp2(s - m_safe[:, None])  # exp2(-inf) = 0 outside the pass and the keys
-                        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-                        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-                        l_i = l_i * alpha + tl.sum(p, 1)
-                        m_i = m_new
+                # counts[head, row] = sum over branches e of in_branch[head, e] * holds[e, row], less 64 for each
+                # earlier pass holding the row (which reads it): > 0 where the row counts here, and then the head's
+                # multiplicity. One product per block: no per-branch work in the loop.
+                weights = (in_branch - 64.0 * (takes & (nb < j)).to(tl.float16)[None, :]).to(tl.float16)
+                in_pass = tl.sum(tl.where(nb[None, :] == j, in_branch, 0.0), axis=1) > 0  # without UNION
+                for j0 in range(j_lo, j_hi, BLOCK_N):
+                    offs_n = j0 + tl.arange(0, BLOCK_N)
+                    rows = first_j + offs_n * r_j
+                    read = offs_n < j_hi
+                    if UNION:
+                        holds = (member[:, None] & (rows[None, :] >= first[:, None])
+                                 & ((rows[None, :] - first[:, None]) % r[:, None] == 0))
+                        counts = tl.dot(weights, holds.to(tl.float16), out_dtype=tl.float32)
+                    else:  # each branch's rows in its own pass, shared rows read once per branch
+                        counts = tl.where(in_pass[:, None] & read[None, :], 1.0, 0.0)
+                    kv_mask = read[:, None] & d_mask[None, :]
+                    k_rows = k_base + rows.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+                    v_rows = v_base + rows.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+                    if APPEND:  # a new row is read from k, v (its write into the cache may not have landed yet)
+                        fresh = ((rows >= cached) & (rows - cached < Sq))[:, None]
+                        new = b * stride_nkb + (rows - cached).to(tl.int64)[:, None] * stride_nks + kvh * stride_nkh
+                        k_rows = tl.where(fresh, KNew + new + offs_d[None, :] * stride_nkd, k_rows)
+                        new = b * stride_nvb + (rows - cached).to(tl.int64)[:, None] * stride_nvs + kvh * stride_nvh
+                        v_rows = tl.where(fresh, VNew + new + offs_d[None, :] * stride_nvd, v_rows)
+                    k = tl.load(k_rows, mask=kv_mask, other=0.0)
+                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
+                    counted = read[None, :] & (counts > 0.5)
+                    s = tl.where(counted, s + tl.log2(tl.maximum(counts, 1.0)), float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads without keys keep theirs
+                    alpha = tl.math.exp2(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
+                    p = tl.math.exp2(s - m_safe[:, None])  # exp2(-inf) = 0 where a head does not count the row
+                    v = tl.load(v_rows, mask=kv_mask, other=0.0)
+                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    m_i = m_new
                 pass_start += n_keys
+            part = (pid.to(tl.int64) * splits + share) * H + heads
+            tl.store(PartStats + part * 2, m_i, mask=g_mask)
+            tl.store(PartStats + part * 2 + 1, l_i, mask=g_mask)
             tl.store(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=(g_mask & (l_i > 0))[:, None])
+            # every thread's writes before the count: the last share to count reads them all
+            tl.debug_barrier()
+            first_share = _share_of(before, total, splits)
+            shares = _share_of(before + kvh_keys - 1, total, splits) - first_share + 1
+            counter = Counters + pid.to(tl.int64) * H_KV + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == shares - 1:
+                _merge_shares(PartStats, PartAcc, Out, Lse, pid, b, i, heads, g_mask, offs_d, d_mask, first_share,
+                              shares, splits, stride_ob, stride_os, stride_oh, Sq, H, BLOCK_G, BLOCK_D)
+                tl.store(counter, 0)
+        elif (kvh_keys == 0) & (share == 0):  # no branch has keys for this kv head's heads: out 0, lse -inf
+            tl.store(Out + b * stride_ob + i * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                     tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(Out.dtype.element_ty),
+                     mask=g_mask[:, None] & d_mask[None, :])
+            tl.store(Lse + (b * H + heads) * Sq + i, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_mask)
         before += kvh_keys
-        tl.store(PartStats + part * 2, m_i, mask=g_mask)
-        tl.store(PartStats + part * 2 + 1, l_i, mask=g_mask)
-
-
-@triton.jit(do_not_specialize=["Sq", "H", "HEAD_DIM"])
-def _decode_combine_kernel(
-    PartStats, PartAcc, Out, Lse,
-    stride_ob, stride_os, stride_oh,
-    Sq, H, HEAD_DIM,
-    SPLITS: tl.constexpr,
-    CHUNK: tl.constexpr,  # shares read at a time (a power of two dividing SPLITS)
-    BLOCK_D: tl.constexpr,
-):
-    """One new query's shares merged (dilated_attn/merge.py's formula over SPLITS terms): out and lse. A share
-    without keys (sum 0) has weight 0, and its output was not written."""
-    pid = tl.program_id(0)
-    i = pid % Sq
-    h = (pid // Sq) % H
-    b = (pid // (Sq * H)).to(tl.int64)
-    parts = pid.to(tl.int64) * SPLITS + tl.arange(0, SPLITS)
-    m = tl.load(PartStats + parts * 2)
-    l_sum = tl.load(PartStats + parts * 2 + 1)
-    has_keys = l_sum > 0
-    top = tl.max(tl.where(has_keys, m, float("-inf")), 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.where(has_keys, l_sum * tl.math.exp2(tl.where(has_keys, m, top) - top), 0.0), 0)
-    offs_d = tl.arange(0, BLOCK_D)
-    out = tl.zeros([BLOCK_D], tl.float32)
-    for c in range(0, SPLITS, CHUNK):
-        chunk = pid.to(tl.int64) * SPLITS + c + tl.arange(0, CHUNK)
-        m_c = tl.load(PartStats + chunk * 2)
-        keys_c = tl.load(PartStats + chunk * 2 + 1) > 0
-        weight = tl.where(keys_c, tl.math.exp2(tl.where(keys_c, m_c, top) - top), 0.0)
-        acc = tl.load(PartAcc + chunk[:, None] * BLOCK_D + offs_d[None, :], mask=keys_c[:, None], other=0.0)
-        out += tl.sum(acc * weight[:, None], 0)
-    covered = total > 0
-    out = tl.where(covered, out / tl.where(covered, total, 1.0), 0.0)
-    lse = tl.where(covered, (top + tl.log2(tl.where(covered, total, 1.0))) * LN2, float("-inf"))
-    tl.store(Out + b * stride_ob + i * stride_os + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-    tl.store(Lse + pid, lse)
 
 
 @triton.jit
-def _copy_row(New, Cache, b, i, row, stride_nb, stride_ns, stride_nh, stride_nd, stride_cb, stride_cn, stride_ch,
-              stride_cd, mask, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    x = tl.load(New + b * stride_nb + i * stride_ns + offs_h[:, None] * stride_nh + offs_d[None, :] * stride_nd,
-                mask=mask)
-    tl.store(Cache + b * stride_cb + row.to(tl.int64) * stride_cn + offs_h[:, None] * stride_ch
-             + offs_d[None, :] * stride_cd, x, mask=mask)
-
-
-@triton.jit(do_not_specialize=["Sq", "cache_len", "max_row", "H_KV", "HEAD_DIM"])
-def _append_kernel(
-    K, V,  # the new rows, [B, Sq, Hkv, D] ...
-    KCache, VCache,  # ... written to [B, Nmax, Hkv, D] at rows cache_seqlens[b] + i
-    CacheSeqlens,  # as in _decode_kernel
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_kcb, stride_kcn, stride_kch, stride_kcd,
-    stride_vcb, stride_vcn, stride_vch, stride_vcd,
-    Sq, cache_len,
-    max_row,  # the last cache row: a new row past it (or before row 0) is not written
-    H_KV, HEAD_DIM,
-    PER_BATCH: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """dilated_attention_with_kvcache's write of the new k and v into the caches: a program per new row of each."""
-    pid = tl.program_id(0)  # (batch element, new token)
-    i = pid % Sq
-    b = (pid // Sq).to(tl.int64)
-    cached = cache_len
-    if PER_BATCH:
-        cached = tl.load(CacheSeqlens + b).to(tl.int32)
-    row = cached + i
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < H_KV) & (offs_d[None, :] < HEAD_DIM) & (row >= 0) & (row <= max_row)
-    if tl.program_id(1) == 0:
-        _copy_row(K, KCache, b, i, row, stride_kb, stride_ks, stride_kh, stride_kd, stride_kcb, stride_kcn,
-                  stride_kch, stride_kcd, mask, BLOCK_H, BLOCK_D)
-    else:
-        _copy_row(V, VCache, b, i, row, stride_vb, stride_vs, stride_vh, stride_vd, stride_vcb, stride_vcn,
-                  stride_vch, stride_vcd, mask, BLOCK_H, BLOCK_D)
+def _merge_shares(PartStats, PartAcc, Out, Lse, pid, b, i, heads, g_mask, offs_d, d_mask, first_share, shares,
+                  splits, stride_ob, stride_os, stride_oh, Sq, H, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A kv head's query heads: their shares' partial softmaxes merged (dilated_attn/merge.py's formula), into out
+    and lse. A share where a head has no keys (sum 0) has weight 0, and its output was not written. The loads go
+    past L1 (.cg): other programs wrote the shares."""
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
+    out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(first_share, first_share + shares):
+        part = (pid.to(tl.int64) * splits + s) * H + heads
+        m_s = tl.load(PartStats + part * 2, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(PartStats + part * 2 + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
+        has_keys = l_s > 0
+        m_new = tl.maximum(m, tl.where(has_keys, m_s, float("-inf")))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_safe))
+        weight = tl.where(has_keys, tl.math.exp2(tl.where(has_keys, m_s, 0.0) - m_safe), 0.0)
+        acc = tl.load(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], mask=has_keys[:, None], other=0.0,
+                      cache_modifier=".cg")
+        out = out * alpha[:, None] + acc * weight[:, None]
+        l_sum = l_sum * alpha + l_s * weight
+        m = m_new
+    covered = l_sum > 0
+    out = tl.where(covered[:, None], out / tl.where(covered, l_sum, 1.0)[:, None], 0.0)
+    lse = tl.where(covered, (m + tl.log2(tl.where(covered, l_sum, 1.0))) * LN2, float("-inf"))
+    tl.store(Out + b * stride_ob + i * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(Lse + (b * H + heads) * Sq + i, lse, mask=g_mask)

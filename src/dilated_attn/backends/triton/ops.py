@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,7 +23,7 @@ from ..signature import backward_op, forward_op
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel
 from .configs import launch, launch_plain, make_key
-from .decode import _append_kernel, _decode_combine_kernel, _decode_kernel
+from .decode import _decode_kernel
 from .fwd import FORWARD
 
 LOG2E = 1.4426950408889634
@@ -291,116 +292,174 @@ def prepare(q, k, v, p, backward: bool) -> None:
 
 # The decode kernel's block of keys, warps and pipeline depth, and the programs it aims for (the keys of each
 # (batch element, new token) are split into shares to reach it). benchmarks/bench_decode.py --sweep measures them.
-DECODE_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3)
+DECODE_CONFIG = dict(BLOCK_N=32, UNION=True, num_warps=4, num_stages=3)
 DECODE_PROGRAMS = 512
-DECODE_MAX_SPLITS = 256  # the combine reads a query's shares' statistics at once
+DECODE_MAX_SPLITS = 256  # bounds the workspace of a call of few tokens
 
 
 @functools.lru_cache(maxsize=64)
-def _branch_rows(segment_lengths: tuple, dilation_rates: tuple, n_heads: int, head_groups: str,
-                 device: torch.device) -> torch.Tensor:
-    """The decode kernel's int32 branch table. Segments are not clipped: a causal row's segment starts at
-    (P // w) * w whatever the sequence's length (decode.py)."""
-    table = branch_table(segment_lengths, dilation_rates, max(segment_lengths), n_heads, head_groups)
+def _branch_rows(p, device: torch.device) -> torch.Tensor:
+    """The decode kernel's int32 branch table of a KV-cache call's problem (its branches bounded by the cache:
+    Problem.op_branches). Segments are not clipped further: a causal row's segment starts at (P // w) * w whatever
+    the sequence's length (decode.py)."""
+    w, r = p.op_branches()
+    table = branch_table(w, r, max(w), p.num_heads, p.head_groups)
     rows = [[br.seg_len, br.dilation, br.head_lo, br.head_hi, br.offset_div, br.offset_base] for br in table]
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, cache_len, branches, scale, launch=wrap_triton):
-    """New queries q `[B, Sq, Hq, D]` at positions cache_seqlens[b] + i (cache_len + i without cache_seqlens)
-    over the cache: (out, lse `[B, Hq, Sq]`), every branch in one launch (decode.py)."""
+# Each stream's decode workspace, kept between calls: the shares' partial softmaxes, the counters (0 between
+# launches: the kernel sets each back), and an LSE nobody asked for. An eager call allocates only its output.
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device, stats: int, partial: int, counters: int, lse: int, keep: bool) -> tuple:
+    """(stats, partial, counters, lse) fp32/fp32/int32/fp32 buffers of at least those many elements: where `keep`, the
+    current stream's kept ones, grown where too small; fresh ones in a traced op (torch.compile), on the CPU (Triton's
+    interpreter) and while a CUDA graph is captured (the graph owns them: kept ones would be shared with eager calls
+    on the stream)."""
+    fresh = not keep or device.type != "cuda" or torch.cuda.is_current_stream_capturing()
+    key = None if fresh else (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    held = _WORKSPACES.get(key) if key is not None else None
+    sizes = (stats, partial, counters, lse)
+    if held is None or any(x.numel() < n for x, n in zip(held, sizes)):
+        if held is not None:  # grown to cover every call so far
+            sizes = tuple(max(n, x.numel()) for n, x in zip(sizes, held))
+        held = (torch.empty(sizes[0], dtype=torch.float32, device=device),
+                torch.empty(sizes[1], dtype=torch.float32, device=device),
+                torch.zeros(sizes[2], dtype=torch.int32, device=device),
+                torch.empty(sizes[3], dtype=torch.float32, device=device))
+        if key is not None:
+            _WORKSPACES[key] = held
+    return held
+
+
+@dataclass(frozen=True)
+class _DecodeLayout:
+    """What a decode launch derives from its tensors' layouts and sizes alone, the same every step of a decoding
+    loop: the grid, the workspace's sizes, the kernel's arguments after cache_len (its ints and constexprs) and its
+    options."""
+
+    grid: tuple
+    sizes: tuple
+    arguments: tuple
+    options: dict
+
+
+def _decode_layout(q, k_cache, v_cache, k, v, n_branches: int, scale: float, per_batch: bool, append: bool,
+                   return_lse: bool) -> _DecodeLayout:
     B, Sq, H, D = q.shape
-    q = _rows_contiguous(q)
-    out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    queries, tile_d, group = B * H * Sq, block_d(D), H // k_cache.shape[2]
+    Hkv = k_cache.shape[2]
+    tile_d, group = block_d(D), H // Hkv
     programs = B * Sq  # one per (batch element, new token), times the shares of its keys (a power of two)
-    splits = min(DECODE_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS, programs)))
-    splits = 2 if interpreting() else splits
-    stats = torch.empty((queries, splits, 2), dtype=torch.float32, device=q.device)
-    partial = torch.empty((queries, splits, tile_d), dtype=torch.float32, device=q.device)
-    launch(_decode_kernel)[(programs, splits)](
-        q, k_cache, v_cache, stats, partial, _placeholder_int32(q.device) if cache_seqlens is None else cache_seqlens,
-        branches,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        Sq, H, branches.shape[0], cache_len, k_cache.shape[1] - 1, scale * LOG2E, group, D,
-        PER_BATCH=cache_seqlens is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=tile_d,
-        **(dict(BLOCK_N=16, num_warps=1) if interpreting() else DECODE_CONFIG),
-    )
-    launch(_decode_combine_kernel)[(queries,)](
-        stats, partial, out, lse, out.stride(0), out.stride(1), out.stride(2), Sq, H, D, SPLITS=splits,
-        CHUNK=min(splits, 32), BLOCK_D=tile_d, num_warps=4,
-    )
-    return out, lse
+    splits = 2 if interpreting() else min(DECODE_MAX_SPLITS,
+                                          triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS, programs)))
+    queries = programs * H
+    new_strides = (*k.stride(), *v.stride()) if append else (0, 0, 0, 1) * 2  # not read without APPEND
+    strides = (q.stride(0), q.stride(1), q.stride(2), *k_cache.stride(), *v_cache.stride(), *new_strides,
+               Sq * H * D, H * D, D)  # out: made contiguous
+    ints = (*strides, Sq, H, n_branches, k_cache.shape[1] - 1)
+    config = dict(DECODE_CONFIG, BLOCK_N=16, num_warps=1) if interpreting() else DECODE_CONFIG
+    constexprs = (D, per_batch, append, "ieee" if q.dtype == torch.float32 else "tf32",
+                  max(16, triton.next_power_of_2(n_branches)), max(16, triton.next_power_of_2(group)), tile_d,
+                  config["BLOCK_N"], triton.next_power_of_2(Hkv), config["UNION"])
+    options = {name: value for name, value in config.items() if name.startswith("num_")}
+    return _DecodeLayout((programs, splits), (queries * splits * 2, queries * splits * tile_d, programs * Hkv,
+                                              0 if return_lse else queries),
+                         (*ints, scale * LOG2E, group, *constexprs), options)
 
 
-def _append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_len, launch=wrap_triton) -> None:
-    """k, v `[B, Sq, Hkv, D]` written into the caches at rows cache_seqlens[b] + i (cache_len + i without
-    cache_seqlens), in one launch; rows outside the cache are not written."""
-    B, Sq, Hkv, D = k.shape
-    launch(_append_kernel)[(B * Sq, 2)](
-        k, v, k_cache, v_cache, _placeholder_int32(k.device) if cache_seqlens is None else cache_seqlens,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), Sq, cache_len, k_cache.shape[1] - 1, Hkv, D,
-        PER_BATCH=cache_seqlens is not None, BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
-    )
+_DECODE_LAYOUTS: dict = {}  # layout key -> _DecodeLayout, at most MAX_DECODE_LAYOUTS
+MAX_DECODE_LAYOUTS = 256
 
 
-# The ops torch.compile traces. An eager decoding call launches the kernels itself, past the op and wrap_triton:
-# their dispatch costs more host time than the kernels take on the GPU, and a decode step is bound by latency.
-@triton_op("dilated_attn::triton_decode", mutates_args=())
+def _decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, branches, scale, return_lse, launch=None):
+    """New queries q `[B, Sq, Hq, D]` at positions cache_seqlens[b] + i (cache_len + i without cache_seqlens)
+    over the cache, after k, v (where given) are written into it at those rows: (out, the lse `[B, Hq, Sq]` where
+    `return_lse`, else None), in one launch (decode.py): through `launch` (wrap_triton, traced), else eagerly
+    (_launch_decode)."""
+    q = _rows_contiguous(q)  # the kernel reads q's rows with unit stride (the caches and k, v with theirs)
+    append = k is not None
+    if not append:  # k and v are not read (APPEND=False): q stands in for them (no tensor the kernel writes)
+        k, v = q, q
+    per_batch = cache_seqlens is not None
+    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), k.stride() if append else None,
+           v.stride() if append else None, branches.shape[0], scale, per_batch, return_lse, q.dtype, interpreting(),
+           DECODE_PROGRAMS, tuple(DECODE_CONFIG.items()))
+    layout = None if launch is not None else _DECODE_LAYOUTS.get(key)
+    if layout is None:
+        layout = _decode_layout(q, k_cache, v_cache, k, v, branches.shape[0], scale, per_batch, append, return_lse)
+        if launch is None:
+            if len(_DECODE_LAYOUTS) >= MAX_DECODE_LAYOUTS:
+                _DECODE_LAYOUTS.clear()
+            _DECODE_LAYOUTS[key] = layout
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    stats, partial, counters, spare_lse = _workspace(q.device, *layout.sizes, keep=launch is None)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
+                      device=q.device) if return_lse else spare_lse
+    lengths = cache_seqlens if per_batch else branches  # without PER_BATCH not read: the branch table stands in
+    tensors = (q, k_cache, v_cache, k, v, out, lse, stats, partial, counters, lengths, branches)
+    if launch is not None:
+        launch(_decode_kernel)[layout.grid](*tensors, cache_len, *layout.arguments, **layout.options)
+    else:
+        _launch_decode(layout, tensors, cache_len)
+    return out, lse if return_lse else None
+
+
+# Eager decode launches: Triton's launcher of the kernel compiled for a layout, called directly (Triton's JIT
+# function spends more host time binding and specialising a call's arguments than the kernel takes on the GPU).
+# Only for the Triton versions whose launcher's call this was written against, and only where the call's
+# specialisation is the compiled one's: the same ints (the layout's, and cache_len, unspecialised, of 32 bits), every
+# tensor 16-byte aligned, and the current device the tensors'. Anything else runs the JIT function.
+DIRECT_TRITON_VERSIONS = ("3.6",)
+_DECODE_COMPILED: dict = {}  # (device, dtypes, the kernel's arguments after cache_len, options) -> compiled kernel
+
+
+def _launch_decode(layout: _DecodeLayout, tensors: tuple, cache_len: int) -> None:
+    q, lengths = tensors[0], tensors[10]
+    device = q.device
+    direct = (device.type == "cuda" and 0 <= cache_len < 2**31
+              and triton.__version__.rsplit(".", 1)[0] in DIRECT_TRITON_VERSIONS
+              and all(x.data_ptr() % 16 == 0 for x in tensors[:5])  # the others are made aligned here
+              and lengths.data_ptr() % 16 == 0 and torch._C._cuda_getDevice() == device.index)
+    key = (device.index, q.dtype, lengths.dtype, layout.arguments, tuple(layout.options.items())) if direct else None
+    compiled = _DECODE_COMPILED.get(key) if direct else None
+    if compiled is None:
+        compiled = _decode_kernel[layout.grid](*tensors, cache_len, *layout.arguments, **layout.options)
+        if direct and all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+            if len(_DECODE_COMPILED) >= MAX_DECODE_LAYOUTS:
+                _DECODE_COMPILED.clear()
+            _DECODE_COMPILED[key] = compiled
+        return
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    compiled.run(*layout.grid, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *tensors,
+                 cache_len, *layout.arguments)
+
+
+# The op torch.compile traces. An eager decoding call launches the kernel itself, past the op and wrap_triton:
+# their dispatch costs more host time than the kernel takes on the GPU, and a decode step is bound by latency.
+@triton_op("dilated_attn::triton_decode", mutates_args=("k_cache", "v_cache"))
 def triton_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cache_seqlens: torch.Tensor | None,
     cache_len: int,
     branches: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _decode(q, k_cache, v_cache, cache_seqlens, cache_len, branches, scale)
+    out, lse = _decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, branches, scale, True, launch=wrap_triton)
+    return out, lse
 
 
-@triton_op("dilated_attn::triton_append_kv", mutates_args=("k_cache", "v_cache"))
-def triton_append_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache_seqlens: torch.Tensor | None,
-    cache_len: int,
-) -> None:
-    _append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_len)
-
-
-def _eager(kernel):
-    return kernel
-
-
-def _lengths(cache_seqlens, device):
-    """The kernels' (cache_seqlens, cache_len): a tensor of per-batch lengths, or None and the one length."""
-    if isinstance(cache_seqlens, torch.Tensor):
-        return cache_seqlens.to(device), 0
-    return None, cache_seqlens
-
-
-def decode(q, k_cache, v_cache, cp):
-    """dilated_attention_with_kvcache's computation on the Triton backend (the cache already written)."""
-    p = cp.problem
-    branches = _branch_rows(*map(tuple, p.op_branches()), p.num_heads, p.head_groups, q.device)
-    k_cache, v_cache = _rows_contiguous(k_cache), _rows_contiguous(v_cache)
-    lengths, cache_len = _lengths(cp.given_seqlens, q.device)
+def decode(q, k_cache, v_cache, k, v, cp):
+    """dilated_attention_with_kvcache's computation on the Triton backend, the new k, v (where given) written into
+    the caches first: (out, lse or None where the call did not ask for it)."""
+    branches = _branch_rows(cp.problem, q.device)
+    given = cp.given_seqlens
+    lengths, cache_len = (given.to(q.device), 0) if isinstance(given, torch.Tensor) else (None, given)
     if torch.compiler.is_compiling():
-        return triton_decode(q, k_cache, v_cache, lengths, cache_len, branches, p.scale)
-    return _decode(q, k_cache, v_cache, lengths, cache_len, branches, p.scale, launch=_eager)
-
-
-def append_kv(k_cache, v_cache, k, v, cp):
-    """The new k, v written into the caches (rows outside the cache dropped)."""
-    lengths, cache_len = _lengths(cp.given_seqlens, k.device)
-    if torch.compiler.is_compiling():
-        triton_append_kv(k_cache, v_cache, k, v, lengths, cache_len)
-    else:
-        _append_kv(k_cache, v_cache, k, v, lengths, cache_len, launch=_eager)
+        return triton_decode(q, k_cache, v_cache, k, v, lengths, cache_len, branches, cp.problem.scale)
+    return _decode(q, k_cache, v_cache, k, v, lengths, cache_len, branches, cp.problem.scale, cp.return_lse)
