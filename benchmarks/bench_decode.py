@@ -119,11 +119,10 @@ def main(argv=None) -> None:
 
     sweep, choices = {}, {}
     if args.sweep:
-        for union, programs, block_n, warps, stages in itertools.product((True, False), (256, 512, 1024), (16, 32, 64),
-                                                                         (2, 4), (2, 3)):
+        for programs, block_n, warps, stages in itertools.product((256, 512, 1024), (16, 32, 64), (2, 4), (2, 3)):
             ops.DECODE_PROGRAMS = programs
-            ops.DECODE_CONFIG = dict(BLOCK_N=block_n, UNION=union, num_warps=warps, num_stages=stages)
-            name = f"UNION={union}, programs={programs}, BLOCK_N={block_n}, num_warps={warps}, num_stages={stages}"
+            ops.DECODE_CONFIG = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            name = f"programs={programs}, BLOCK_N={block_n}, num_warps={warps}, num_stages={stages}"
             try:
                 graph = captured()
             except triton.runtime.errors.OutOfResources as exc:

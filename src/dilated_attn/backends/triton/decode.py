@@ -5,22 +5,18 @@ New token i of batch element b sits at position P = cache_seqlens[b] + i. For ea
 in, P's segment starts at (P // w) * w (clipping a segment to the sequence never moves a causal row's keys:
 docs/SPEC.md, "Decoding with a KV cache"); P is a member iff its offset in the segment is the head's offset modulo
 r, and then its keys are the members up to P, every r-th row from the segment's start plus the offset. In each
-branch only the heads of one offset attend, and those of a kv head read the same rows.
-
-So each kv head reads the union of its heads' rows once: one pass per branch its heads take part in, each pass
-leaving out the rows an earlier pass reads (a pass ends where an earlier branch, whose dilation divides its own and
-whose rows align with its, takes over all its rows: with LongNet's dilations, each a multiple of the one before, no
-other row is shared; any other shared row is read again but counted only once). A row's score enters a head's
-softmax once per branch of that head holding the row (the merge of the branches is one softmax over the branches'
-keys, a key in two branches counted twice): score + log2(multiplicity). One online softmax per head over all its
-passes is then the merge.
+branch only the heads of one offset attend, and those of a kv head read the same rows, so one pass per
+(kv head, branch) reads them once for all its heads, as one [heads, keys] matrix product, and all of a head's passes
+feed one online softmax, which is the merge of the branches (one softmax over the union of their keys, a key in two
+branches counted twice). A row two branches share is read by both passes: reading each kv head's union of rows
+once, with each row's multiplicity per head, read a quarter fewer bytes at N = 65536 but ran slower on an H200 (the
+kernel is bound by its work per row there; benchmarks/README.md, "Decoding").
 
 One token's passes differ in length from kv head to kv head, so the work is cut by keys, not by heads: the passes of
 all kv heads, one after the other, make one list of keys, and each of SPLITS programs of a (b, i) takes an equal
 share of it. Each share writes its partial softmax (max, sum, unnormalised output) per query head to a workspace and
 counts itself done on its kv head's counter; the last share of a kv head to finish merges that kv head's shares into
-the output and sets the counter back to 0 (so the counters are 0 between launches). The kernel is bound by reading
-the keys and values.
+the output and sets the counter back to 0 (so the counters are 0 between launches).
 
 With APPEND the new rows k, v are written into the caches (by each token's first share), and every program reads
 rows at or past cache_seqlens[b] from k, v themselves, so no program waits for the write.
@@ -57,16 +53,11 @@ def _branch(Branches, e, n_branches, pos):
 
 
 @triton.jit
-def _passes(first, r, member, head_a, head_b, kvh, pos, GROUP, NB: tl.constexpr, UNION: tl.constexpr):
-    """Kv head kvh's passes: (which branches its heads take part in, each branch's rows it reads). Pass j runs from
-    first[j] by r[j] up to P, and stops at first[e] of an earlier pass e whose rows hold all of j's from there on
-    (r[e] divides r[j] and their rows align)."""
+def _passes(first, r, member, head_a, head_b, kvh, pos, GROUP):
+    """Kv head kvh's passes: each branch's keys, the members from first[j] by r[j] up to P (0 where none of its
+    heads takes part)."""
     takes = member & (kvh * GROUP < head_b) & (kvh * GROUP + GROUP > head_a)
-    nb = tl.arange(0, NB)
-    covers = (takes[:, None] & (nb[:, None] < nb[None, :]) & (r[None, :] % r[:, None] == 0)
-              & ((first[None, :] - first[:, None]) % r[:, None] == 0) & UNION)  # [e, j]: e takes over j's rows
-    end = tl.min(tl.where(covers, tl.maximum(first[:, None], first[None, :]), pos + 1), axis=0)
-    return takes, tl.where(takes, tl.maximum(end - first + r - 1, 0) // r, 0)
+    return tl.where(takes, (pos - first) // r + 1, 0)
 
 
 @triton.jit
@@ -121,12 +112,11 @@ def _decode_kernel(
     PER_BATCH: tl.constexpr,
     APPEND: tl.constexpr,
     PRECISION: tl.constexpr,
-    NB: tl.constexpr,  # n_branches rounded up to a power of two, at least 16 (a matrix product's depth)
+    NB: tl.constexpr,  # n_branches rounded up to a power of two
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two, at least 16 (a matrix product's rows)
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,  # H_KV rounded up to a power of two (the write of a new row)
-    UNION: tl.constexpr,  # read the union of a kv head's rows once (else each branch's rows in its pass)
 ):
     pid = tl.program_id(0)  # (batch element, new token)
     share = tl.program_id(1)
@@ -154,20 +144,16 @@ def _decode_kernel(
     # The passes of every kv head, one after the other, make one list of keys; this share takes an equal part
     total = 0
     for kvh in range(H_KV):
-        _, keys = _passes(first, r, member, head_a, head_b, kvh, pos, GROUP, NB, UNION)
-        total += tl.sum(keys, axis=0)
+        total += tl.sum(_passes(first, r, member, head_a, head_b, kvh, pos, GROUP), axis=0)
     lo = share * (total // splits) + tl.minimum(share, total % splits)
     hi = lo + total // splits + (share < total % splits).to(tl.int32)
     scale2 = tl.cast(qk_scale, tl.float32)
     before = 0  # the keys of the passes of the kv heads before this one
     for kvh in range(H_KV):
-        takes, keys = _passes(first, r, member, head_a, head_b, kvh, pos, GROUP, NB, UNION)
+        keys = _passes(first, r, member, head_a, head_b, kvh, pos, GROUP)
         kvh_keys = tl.sum(keys, axis=0)
         heads = kvh * GROUP + offs_g  # the query heads of this kv head (rows past GROUP are padding)
         if (before < hi) & (before + kvh_keys > lo):  # this share has keys of this kv head
-            # [heads, branches]: the branches each head takes part in
-            in_branch = (g_mask[:, None] & member[None, :] & (heads[:, None] >= head_a[None, :])
-                         & (heads[:, None] < head_b[None, :])).to(tl.float16)
             q = tl.load(Q + b * stride_qb + i * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                         mask=g_mask[:, None] & d_mask[None, :], other=0.0)
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -178,24 +164,14 @@ def _decode_kernel(
             pass_start = before
             for j in range(n_branches):
                 n_keys = _pick(keys, nb, j)
-                first_j, r_j, _, _, _ = _branch(Branches, j, n_branches, pos)
+                first_j, r_j, _, head_a_j, head_b_j = _branch(Branches, j, n_branches, pos)
+                in_pass = g_mask & (heads >= head_a_j) & (heads < head_b_j)
                 j_lo = tl.maximum(lo - pass_start, 0)
                 j_hi = tl.minimum(hi - pass_start, n_keys)
-                # counts[head, row] = sum over branches e of in_branch[head, e] * holds[e, row], less 64 for each
-                # earlier pass holding the row (which reads it): > 0 where the row counts here, and then the head's
-                # multiplicity. One product per block: no per-branch work in the loop.
-                weights = (in_branch - 64.0 * (takes & (nb < j)).to(tl.float16)[None, :]).to(tl.float16)
-                in_pass = tl.sum(tl.where(nb[None, :] == j, in_branch, 0.0), axis=1) > 0  # without UNION
                 for j0 in range(j_lo, j_hi, BLOCK_N):
                     offs_n = j0 + tl.arange(0, BLOCK_N)
                     rows = first_j + offs_n * r_j
                     read = offs_n < j_hi
-                    if UNION:
-                        holds = (member[:, None] & (rows[None, :] >= first[:, None])
-                                 & ((rows[None, :] - first[:, None]) % r[:, None] == 0))
-                        counts = tl.dot(weights, holds.to(tl.float16), out_dtype=tl.float32)
-                    else:  # each branch's rows in its own pass, shared rows read once per branch
-                        counts = tl.where(in_pass[:, None] & read[None, :], 1.0, 0.0)
                     kv_mask = read[:, None] & d_mask[None, :]
                     k_rows = k_base + rows.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
                     v_rows = v_base + rows.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
@@ -207,12 +183,11 @@ def _decode_kernel(
                         v_rows = tl.where(fresh, VNew + new + offs_d[None, :] * stride_nvd, v_rows)
                     k = tl.load(k_rows, mask=kv_mask, other=0.0)
                     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
-                    counted = read[None, :] & (counts > 0.5)
-                    s = tl.where(counted, s + tl.log2(tl.maximum(counts, 1.0)), float("-inf"))
+                    s = tl.where(in_pass[:, None] & read[None, :], s, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(s, 1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads without keys keep theirs
                     alpha = tl.math.exp2(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
-                    p = tl.math.exp2(s - m_safe[:, None])  # exp2(-inf) = 0 where a head does not count the row
+                    p = tl.math.exp2(s - m_safe[:, None])  # exp2(-inf) = 0 outside the pass and the keys
                     v = tl.load(v_rows, mask=kv_mask, other=0.0)
                     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
                     l_i = l_i * alpha + tl.sum(p, 1)

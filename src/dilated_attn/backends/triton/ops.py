@@ -292,8 +292,8 @@ def prepare(q, k, v, p, backward: bool) -> None:
 
 # The decode kernel's block of keys, warps and pipeline depth, and the programs it aims for (the keys of each
 # (batch element, new token) are split into shares to reach it). benchmarks/bench_decode.py --sweep measures them.
-DECODE_CONFIG = dict(BLOCK_N=32, UNION=True, num_warps=4, num_stages=3)
-DECODE_PROGRAMS = 512
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+DECODE_PROGRAMS = 256
 DECODE_MAX_SPLITS = 256  # bounds the workspace of a call of few tokens
 
 
@@ -361,8 +361,8 @@ def _decode_layout(q, k_cache, v_cache, k, v, n_branches: int, scale: float, per
     ints = (*strides, Sq, H, n_branches, k_cache.shape[1] - 1)
     config = dict(DECODE_CONFIG, BLOCK_N=16, num_warps=1) if interpreting() else DECODE_CONFIG
     constexprs = (D, per_batch, append, "ieee" if q.dtype == torch.float32 else "tf32",
-                  max(16, triton.next_power_of_2(n_branches)), max(16, triton.next_power_of_2(group)), tile_d,
-                  config["BLOCK_N"], triton.next_power_of_2(Hkv), config["UNION"])
+                  triton.next_power_of_2(max(2, n_branches)), max(16, triton.next_power_of_2(group)), tile_d,
+                  config["BLOCK_N"], triton.next_power_of_2(Hkv))
     options = {name: value for name, value in config.items() if name.startswith("num_")}
     return _DecodeLayout((programs, splits), (queries * splits * 2, queries * splits * tile_d, programs * Hkv,
                                               0 if return_lse else queries),
