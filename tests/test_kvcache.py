@@ -174,6 +174,32 @@ def test_gpu_whole_call_captured_in_a_cuda_graph():
     torch.testing.assert_close(caches[0], caches[2], atol=0, rtol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_decode_of_unaligned_and_strided_tensors_equals_the_aligned_one():
+    """Eager calls launch the kernel compiled for their layout directly where every tensor is 16-byte aligned, else
+    through Triton's JIT function: q, k, v one element past an aligned address, and caches with padded rows, give
+    the results of contiguous aligned copies, the cache rows written the same."""
+    B, N, Hq, Hkv, D, Nmax = 2, 40, 4, 2, 64, 48
+    q, k, v = sequence(B, N, Hq, Hkv, D, torch.bfloat16, "cuda")
+    padded = [torch.zeros(B, Nmax, Hkv, D + 8, dtype=torch.bfloat16, device="cuda")[..., :D] for _ in range(2)]
+    dense = [torch.zeros(B, Nmax, Hkv, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+
+    def unaligned(x):
+        return torch.cat([x.new_zeros(1), x.flatten()])[1:].view(x.shape)
+
+    for t in range(N):
+        rows = slice(t, t + 1)
+        got = dilated_attn.dilated_attention_with_kvcache(unaligned(q[:, rows]), *padded, t, SEGS, DILS,
+                                                          k=unaligned(k[:, rows]), v=unaligned(v[:, rows]),
+                                                          backend="triton")
+        want = dilated_attn.dilated_attention_with_kvcache(q[:, rows].contiguous(), *dense, t, SEGS, DILS,
+                                                           k=k[:, rows].contiguous(), v=v[:, rows].contiguous(),
+                                                           backend="triton")
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(padded[0], dense[0], atol=0, rtol=0)
+
+
 def _call(**change):
     B, Sq, H, Hkv, D, Nmax = 2, 1, 4, 2, 8, 10
     args = dict(q=torch.randn(B, Sq, H, D), k_cache=torch.zeros(B, Nmax, Hkv, D), v_cache=torch.zeros(B, Nmax, Hkv, D),
@@ -207,6 +233,31 @@ def test_bad_calls_raise_naming_the_argument(change, error, message):
     with pytest.raises(error, match=message):
         dilated_attn.dilated_attention_with_kvcache(**args)
     assert torch.equal(args["k_cache"], before), "a refused call wrote the cache"
+
+
+@pytest.mark.parametrize("valid, invalid, error, message", [
+    (dict(segment_lengths=[4]), dict(segment_lengths=[4.0]), TypeError, "segment_lengths"),
+    (dict(dilation_rates=[1]), dict(dilation_rates=[True]), TypeError, "dilation_rates"),
+    (dict(return_lse=True), dict(return_lse=1), TypeError, "return_lse"),
+])
+def test_a_checked_problem_is_not_taken_for_an_equal_one_of_other_types(valid, invalid, error, message):
+    """The problem's rules run once per key (cache_spec._decode_problem): 4.0 == 4 and True == 1, but after the
+    valid call the equal invalid one is still refused."""
+    dilated_attn.dilated_attention_with_kvcache(**_call(**valid))
+    with pytest.raises(error, match=message):
+        dilated_attn.dilated_attention_with_kvcache(**_call(**invalid))
+
+
+def test_auto_decodes_with_a_decode_kernel_on_a_gpu():
+    """A KV-cache call's problem puts triton first on a GPU (the one backend with a decode kernel), however large the
+    cache: the fast backends of a forward (cudnn, fa4) would compute each new token over its whole prefix."""
+    from dilated_attn import dispatch
+    from dilated_attn.spec import Problem
+
+    sizes = (1, 65536, 16, 4, 128, [2048, 4096, 8192, 16384], [1, 2, 4, 8])
+    decoding = Problem.from_sizes(*sizes, dtype=torch.bfloat16, device="cuda", causal=True, decodes=True)
+    assert dispatch.auto_preference(decoding) == dispatch.AUTO_ORDER["cuda"]
+    assert Problem.from_sizes(*sizes, dtype=torch.bfloat16, device="cuda", causal=True).decodes is False
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
