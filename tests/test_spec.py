@@ -196,6 +196,10 @@ def test_swapped_branch_lists_are_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dilated_attn.dilated_attention(x, x, x, [16, 2], [1, 32])
+    cache = torch.randn(1, 64, 4, 8)  # the KV-cache call warns the same, pointing at its caller
+    with pytest.warns(UserWarning, match=r"dilation_rates \[16, 24\] .*look swapped") as caught:
+        dilated_attn.dilated_attention_with_kvcache(x[:, :1], cache, cache.clone(), 3, [1, 2], [16, 24])
+    assert caught[0].filename == __file__
 
 
 def test_problem_from_sizes_is_validate_without_tensors():

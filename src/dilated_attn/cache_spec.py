@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 import torch
 
-from .spec import Problem, check_tensor, is_int
+from .spec import Problem, check_tensor, is_int, warn_if_swapped
 
 __all__ = ["CacheProblem", "reads_cache_seqlens", "validate_kvcache"]
 
@@ -137,13 +137,16 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilati
 
 def _problem(batch, cache_len, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, scale, head_groups,
              return_lse, backend) -> Problem:
-    """The problem dispatch decides on: one batch element's sequence as long as the cache, causal, decoding."""
-    return Problem.from_sizes(batch, cache_len, Hq, Hkv, D, segment_lengths, dilation_rates, dtype=dtype,
-                              device=device, causal=True, scale=scale, head_groups=head_groups, return_lse=return_lse,
-                              backend=backend, decodes=True)
+    """The problem dispatch decides on: one batch element's sequence as long as the cache, causal, decoding. Warns
+    as validate() does where the lists look swapped."""
+    p = Problem.from_sizes(batch, cache_len, Hq, Hkv, D, segment_lengths, dilation_rates, dtype=dtype, device=device,
+                           causal=True, scale=scale, head_groups=head_groups, return_lse=return_lse, backend=backend,
+                           decodes=True)
+    warn_if_swapped(p, stacklevel=6)  # -> _problem -> _decode_problem -> validate_kvcache -> the call -> caller
+    return p
 
 
-_PROBLEMS: dict = {}  # _key(args) -> _problem(*args), at most MAX_PROBLEMS
+_PROBLEMS: dict = {}  # _decode_problem's key of args -> _problem(*args), at most MAX_PROBLEMS
 MAX_PROBLEMS = 64
 
 

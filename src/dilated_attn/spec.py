@@ -220,12 +220,17 @@ def validate(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=No
     records_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     p = _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, q.dtype, q.device, causal, scale, head_groups,
                  return_lse, backend, records_backward)
-    if looks_swapped(p):  # the modules, which take the lists in the other order too, raise
+    warn_if_swapped(p, stacklevel=4)  # the modules, which take the lists in the other order too, raise
+    return p
+
+
+def warn_if_swapped(p: Problem, stacklevel: int) -> None:
+    """Warns once where the lists look swapped (looks_swapped): the functions' rule."""
+    if looks_swapped(p):
         w, r = list(p.segment_lengths), list(p.dilation_rates)
         warn_once(f"dilated_attn: dilation_rates {r} are each larger than the segment_lengths {w}: every segment "
                   f"holds at most one position per head; the lists look swapped (the functions take "
-                  f"segment_lengths first, MultiheadDilatedAttention dilation_rates first)", stacklevel=3)
-    return p
+                  f"segment_lengths first, MultiheadDilatedAttention dilation_rates first)", stacklevel=stacklevel)
 
 
 def _problem(B, N, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, causal, scale, head_groups, return_lse,
