@@ -196,7 +196,9 @@ def test_gpu_decode_of_unaligned_and_strided_tensors_equals_the_aligned_one():
         want = dilated_attn.dilated_attention_with_kvcache(q[:, rows].contiguous(), *dense, t, SEGS, DILS,
                                                            k=k[:, rows].contiguous(), v=v[:, rows].contiguous(),
                                                            backend="triton")
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        # kernels compiled for other alignments may order a product's sums otherwise: bf16's tolerance of the other
+        # decode tests; the rows written into the caches are copies, equal to the bit
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
     torch.testing.assert_close(padded[0], dense[0], atol=0, rtol=0)
 
 
