@@ -206,11 +206,9 @@ def _decode_kernel(
                 _merge_shares(PartStats, PartAcc, Out, Lse, pid, b, i, heads, g_mask, offs_d, d_mask, first_share,
                               shares, splits, stride_ob, stride_os, stride_oh, Sq, H, BLOCK_G, BLOCK_D)
                 tl.store(counter, 0)
-        elif (kvh_keys == 0) & (share == 0):  # no branch has keys for this kv head's heads: out 0, lse -inf
-            tl.store(Out + b * stride_ob + i * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-                     tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(Out.dtype.element_ty),
-                     mask=g_mask[:, None] & d_mask[None, :])
-            tl.store(Lse + (b * H + heads) * Sq + i, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_mask)
+        elif (kvh_keys == 0) & (share == 0):  # no branch has keys for this kv head's heads: a merge of no share
+            _merge_shares(PartStats, PartAcc, Out, Lse, pid, b, i, heads, g_mask, offs_d, d_mask, 0, 0, splits,
+                          stride_ob, stride_os, stride_oh, Sq, H, BLOCK_G, BLOCK_D)
         before += kvh_keys
 
 
@@ -218,8 +216,8 @@ def _decode_kernel(
 def _merge_shares(PartStats, PartAcc, Out, Lse, pid, b, i, heads, g_mask, offs_d, d_mask, first_share, shares,
                   splits, stride_ob, stride_os, stride_oh, Sq, H, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """A kv head's query heads: their shares' partial softmaxes merged (dilated_attn/merge.py's formula), into out
-    and lse. A share where a head has no keys (sum 0) has weight 0, and its output was not written. The loads go
-    past L1 (.cg): other programs wrote the shares."""
+    and lse (0 and -inf for a head without keys, and from no share at all). A share where a head has no keys (sum 0)
+    has weight 0, and its output was not written. The loads go past L1 (.cg): other programs wrote the shares."""
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)

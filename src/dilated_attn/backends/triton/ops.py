@@ -383,16 +383,19 @@ def _decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, branches, scale
     if not append:  # k and v are not read (APPEND=False): q stands in for them (no tensor the kernel writes)
         k, v = q, q
     per_batch = cache_seqlens is not None
-    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), k.stride() if append else None,
-           v.stride() if append else None, branches.shape[0], scale, per_batch, return_lse, q.dtype, interpreting(),
-           DECODE_PROGRAMS, tuple(DECODE_CONFIG.items()))
-    layout = None if launch is not None else _DECODE_LAYOUTS.get(key)
-    if layout is None:
-        layout = _decode_layout(q, k_cache, v_cache, k, v, branches.shape[0], scale, per_batch, append, return_lse)
-        if launch is None:
+    layout_of = functools.partial(_decode_layout, q, k_cache, v_cache, k, v, branches.shape[0], scale, per_batch,
+                                  append, return_lse)
+    if launch is not None:  # traced once per graph: nothing to keep
+        layout = layout_of()
+    else:
+        key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), k.stride() if append else None,
+               v.stride() if append else None, branches.shape[0], scale, per_batch, return_lse, q.dtype,
+               interpreting(), DECODE_PROGRAMS, tuple(DECODE_CONFIG.items()))
+        layout = _DECODE_LAYOUTS.get(key)
+        if layout is None:
             if len(_DECODE_LAYOUTS) >= MAX_DECODE_LAYOUTS:
                 _DECODE_LAYOUTS.clear()
-            _DECODE_LAYOUTS[key] = layout
+            layout = _DECODE_LAYOUTS[key] = layout_of()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     stats, partial, counters, spare_lse = _workspace(q.device, *layout.sizes, keep=launch is None)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
