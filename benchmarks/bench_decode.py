@@ -60,6 +60,26 @@ def copy_bandwidth(warmup: int, repeats: int) -> float:
     return 2 * src.numel() / (ms / 1e3)
 
 
+# The kernel configurations --sweep times: every combination. A register cap (maxnreg) lets more programs share an
+# SM than the compiler's own choice, at the price of some spilled registers.
+SWEEP = dict(programs=(256, 384, 512, 1024), BLOCK_N=(32, 64), num_warps=(2, 4), num_stages=(2, 3),
+             maxnreg=(None, 128, 168))
+
+
+def sweep_space(overrides: list[str]) -> dict:
+    """SWEEP with the values given as NAME=V1,V2 (integers, or 'none')."""
+    space = dict(SWEEP)
+    for item in overrides:
+        name, _, values = item.partition("=")
+        if name not in SWEEP or not values:
+            raise SystemExit(f"--sweep-values: expected NAME=V1,V2 with NAME one of {', '.join(SWEEP)}, got {item!r}")
+        try:
+            space[name] = tuple(None if v.strip().lower() == "none" else int(v) for v in values.split(","))
+        except ValueError:
+            raise SystemExit(f"--sweep-values: {name}'s values must be integers or 'none', got {values!r}") from None
+    return space
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
@@ -74,8 +94,11 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--sweep", action="store_true",
-                    help="first time the kernel (CUDA graph) for each count of programs, block of keys, warp count and "
-                         "pipeline depth, and keep the best")
+                    help="first time the kernel (CUDA graph) for each count of programs, block of keys, warp count, "
+                         "pipeline depth and register cap (SWEEP), and keep the best")
+    ap.add_argument("--sweep-values", action="append", default=[], metavar="NAME=V1,V2",
+                    help="with --sweep, the values of one of SWEEP's names instead of its own ('none' for no register "
+                         "cap), e.g. --sweep-values programs=384,512; repeatable")
     ap.add_argument("--host-profile", action="store_true",
                     help="then where the eager call's host time goes: each part's host time per call (into the JSON's "
                          "host_parts_us) and cProfile's top functions over --repeats calls")
@@ -119,17 +142,19 @@ def main(argv=None) -> None:
 
     sweep, choices = {}, {}
     if args.sweep:
-        for programs, block_n, warps, stages in itertools.product((256, 512, 1024), (16, 32, 64), (2, 4), (2, 3)):
-            ops.DECODE_PROGRAMS = programs
-            ops.DECODE_CONFIG = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            name = f"programs={programs}, BLOCK_N={block_n}, num_warps={warps}, num_stages={stages}"
+        space = sweep_space(args.sweep_values)
+        for values in itertools.product(*space.values()):
+            config = dict(zip(space, values))
+            ops.DECODE_PROGRAMS = config.pop("programs")
+            ops.DECODE_CONFIG = config
+            name = ", ".join(f"{key}={value}" for key, value in zip(space, values))
             try:
                 graph = captured()
             except triton.runtime.errors.OutOfResources as exc:
                 say(f"  kernel, {name}: skipped ({exc})")
                 continue
             sweep[name] = median_ms(graph.replay, "cuda", args.warmup, args.repeats)
-            choices[name] = (programs, dict(ops.DECODE_CONFIG))
+            choices[name] = (ops.DECODE_PROGRAMS, dict(ops.DECODE_CONFIG))
             say(f"  kernel, {name}: {sweep[name] * 1e3:8.1f} us")
         ops.DECODE_PROGRAMS, ops.DECODE_CONFIG = choices[min(sweep, key=sweep.get)]
     graph = captured()

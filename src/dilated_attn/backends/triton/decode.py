@@ -9,8 +9,8 @@ branch only the heads of one offset attend, and those of a kv head read the same
 (kv head, branch) reads them once for all its heads, as one [heads, keys] matrix product, and all of a head's passes
 feed one online softmax, which is the merge of the branches (one softmax over the union of their keys, a key in two
 branches counted twice). A row two branches share is read by both passes: reading each kv head's union of rows
-once, with each row's multiplicity per head, read a quarter fewer bytes at N = 65536 but ran slower on an H200 (the
-kernel is bound by its work per row there; benchmarks/README.md, "Decoding").
+once, with each row's multiplicity per head, read a quarter fewer bytes at N = 65536 but ran slower on an H200
+(benchmarks/README.md, "Decoding").
 
 One token's passes differ in length from kv head to kv head, so the work is cut by keys, not by heads: the passes of
 all kv heads, one after the other, make one list of keys, and each of SPLITS programs of a (b, i) takes an equal
@@ -19,7 +19,8 @@ counts itself done on its kv head's counter; the last share of a kv head to fini
 the output and sets the counter back to 0 (so the counters are 0 between launches).
 
 With APPEND the new rows k, v are written into the caches (by each token's first share), and every program reads
-rows at or past cache_seqlens[b] from k, v themselves, so no program waits for the write.
+rows at or past cache_seqlens[b] from k, v themselves (a pass's keys before them from the caches, then its new keys),
+so no program waits for the write.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def _decode_kernel(
             q = tl.load(Q + b * stride_qb + i * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                         mask=g_mask[:, None] & d_mask[None, :], other=0.0)
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_G], tl.float32)
+            l_i = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)  # the sums by key column, added up at the end
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
             k_base = K + b * stride_kb + kvh * stride_kh
             v_base = V + b * stride_vb + kvh * stride_vh
@@ -168,33 +169,26 @@ def _decode_kernel(
                 in_pass = g_mask & (heads >= head_a_j) & (heads < head_b_j)
                 j_lo = tl.maximum(lo - pass_start, 0)
                 j_hi = tl.minimum(hi - pass_start, n_keys)
-                for j0 in range(j_lo, j_hi, BLOCK_N):
-                    offs_n = j0 + tl.arange(0, BLOCK_N)
-                    rows = first_j + offs_n * r_j
-                    read = offs_n < j_hi
-                    kv_mask = read[:, None] & d_mask[None, :]
-                    k_rows = k_base + rows.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-                    v_rows = v_base + rows.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-                    if APPEND:  # a new row is read from k, v (its write into the cache may not have landed yet)
-                        fresh = ((rows >= cached) & (rows - cached < Sq))[:, None]
-                        new = b * stride_nkb + (rows - cached).to(tl.int64)[:, None] * stride_nks + kvh * stride_nkh
-                        k_rows = tl.where(fresh, KNew + new + offs_d[None, :] * stride_nkd, k_rows)
-                        new = b * stride_nvb + (rows - cached).to(tl.int64)[:, None] * stride_nvs + kvh * stride_nvh
-                        v_rows = tl.where(fresh, VNew + new + offs_d[None, :] * stride_nvd, v_rows)
-                    k = tl.load(k_rows, mask=kv_mask, other=0.0)
-                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
-                    s = tl.where(in_pass[:, None] & read[None, :], s, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(s, 1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads without keys keep theirs
-                    alpha = tl.math.exp2(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
-                    p = tl.math.exp2(s - m_safe[:, None])  # exp2(-inf) = 0 outside the pass and the keys
-                    v = tl.load(v_rows, mask=kv_mask, other=0.0)
-                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                    m_i = m_new
+                old_hi = j_hi  # the share's keys before the new rows: read from the caches
+                if APPEND:
+                    n_old = tl.maximum((cached - first_j + r_j - 1) // r_j, 0)  # the members before row `cached`
+                    old_hi = tl.minimum(j_hi, n_old)
+                first_row = (first_j + j_lo * r_j).to(tl.int64)
+                m_i, l_i, acc = _attend(q, k_base + first_row * stride_kn, v_base + first_row * stride_vn, r_j * stride_kn,
+                                        r_j * stride_vn, stride_kd, stride_vd, old_hi - j_lo, in_pass, m_i, l_i, acc,
+                                        scale2, HEAD_DIM, PRECISION, BLOCK_D, BLOCK_N)
+                if APPEND:  # the new rows, from k and v themselves (their write into the caches may not have landed)
+                    new_lo = tl.maximum(j_lo, n_old)
+                    first_new = (first_j + new_lo * r_j - cached).to(tl.int64)  # its index in k, v
+                    m_i, l_i, acc = _attend(q, KNew + b * stride_nkb + kvh * stride_nkh + first_new * stride_nks,
+                                            VNew + b * stride_nvb + kvh * stride_nvh + first_new * stride_nvs,
+                                            r_j * stride_nks, r_j * stride_nvs, stride_nkd, stride_nvd,
+                                            j_hi - new_lo, in_pass, m_i, l_i, acc, scale2, HEAD_DIM, PRECISION,
+                                            BLOCK_D, BLOCK_N)
                 pass_start += n_keys
             part = (pid.to(tl.int64) * splits + share) * H + heads
             tl.store(PartStats + part * 2, m_i, mask=g_mask)
+            l_i = tl.sum(l_i, 1)
             tl.store(PartStats + part * 2 + 1, l_i, mask=g_mask)
             tl.store(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=(g_mask & (l_i > 0))[:, None])
             # every thread's writes before the count: the last share to count reads them all
@@ -210,6 +204,39 @@ def _decode_kernel(
             _merge_shares(PartStats, PartAcc, Out, Lse, pid, b, i, heads, g_mask, offs_d, d_mask, 0, 0, splits,
                           stride_ob, stride_os, stride_oh, Sq, H, BLOCK_G, BLOCK_D)
         before += kvh_keys
+
+
+@triton.jit
+def _attend(q, k_first, v_first, k_step, v_step, stride_kd, stride_vd, count, in_pass, m_i, l_i, acc, scale2,
+            HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax (m_i, l_i by key column, acc) of q's heads in `in_pass` carried over `count` keys, the rows k_first +
+    n * k_step (v likewise). The rows' addresses are carried from block to block (one step per block, not a product
+    per row), and a pass reads one tensor (the caches, or the new rows): a block takes 40% fewer instructions than
+    with each row's address computed and chosen between the two."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_rows = k_first + offs_n[:, None] * k_step + offs_d[None, :] * stride_kd
+    v_rows = v_first + offs_n[:, None] * v_step + offs_d[None, :] * stride_vd
+    for j0 in range(0, count, BLOCK_N):
+        read = offs_n < count - j0
+        if HEAD_DIM == BLOCK_D:
+            kv_mask = read[:, None]
+        else:
+            kv_mask = read[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_rows, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
+        s = tl.where(in_pass[:, None] & read[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads without keys keep theirs
+        alpha = tl.math.exp2(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
+        p = tl.math.exp2(s - m_safe[:, None])  # exp2(-inf) = 0 outside the pass and the keys
+        v = tl.load(v_rows, mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        l_i = l_i * alpha[:, None] + p  # summed over the keys once, after the passes: no reduction per block
+        m_i = m_new
+        k_rows += BLOCK_N * k_step
+        v_rows += BLOCK_N * v_step
+    return m_i, l_i, acc
 
 
 @triton.jit

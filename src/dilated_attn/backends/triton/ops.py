@@ -290,9 +290,11 @@ def prepare(q, k, v, p, backward: bool) -> None:
                        f"{what}, head dim {p.head_dim}{', causal' if p.causal else ''}")
 
 
-# The decode kernel's block of keys, warps and pipeline depth, and the programs it aims for (the keys of each
-# (batch element, new token) are split into shares to reach it). benchmarks/bench_decode.py --sweep measures them.
-DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+# The decode kernel's block of keys, warps, pipeline depth and register cap (maxnreg: None leaves the compiler its
+# choice, which takes every register it may and so fits two programs on an SM), and the programs it aims for (the keys
+# of each (batch element, new token) are split into shares to reach it). benchmarks/bench_decode.py --sweep measures
+# them.
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=None)
 DECODE_PROGRAMS = 256
 DECODE_MAX_SPLITS = 256  # bounds the workspace of a call of few tokens
 
@@ -351,9 +353,8 @@ def _decode_layout(q, k_cache, v_cache, k, v, n_branches: int, scale: float, per
     B, Sq, H, D = q.shape
     Hkv = k_cache.shape[2]
     tile_d, group = block_d(D), H // Hkv
-    programs = B * Sq  # one per (batch element, new token), times the shares of its keys (a power of two)
-    splits = 2 if interpreting() else min(DECODE_MAX_SPLITS,
-                                          triton.next_power_of_2(triton.cdiv(DECODE_PROGRAMS, programs)))
+    programs = B * Sq  # one per (batch element, new token), times the shares of its keys
+    splits = 2 if interpreting() else min(DECODE_MAX_SPLITS, triton.cdiv(DECODE_PROGRAMS, programs))
     queries = programs * H
     new_strides = (*k.stride(), *v.stride()) if append else (0, 0, 0, 1) * 2  # not read without APPEND
     strides = (q.stride(0), q.stride(1), q.stride(2), *k_cache.stride(), *v_cache.stride(), *new_strides,
@@ -363,7 +364,7 @@ def _decode_layout(q, k_cache, v_cache, k, v, n_branches: int, scale: float, per
     constexprs = (D, per_batch, append, "ieee" if q.dtype == torch.float32 else "tf32",
                   triton.next_power_of_2(max(2, n_branches)), max(16, triton.next_power_of_2(group)), tile_d,
                   config["BLOCK_N"], triton.next_power_of_2(Hkv))
-    options = {name: value for name, value in config.items() if name.startswith("num_")}
+    options = {name: value for name, value in config.items() if name != "BLOCK_N" and value is not None}
     return _DecodeLayout((programs, splits), (queries * splits * 2, queries * splits * tile_d, programs * Hkv,
                                               0 if return_lse else queries),
                          (*ints, scale * LOG2E, group, *constexprs), options)
