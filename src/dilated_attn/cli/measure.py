@@ -62,8 +62,10 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # --mode -> the measurements taken: "fwd" (forward under no_grad), "fwd+bwd" (forward and the input gradients)
 PASSES = {"fwd": ("fwd",), "fwdbwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}
 
-# More than the L2 cache of current GPUs (H100: 50 MB, H200: 60 MB); zeroed before each timed run, as by
-# triton.testing.do_bench, so that no run finds its inputs in L2 left there by the run before.
+# More than the L2 cache of current GPUs (H100: 50 MB, H200: 60 MB); read before each timed run, so that no run finds
+# its inputs in L2 left there by the run before. Read, not zeroed as triton.testing.do_bench does: zeroing leaves the
+# L2 full of written lines, whose write-back the timed run then pays for (on an H200, 8-10 us of a 50 us decode
+# kernel; benchmarks/README.md, "Decoding").
 L2_FLUSH_BYTES = 256 * 2**20
 
 
@@ -105,11 +107,12 @@ def run_times_ms(fn: Callable[[], object], device: torch.device | str, warmup: i
         run()
     if device.type == "cuda":
         with torch.cuda.device(device):
-            flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+            flush = torch.ones(L2_FLUSH_BYTES // 8, dtype=torch.int64, device=device)
+            flushed = torch.empty((), dtype=torch.int64, device=device)
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(repeats)]
             for start, end in events:
-                flush.zero_()
+                torch.sum(flush, 0, out=flushed)
                 if before_run is not None:
                     before_run()
                 start.record()
