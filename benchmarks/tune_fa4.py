@@ -93,7 +93,7 @@ def fa4_settings(ops, options=None, overlap=True, backward_bytes=None):
     if options is not None:
         ops._forward_options = lambda q, causal: options
     if not overlap:
-        ops._second_stream = lambda like, lane=0: None
+        ops._second_stream = lambda like: None
     if backward_bytes is not None:
         ops.MAX_BACKWARD_CALL_BYTES = backward_bytes
     try:

@@ -73,22 +73,18 @@ def _forward_options(q: torch.Tensor, causal: bool) -> dict:
     return {}
 
 
-_SIDE_STREAMS: dict[tuple, torch.cuda.Stream] = {}
-# The streams a forward's merged calls alternate between: each call ends in a part-filled wave of FlashAttention's
-# tiles, which the next call, on the other stream, fills.
-FORWARD_SIDE_STREAMS = 2
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _second_stream(like: torch.Tensor, lane: int = 0) -> Optional[torch.cuda.Stream]:
-    """The stream `lane` beside the caller's for calls on `like`'s device (a forward's merged calls, the backward's
-    second lane), or None: on the CPU, and while a CUDA graph is being captured (the fork and join have not been run
-    inside a capture). benchmarks/tune_fa4.py times one stream against two by replacing this function."""
+def _second_stream(like: torch.Tensor) -> Optional[torch.cuda.Stream]:
+    """The stream beside the caller's for calls on `like`'s device (a forward's merged calls, the backward's second
+    lane), or None: on the CPU, and while a CUDA graph is being captured (the fork and join have not been run inside
+    a capture). benchmarks/tune_fa4.py times one stream against two by replacing this function."""
     if not like.is_cuda or torch.cuda.is_current_stream_capturing():
         return None
-    key = (like.device, lane)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(like.device)
-    return _SIDE_STREAMS[key]
+    if like.device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[like.device] = torch.cuda.Stream(like.device)
+    return _SIDE_STREAMS[like.device]
 
 
 class _Lanes:
@@ -174,13 +170,11 @@ def _gradients(q: torch.Tensor, k: torch.Tensor, stores: bool):
 def _run_forward(like: torch.Tensor, stored: list, merged: list) -> None:
     """A forward's calls: `stored` (each writing its rows of the results) on the caller's stream, and `merged` (pairs
     of a call writing its part, allocated by the caller on its stream, and the merge of that part into the results)
-    in turn on FORWARD_SIDE_STREAMS streams beside them, each merge on the caller's stream after the stored calls and
-    its own part. The parts fill the stored calls' and each other's last waves and launch gaps, and each merge runs
-    beside the parts after it. One stream where there is no other (_second_stream) or nothing beside the stored
-    calls."""
-    sides = [_second_stream(like, lane) for lane in range(FORWARD_SIDE_STREAMS)] if stored and merged else []
-    sides = [side for side in sides if side is not None]
-    if not sides:
+    on a second stream beside them, each merge on the caller's stream after the stored calls and its own part. The
+    parts fill the stored calls' last waves and launch gaps, and each merge runs beside the parts after it. One
+    stream where there is no second (_second_stream) or nothing beside the stored calls."""
+    side = _second_stream(like) if stored and merged else None
+    if side is None:
         for run in stored:
             run()
         for run, merge in merged:
@@ -188,12 +182,10 @@ def _run_forward(like: torch.Tensor, stored: list, merged: list) -> None:
             merge()
         return
     main = torch.cuda.current_stream(like.device)
-    for side in sides:
-        side.wait_stream(main)
+    side.wait_stream(main)
     ready = []
-    for n, (run, _) in enumerate(merged):
-        side = sides[n % len(sides)]
-        with torch.cuda.stream(side):
+    with torch.cuda.stream(side):
+        for run, _ in merged:
             run()
             ready.append(side.record_event())
     for run in stored:
