@@ -294,7 +294,7 @@ def prepare(q, k, v, p, backward: bool) -> None:
 # choice, which takes every register it may and so fits two programs on an SM), and the programs it aims for (the keys
 # of each (batch element, new token) are split into shares to reach it). benchmarks/bench_decode.py --sweep measures
 # them.
-DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=None)
+DECODE_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=3, maxnreg=None)
 DECODE_PROGRAMS = 256
 DECODE_MAX_SPLITS = 256  # bounds the workspace of a call of few tokens
 
