@@ -243,28 +243,25 @@ def _attend(q, k_first, v_first, k_step, v_step, stride_kd, stride_vd, count, in
 def _merge_shares(PartStats, PartAcc, Out, Lse, pid, b, i, heads, g_mask, offs_d, d_mask, first_share, shares,
                   splits, stride_ob, stride_os, stride_oh, Sq, H, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """A kv head's query heads: their shares' partial softmaxes merged (dilated_attn/merge.py's formula), into out
-    and lse (0 and -inf for a head without keys, and from no share at all). The shares' maxima come first, so that
-    each share's weight is known before its output is read: the reads of the outputs depend on nothing and go out
-    together (an online merge read each share after the one before, a wait per share at the end of the kernel). A
-    share where a head has no keys (sum 0, max -inf) has weight 0, and its output, not written, is not used. The loads
-    go past L1 (.cg): other programs wrote the shares."""
+    and lse (0 and -inf for a head without keys, and from no share at all). A share where a head has no keys (sum 0)
+    has weight 0, and its output was not written. The loads go past L1 (.cg): other programs wrote the shares."""
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in tl.range(first_share, first_share + shares, loop_unroll_factor=4):
-        part = (pid.to(tl.int64) * splits + s) * H + heads
-        m = tl.maximum(m, tl.load(PartStats + part * 2, mask=g_mask, other=float("-inf"), cache_modifier=".cg"))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     out = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s in tl.range(first_share, first_share + shares, loop_unroll_factor=4):
+    for s in range(first_share, first_share + shares):
         part = (pid.to(tl.int64) * splits + s) * H + heads
         m_s = tl.load(PartStats + part * 2, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
         l_s = tl.load(PartStats + part * 2 + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
-        acc = tl.load(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], mask=g_mask[:, None], other=0.0,
-                      cache_modifier=".cg")
         has_keys = l_s > 0
-        weight = tl.where(has_keys, tl.math.exp2(m_s - m_safe), 0.0)
-        out += tl.where(has_keys[:, None], acc, 0.0) * weight[:, None]
-        l_sum += l_s * weight
+        m_new = tl.maximum(m, tl.where(has_keys, m_s, float("-inf")))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_safe))
+        weight = tl.where(has_keys, tl.math.exp2(tl.where(has_keys, m_s, 0.0) - m_safe), 0.0)
+        acc = tl.load(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], mask=has_keys[:, None], other=0.0,
+                      cache_modifier=".cg")
+        out = out * alpha[:, None] + acc * weight[:, None]
+        l_sum = l_sum * alpha + l_s * weight
+        m = m_new
     covered = l_sum > 0
     out = tl.where(covered[:, None], out / tl.where(covered, l_sum, 1.0)[:, None], 0.0)
     lse = tl.where(covered, (m + tl.log2(tl.where(covered, l_sum, 1.0))) * LN2, float("-inf"))
