@@ -110,18 +110,21 @@ def test_decode_with_lengths_left_on_the_device(lengths_on_device, backend, Sq, 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"] + (["triton"] if INTERPRETED_TRITON else []))
 def test_lengths_left_on_the_device_never_reach_outside_the_cache(lengths_on_device, backend):
-    """Lengths not checked on the host may run past the cache (or below 0): no error, and only the rows inside
-    the cache that new tokens land on are written."""
-    B, Sq, H, Hkv, D, Nmax = 3, 3, 4, 2, 8, 10
+    """Lengths not checked on the host may run past the cache (or below 0, by less or more than the new tokens): no
+    error, only the rows inside the cache that new tokens land on are written, and nothing past k, v is read (they
+    are views of tensors whose rows after them hold 1000: a key read there would take a row's whole weight, and its
+    value would show in the output, whose other values are averages of random normal ones)."""
+    B, Sq, H, Hkv, D, Nmax = 4, 3, 4, 2, 8, 10
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, Sq, H, D, generator=g)
-    k, v = (torch.randn(B, Sq, Hkv, D, generator=g) for _ in range(2))
+    k, v = (torch.cat([torch.randn(B, Sq, Hkv, D, generator=g), torch.full((B, 16, Hkv, D), 1000.0)], 1)[:, :Sq]
+            for _ in range(2))
     k_cache, v_cache = (torch.randn(B, Nmax, Hkv, D, generator=g) for _ in range(2))
     before = k_cache.clone()
-    lengths = torch.tensor([Nmax - 1, Nmax + 5, -2])
+    lengths = torch.tensor([Nmax - 1, Nmax + 5, -2, -7])
     out = dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, lengths, [4, 8], [1, 2], k=k, v=v,
                                                       backend=backend)
-    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert out.shape == q.shape and torch.isfinite(out).all() and out.abs().max() < 100
     want = before.clone()
     want[0, Nmax - 1] = k[0, 0]  # the one row of element 0 inside the cache; element 1 lands on none
     want[2, 0] = k[2, 2]  # element 2's rows -2, -1, 0: only row 0 is in the cache

@@ -179,11 +179,14 @@ def _decode_kernel(
                                         scale2, HEAD_DIM, PRECISION, BLOCK_D, BLOCK_N)
                 if APPEND:  # the new rows, from k and v themselves (their write into the caches may not have landed)
                     new_lo = tl.maximum(j_lo, n_old)
+                    # the members before row cached + Sq: past them only where lengths below 0 clamped P up to row
+                    # 0, and those rows are not read (no index in k, v)
+                    new_hi = tl.minimum(j_hi, tl.maximum((cached + Sq - first_j + r_j - 1) // r_j, 0))
                     first_new = (first_j + new_lo * r_j - cached).to(tl.int64)  # its index in k, v
                     m_i, l_i, acc = _attend(q, KNew + b * stride_nkb + kvh * stride_nkh + first_new * stride_nks,
                                             VNew + b * stride_nvb + kvh * stride_nvh + first_new * stride_nvs,
                                             r_j * stride_nks, r_j * stride_nvs, stride_nkd, stride_nvd,
-                                            j_hi - new_lo, in_pass, m_i, l_i, acc, scale2, HEAD_DIM, PRECISION,
+                                            new_hi - new_lo, in_pass, m_i, l_i, acc, scale2, HEAD_DIM, PRECISION,
                                             BLOCK_D, BLOCK_N)
                 pass_start += n_keys
             part = (pid.to(tl.int64) * splits + share) * H + heads
