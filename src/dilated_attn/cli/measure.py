@@ -64,7 +64,7 @@ PASSES = {"fwd": ("fwd",), "fwdbwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}
 
 # More than the L2 cache of current GPUs (H100: 50 MB, H200: 60 MB); read before each timed run, so that no run finds
 # its inputs in L2 left there by the run before. Read, not zeroed as triton.testing.do_bench does: zeroing leaves the
-# L2 full of written lines, whose write-back the timed run then pays for (on an H200, 8-10 us of a 50 us decode
+# L2 full of written lines, whose write-back the timed run then pays for (on an H200, 7 us of a 44 us decode
 # kernel; benchmarks/README.md, "Decoding").
 L2_FLUSH_BYTES = 256 * 2**20
 

@@ -174,9 +174,9 @@ def _decode_kernel(
                     n_old = tl.maximum((cached - first_j + r_j - 1) // r_j, 0)  # the members before row `cached`
                     old_hi = tl.minimum(j_hi, n_old)
                 first_row = (first_j + j_lo * r_j).to(tl.int64)
-                m_i, l_i, acc = _attend(q, k_base + first_row * stride_kn, v_base + first_row * stride_vn, r_j * stride_kn,
-                                        r_j * stride_vn, stride_kd, stride_vd, old_hi - j_lo, in_pass, m_i, l_i, acc,
-                                        scale2, HEAD_DIM, PRECISION, BLOCK_D, BLOCK_N)
+                m_i, l_i, acc = _attend(q, k_base + first_row * stride_kn, v_base + first_row * stride_vn,
+                                        r_j * stride_kn, r_j * stride_vn, stride_kd, stride_vd, old_hi - j_lo,
+                                        in_pass, m_i, l_i, acc, scale2, HEAD_DIM, PRECISION, BLOCK_D, BLOCK_N)
                 if APPEND:  # the new rows, from k and v themselves (their write into the caches may not have landed)
                     new_lo = tl.maximum(j_lo, n_old)
                     # the members before row cached + Sq: past them only where lengths below 0 clamped P up to row
@@ -212,10 +212,10 @@ def _decode_kernel(
 @triton.jit
 def _attend(q, k_first, v_first, k_step, v_step, stride_kd, stride_vd, count, in_pass, m_i, l_i, acc, scale2,
             HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax (m_i, l_i by key column, acc) of q's heads in `in_pass` carried over `count` keys, the rows k_first +
-    n * k_step (v likewise). The rows' addresses are carried from block to block (one step per block, not a product
-    per row), and a pass reads one tensor (the caches, or the new rows): a block takes 40% fewer instructions than
-    with each row's address computed and chosen between the two."""
+    """The online softmax (m_i, l_i by key column, acc) of q's heads in `in_pass` carried over `count` keys, the
+    rows k_first + n * k_step (v likewise). The rows' addresses are carried from block to block (one step per block,
+    not a product per row), and a pass reads one tensor (the caches, or the new rows): a block takes 40% fewer
+    instructions than with each row's address computed and chosen between the two."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_rows = k_first + offs_n[:, None] * k_step + offs_d[None, :] * stride_kd
