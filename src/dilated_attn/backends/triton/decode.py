@@ -68,6 +68,12 @@ def _pick(x, nb, j):
 
 
 @triton.jit
+def _members_before(row, first, r):
+    """How many of the members first, first + r, ... lie before `row` (0 where `row` <= first)."""
+    return tl.maximum((row - first + r - 1) // r, 0)
+
+
+@triton.jit
 def _share_of(x, total, splits):
     """The share holding position x of a token's list of `total` keys (share s holds total // splits keys, one
     more for the first total % splits)."""
@@ -171,7 +177,7 @@ def _decode_kernel(
                 j_hi = tl.minimum(hi - pass_start, n_keys)
                 old_hi = j_hi  # the share's keys before the new rows: read from the caches
                 if APPEND:
-                    n_old = tl.maximum((cached - first_j + r_j - 1) // r_j, 0)  # the members before row `cached`
+                    n_old = _members_before(cached, first_j, r_j)
                     old_hi = tl.minimum(j_hi, n_old)
                 first_row = (first_j + j_lo * r_j).to(tl.int64)
                 m_i, l_i, acc = _attend(q, k_base + first_row * stride_kn, v_base + first_row * stride_vn,
@@ -181,7 +187,7 @@ def _decode_kernel(
                     new_lo = tl.maximum(j_lo, n_old)
                     # the members before row cached + Sq: past them only where lengths below 0 clamped P up to row
                     # 0, and those rows are not read (no index in k, v)
-                    new_hi = tl.minimum(j_hi, tl.maximum((cached + Sq - first_j + r_j - 1) // r_j, 0))
+                    new_hi = tl.minimum(j_hi, _members_before(cached + Sq, first_j, r_j))
                     first_new = (first_j + new_lo * r_j - cached).to(tl.int64)  # its index in k, v
                     m_i, l_i, acc = _attend(q, KNew + b * stride_nkb + kvh * stride_nkh + first_new * stride_nks,
                                             VNew + b * stride_nvb + kvh * stride_nvh + first_new * stride_nvs,

@@ -416,6 +416,7 @@ def _decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, branches, scale
 # specialisation is the compiled one's: the same ints (the layout's, and cache_len, unspecialised, of 32 bits), every
 # tensor 16-byte aligned, and the current device the tensors'. Anything else runs the JIT function.
 DIRECT_TRITON_VERSIONS = ("3.6",)
+_DIRECT_VERSION = triton.__version__.rsplit(".", 1)[0] in DIRECT_TRITON_VERSIONS
 _DECODE_COMPILED: dict = {}  # (device, dtypes, the kernel's arguments after cache_len, options) -> compiled kernel
 
 
@@ -423,7 +424,7 @@ def _launch_decode(layout: _DecodeLayout, tensors: tuple, cache_len: int) -> Non
     q, lengths = tensors[0], tensors[10]
     device = q.device
     direct = (device.type == "cuda" and 0 <= cache_len < 2**31
-              and triton.__version__.rsplit(".", 1)[0] in DIRECT_TRITON_VERSIONS
+              and _DIRECT_VERSION
               and all(x.data_ptr() % 16 == 0 for x in tensors[:5])  # the others are made aligned here
               and lengths.data_ptr() % 16 == 0 and torch._C._cuda_getDevice() == device.index)
     key = (device.index, q.dtype, lengths.dtype, layout.arguments, tuple(layout.options.items())) if direct else None
