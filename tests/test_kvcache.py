@@ -246,11 +246,29 @@ def test_bad_calls_raise_naming_the_argument(change, error, message):
     (dict(return_lse=True), dict(return_lse=1), TypeError, "return_lse"),
 ])
 def test_a_checked_problem_is_not_taken_for_an_equal_one_of_other_types(valid, invalid, error, message):
-    """The problem's rules run once per key (cache_spec._decode_problem): 4.0 == 4 and True == 1, but after the
+    """The problem's rules run once per key (cache_spec._CHECKED): 4.0 == 4 and True == 1, but after the
     valid call the equal invalid one is still refused."""
     dilated_attn.dilated_attention_with_kvcache(**_call(**valid))
     with pytest.raises(error, match=message):
         dilated_attn.dilated_attention_with_kvcache(**_call(**invalid))
+
+
+def test_memory_and_lengths_are_checked_on_every_call():
+    """The checks of layouts run once per key (cache_spec._CHECKED); after a valid call, one with the same layouts
+    whose caches share memory, whose new rows lie in a cache, or whose lengths leave the cache is still refused,
+    before any write."""
+    args = _call(k=torch.randn(2, 1, 2, 8), v=torch.randn(2, 1, 2, 8))
+    dilated_attn.dilated_attention_with_kvcache(**args)
+    cache = torch.zeros_like(args["k_cache"])
+    for change, message in [(dict(k_cache=cache, v_cache=cache), "k_cache and v_cache share memory"),
+                            (dict(v=args["k_cache"][:, 4:5]), "v and k_cache share memory"),
+                            (dict(cache_seqlens=10), "the cache is too short"),
+                            (dict(cache_seqlens=-1), "cache_seqlens must be >= 0")]:
+        call = dict(args, **change)
+        before = call["k_cache"].clone()
+        with pytest.raises(ValueError, match=message):
+            dilated_attn.dilated_attention_with_kvcache(**call)
+        assert torch.equal(call["k_cache"], before), "a refused call wrote the cache"
 
 
 def test_auto_decodes_with_a_decode_kernel_on_a_gpu():

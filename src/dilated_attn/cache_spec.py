@@ -67,7 +67,68 @@ def reads_cache_seqlens(cache_seqlens) -> bool:
 def validate_kvcache(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilation_rates, *, k=None, v=None,
                      scale=None, head_groups="all", return_lse=False, backend="auto") -> CacheProblem:
     """The KV-cache call's checks (docs/SPEC.md, "Decoding with a KV cache"). A cache too short for the new tokens
-    is a ValueError where `cache_seqlens` is read on the host (reads_cache_seqlens)."""
+    is a ValueError where `cache_seqlens` is read on the host (reads_cache_seqlens).
+
+    The checks of the arguments' types, shapes, strides, dtypes and devices run once per key of them (a decoding
+    loop makes the same call every step); what memory the tensors share and the lengths' values, every call."""
+    args = (segment_lengths, dilation_rates, scale, head_groups, return_lse, backend)
+    key = _layout_key(q, k_cache, v_cache, k, v, cache_seqlens, args)
+    try:
+        problem = _CHECKED.get(key) if key is not None else None
+    except TypeError:  # an unhashable argument: no key
+        key = problem = None
+    if problem is None:
+        problem = _check_layouts(q, k_cache, v_cache, k, v, cache_seqlens, *args)
+        if key is not None:
+            if len(_CHECKED) >= MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[key] = problem
+    # A traced call (torch.compile) and meta tensors have no memory to look at
+    if not torch.compiler.is_compiling() and q.device.type != "meta":
+        _check_memory(k_cache, v_cache, k, v)
+    B, Sq = q.shape[:2]
+    lengths: Optional[tuple[int, ...]] = None
+    if reads_cache_seqlens(cache_seqlens):
+        tensor = isinstance(cache_seqlens, torch.Tensor)
+        lengths = tuple(int(n) for n in cache_seqlens.tolist()) if tensor else (cache_seqlens,) * B
+        for element, cached in enumerate(lengths if tensor else lengths[:1]):  # an int: one check for every element
+            if cached < 0:
+                raise ValueError(f"cache_seqlens must be >= 0, got {cached} for batch element {element}")
+            if cached + Sq > k_cache.shape[1]:
+                raise ValueError(f"the cache is too short: cache_seqlens + Sq = {cached} + {Sq} > Nmax = "
+                                 f"{k_cache.shape[1]} (batch element {element}); cache_seqlens[b] + Sq <= "
+                                 f"k_cache.shape[1] must hold")
+    return CacheProblem(problem, lengths, Sq, cache_seqlens, bool(return_lse))
+
+
+_CHECKED: dict = {}  # _layout_key -> the Problem its checks gave, at most MAX_CHECKED
+MAX_CHECKED = 64
+
+
+def _layout_key(q, k_cache, v_cache, k, v, cache_seqlens, args: tuple) -> Optional[tuple]:
+    """What _check_layouts looks at, as a key (None where there is none: a traced call, an argument that is not a
+    tensor). Equal arguments share a key only where their types are the same too (1.0 == 1 and True == 1, but a rule
+    takes one and refuses the other); lists and tuples are keyed by their items."""
+    if torch.compiler.is_compiling():
+        return None
+    tensors = []
+    for x in (q, k_cache, v_cache, k, v):
+        if x is not None and not isinstance(x, torch.Tensor):
+            return None
+        try:
+            tensors.append(None if x is None else (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+        except RuntimeError:  # no strides (a sparse tensor)
+            return None
+    lengths = ((type(cache_seqlens), cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.device)
+               if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens))
+    return (tuple(tensors), lengths, tuple(tuple(x) if type(x) in (list, tuple) else x for x in args),
+            tuple(tuple(map(type, x)) if type(x) in (list, tuple) else type(x) for x in args))
+
+
+def _check_layouts(q, k_cache, v_cache, k, v, cache_seqlens, segment_lengths, dilation_rates, scale, head_groups,
+                   return_lse, backend) -> Problem:
+    """validate_kvcache's checks of what the arguments are (not of their memory or the lengths' values): the
+    problem dispatch decides on."""
     given = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     given += [(name, x) for name, x in (("k", k), ("v", v)) if x is not None]
     for name, x in given:
@@ -102,15 +163,6 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilati
                 eager and torch._debug_has_internal_overlap(x) == 1):
             raise ValueError(f"{name} has elements that share memory (a stride of 0, as expand() makes, or "
                              f"overlapping strides): the cache is written in place, so each row needs its own memory")
-    pairs = [("k_cache", k_cache, "v_cache", v_cache, True)]
-    if k is not None:
-        pairs += [(n, x, c, cache, False) for n, x in (("k", k), ("v", v))
-                  for c, cache in (("k_cache", k_cache), ("v_cache", v_cache))]
-    storage = {name: x.untyped_storage().data_ptr() for name, x in given[1:]} if eager else {}
-    for a, x, b, y, dense_only in pairs if eager else ():
-        if storage[a] == storage[b] and _share_memory(x, y, dense_only):
-            raise ValueError(f"{a} and {b} share memory: the new tokens are written into the caches in place, so "
-                             f"they need memory apart from each other's")
     if isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"cache_seqlens must be an int or an int32/int64 tensor, got dtype {cache_seqlens.dtype}")
@@ -120,19 +172,23 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilati
             raise ValueError(f"cache_seqlens must be on q's device ({q.device}) or the CPU, got {cache_seqlens.device}")
     elif not is_int(cache_seqlens):
         raise TypeError(f"cache_seqlens must be an int or an integer tensor [B], got {type(cache_seqlens).__name__}")
-    lengths: Optional[tuple[int, ...]] = None
-    if reads_cache_seqlens(cache_seqlens):
-        tensor = isinstance(cache_seqlens, torch.Tensor)
-        lengths = tuple(int(n) for n in cache_seqlens.tolist()) if tensor else (cache_seqlens,) * B
-        for element, cached in enumerate(lengths if tensor else lengths[:1]):  # an int: one check for every element
-            if cached < 0:
-                raise ValueError(f"cache_seqlens must be >= 0, got {cached} for batch element {element}")
-            if cached + Sq > Nmax:
-                raise ValueError(f"the cache is too short: cache_seqlens + Sq = {cached} + {Sq} > Nmax = {Nmax} (batch "
-                                 f"element {element}); cache_seqlens[b] + Sq <= k_cache.shape[1] must hold")
-    args = (min(B, 1), Nmax, Hq, Hkv, D, segment_lengths, dilation_rates, q.dtype, q.device, scale, head_groups,
-            return_lse, backend)
-    return CacheProblem(_decode_problem(args), lengths, Sq, cache_seqlens, bool(return_lse))
+    return _problem(min(B, 1), Nmax, Hq, Hkv, D, segment_lengths, dilation_rates, q.dtype, q.device, scale,
+                    head_groups, return_lse, backend)
+
+
+def _check_memory(k_cache, v_cache, k, v) -> None:
+    """The caches and the new rows written into them share no memory (the caches' own rows: _check_layouts)."""
+    given = [("k_cache", k_cache), ("v_cache", v_cache)]
+    pairs = [("k_cache", k_cache, "v_cache", v_cache, True)]
+    if k is not None:
+        given += [("k", k), ("v", v)]
+        pairs += [(n, x, c, cache, False) for n, x in (("k", k), ("v", v))
+                  for c, cache in (("k_cache", k_cache), ("v_cache", v_cache))]
+    storage = {name: x.untyped_storage().data_ptr() for name, x in given}
+    for a, x, b, y, dense_only in pairs:
+        if storage[a] == storage[b] and _share_memory(x, y, dense_only):
+            raise ValueError(f"{a} and {b} share memory: the new tokens are written into the caches in place, so "
+                             f"they need memory apart from each other's")
 
 
 def _problem(batch, cache_len, Hq, Hkv, D, segment_lengths, dilation_rates, dtype, device, scale, head_groups,
@@ -142,26 +198,5 @@ def _problem(batch, cache_len, Hq, Hkv, D, segment_lengths, dilation_rates, dtyp
     p = Problem.from_sizes(batch, cache_len, Hq, Hkv, D, segment_lengths, dilation_rates, dtype=dtype, device=device,
                            causal=True, scale=scale, head_groups=head_groups, return_lse=return_lse, backend=backend,
                            decodes=True)
-    warn_if_swapped(p, stacklevel=6)  # -> _problem -> _decode_problem -> validate_kvcache -> the call -> caller
-    return p
-
-
-_PROBLEMS: dict = {}  # _decode_problem's key of args -> _problem(*args), at most MAX_PROBLEMS
-MAX_PROBLEMS = 64
-
-
-def _decode_problem(args: tuple) -> Problem:
-    """_problem(*args), its rules checked once per key: a decoding loop gives the same arguments every step. Equal
-    arguments share a key only where their types are the same too (1.0 == 1 and True == 1, but a rule takes one and
-    refuses the other); lists and tuples are keyed by their items."""
-    key = (tuple(tuple(x) if type(x) in (list, tuple) else x for x in args),
-           tuple(tuple(map(type, x)) if type(x) in (list, tuple) else type(x) for x in args))
-    try:
-        p = _PROBLEMS.get(key)
-    except TypeError:  # an unhashable argument: no key
-        return _problem(*args)
-    if p is None:
-        if len(_PROBLEMS) >= MAX_PROBLEMS:
-            _PROBLEMS.clear()
-        p = _PROBLEMS[key] = _problem(*args)
+    warn_if_swapped(p, stacklevel=6)  # -> _problem -> _check_layouts -> validate_kvcache -> the call -> caller
     return p
