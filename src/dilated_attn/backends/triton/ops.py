@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -346,6 +346,8 @@ class _DecodeLayout:
     sizes: tuple
     arguments: tuple
     options: dict
+    # (device index, cache_seqlens' dtype) -> the eager launch of the kernel compiled for this layout (_launch_decode)
+    launches: dict = field(default_factory=dict, compare=False)
 
 
 def _decode_layout(q, k_cache, v_cache, k, v, n_branches: int, scale: float, per_batch: bool, append: bool,
@@ -397,7 +399,7 @@ def _decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, branches, scale
             if len(_DECODE_LAYOUTS) >= MAX_DECODE_LAYOUTS:
                 _DECODE_LAYOUTS.clear()
             layout = _DECODE_LAYOUTS[key] = layout_of()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # half torch.empty's host time on an H200's host
     stats, partial, counters, spare_lse = _workspace(q.device, *layout.sizes, keep=launch is None)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                       device=q.device) if return_lse else spare_lse
@@ -410,35 +412,52 @@ def _decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, branches, scale
     return out, lse if return_lse else None
 
 
-# Eager decode launches: Triton's launcher of the kernel compiled for a layout, called directly (Triton's JIT
-# function spends more host time binding and specialising a call's arguments than the kernel takes on the GPU).
-# Only for the Triton versions whose launcher's call this was written against, and only where the call's
-# specialisation is the compiled one's: the same ints (the layout's, and cache_len, unspecialised, of 32 bits), every
-# tensor 16-byte aligned, and the current device the tensors'. Anything else runs the JIT function.
+# Eager decode launches: the launcher of the kernel compiled for a layout, called directly (Triton's JIT function
+# spends more host time binding and specialising a call's arguments than the kernel takes on the GPU), with the
+# tensors' addresses as ints (for a tensor the launcher asks the driver where its memory lies: 2.7 us of 10.8 a call on
+# an H200's host). The tensors are on the current device: validate_kvcache puts them on q's, checked below. Only for
+# the Triton versions whose launcher this was written against, and only where the call's specialisation is the
+# compiled one's: the same ints (the layout's, and cache_len, unspecialised, of 32 bits), every tensor 16-byte aligned,
+# and the current device the tensors'. Anything else runs the JIT function.
 DIRECT_TRITON_VERSIONS = ("3.6",)
 _DIRECT_VERSION = triton.__version__.rsplit(".", 1)[0] in DIRECT_TRITON_VERSIONS
-_DECODE_COMPILED: dict = {}  # (device, dtypes, the kernel's arguments after cache_len, options) -> compiled kernel
 
 
 def _launch_decode(layout: _DecodeLayout, tensors: tuple, cache_len: int) -> None:
-    q, lengths = tensors[0], tensors[10]
-    device = q.device
-    direct = (device.type == "cuda" and 0 <= cache_len < 2**31
-              and _DIRECT_VERSION
-              and all(x.data_ptr() % 16 == 0 for x in tensors[:5])  # the others are made aligned here
-              and lengths.data_ptr() % 16 == 0 and torch._C._cuda_getDevice() == device.index)
-    key = (device.index, q.dtype, lengths.dtype, layout.arguments, tuple(layout.options.items())) if direct else None
-    compiled = _DECODE_COMPILED.get(key) if direct else None
-    if compiled is None:
-        compiled = _decode_kernel[layout.grid](*tensors, cache_len, *layout.arguments, **layout.options)
-        if direct and all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
-            if len(_DECODE_COMPILED) >= MAX_DECODE_LAYOUTS:
-                _DECODE_COMPILED.clear()
-            _DECODE_COMPILED[key] = compiled
-        return
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    compiled.run(*layout.grid, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *tensors,
-                 cache_len, *layout.arguments)
+    device = tensors[0].device
+    if (device.type == "cuda" and 0 <= cache_len < 2**31 and _DIRECT_VERSION
+            and torch._C._cuda_getDevice() == device.index):
+        pointers = [x.data_ptr() for x in tensors]
+        if all(pointer % 16 == 0 for pointer in pointers):
+            key = (device.index, tensors[10].dtype)
+            launch = layout.launches.get(key)
+            if launch is not None:
+                launch(torch._C._cuda_getCurrentRawStream(device.index), pointers, cache_len)
+                return
+            compiled = _decode_kernel[layout.grid](*tensors, cache_len, *layout.arguments, **layout.options)
+            launch = _direct_launch(compiled, layout)
+            if launch is not None:
+                layout.launches[key] = launch
+            return
+    _decode_kernel[layout.grid](*tensors, cache_len, *layout.arguments, **layout.options)
+
+
+def _direct_launch(compiled, layout: _DecodeLayout):
+    """launch(stream, pointers, cache_len) of `compiled` over the layout's grid and ints, or None where the compiled
+    kernel lacks what it calls. Past the launcher's Python wrapper where that would only find no scratch memory to
+    allocate (1.1 us a call)."""
+    run = getattr(compiled, "run", None)
+    if run is None or not all(hasattr(compiled, name) for name in ("function", "packed_metadata")):
+        return None
+    grid, function, metadata, arguments = (*layout.grid, 1), compiled.function, compiled.packed_metadata, layout.arguments
+    flags = tuple(getattr(run, name, None) for name in ("launch_cooperative_grid", "launch_pdl"))
+    if (hasattr(run, "launch") and None not in flags
+            and getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0):
+        launch = run.launch
+        return lambda stream, pointers, cache_len: launch(*grid, stream, function, *flags, None, None, metadata, None,
+                                                          None, None, *pointers, cache_len, *arguments)
+    return lambda stream, pointers, cache_len: run(*grid, stream, function, metadata, None, None, None, *pointers,
+                                                   cache_len, *arguments)
 
 
 # The op torch.compile traces. An eager decoding call launches the kernel itself, past the op and wrap_triton:
