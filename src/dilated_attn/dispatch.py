@@ -339,6 +339,9 @@ def _backward_fields(p: Problem, name: str, wanted: bool) -> dict:
 
 def select(p: Problem, backend: str) -> backends.Backend:
     """The backend that runs `p`: raises ValueError when the requested one cannot, warns once on a fallback."""
+    first = _first_choice(p, backend)
+    if first is not None:
+        return first
     d = decide(p, backend, every_verdict=False)
     if d.backend is None:
         raise ValueError(d.error)
@@ -347,6 +350,20 @@ def select(p: Problem, backend: str) -> backends.Backend:
     if d.note:
         warn_once(d.note, stacklevel=3)
     return backends.REGISTRY[d.backend]
+
+
+def _first_choice(p: Problem, backend: str) -> Optional[backends.Backend]:
+    """decide()'s backend where that is the one requested, or auto's first preference other than the reference, and it
+    can run: then only it is asked (decide asks every backend, for its record, which a call does not need: a decoding
+    step's host time). None where decide has more to say: a fallback, a note, an error, the environment variable."""
+    if backend == "auto":
+        if _env_backend() not in ("", "auto"):
+            return None
+        backend = auto_preference(p)[0]
+        if backend == "reference":
+            return None
+    chosen = backends.get(backend)
+    return chosen if chosen.why_not(p) is None else None
 
 
 _DILATED_ATTENTION_KEYWORDS = frozenset(("causal", "scale", "head_groups", "return_lse", "backend"))
