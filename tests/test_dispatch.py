@@ -172,6 +172,16 @@ def test_auto_rule_on_cuda(monkeypatch, capability, triton_missing, cuda_kernels
         assert all(s in d.fallback for s in skipped), d.fallback
     else:
         assert d.fallback is None
+    _assert_select_agrees(p, d)
+
+
+def _assert_select_agrees(p, d):
+    """select() runs decide()'s backend, for auto and for each backend named that can run (select asks the first
+    choice alone where it can run)."""
+    assert _recorded(lambda: dispatch.select(p, "auto"))[0] is backends.REGISTRY[d.backend]
+    for name, why in d.verdicts.items():
+        if why is None:
+            assert dispatch.select(p, name) is backends.REGISTRY[name]
 
 
 @pytest.mark.parametrize(
@@ -206,6 +216,7 @@ def test_auto_rule_for_float32_on_cuda(monkeypatch, capability, allow_tf32, tf32
         assert d.backend == chosen and f"auto rule for cuda tensors: {order}" in d.decided_by, d
         assert (d.fallback is None) == cuda_kernels, d.fallback
         assert (d.note is not None) == (chosen == "reference"), d.note
+        _assert_select_agrees(p, d)
         assert triton_backend.float32_precision(torch.device("cpu"), 64) in ("tf32", "ieee")  # interpreter
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
@@ -295,6 +306,30 @@ def test_explicit_backend_asks_no_other_backend(monkeypatch, runs):
     assert runs == ["cpu"]
     with pytest.raises(Asked):
         dilated_attn.explain(q, k, v, SEGS, DILS, backend="cpu")
+
+
+def test_auto_asks_no_other_backend_where_its_first_preference_can_run(monkeypatch, runs):
+    """auto's first preference that can run is the only backend a call asks (decide() asks every backend for its
+    record: host time a decoding step does not have); explain() still lists every verdict."""
+    q, k, v = _qkv()
+    if backends.REGISTRY["cpu"].why_not(validate(q, k, v, SEGS, DILS)) is not None:
+        pytest.skip("the cpu backend cannot run here (no CPU kernels): auto falls back, asking every backend")
+
+    class Asked(Exception):
+        pass
+
+    def asked(name):
+        def ask(*args, **kwargs):
+            raise Asked(f"the {name} backend was asked")
+        return ask
+
+    for name, b in backends.REGISTRY.items():
+        if name != "cpu":
+            monkeypatch.setattr(b, "why_not", asked(name))
+    dilated_attn.dilated_attention(q, k, v, SEGS, DILS)
+    assert runs == ["cpu"]
+    with pytest.raises(Asked):
+        dilated_attn.explain(q, k, v, SEGS, DILS)
 
 
 _ABOVE_BACKENDS = ("dispatch", "functional", "nn", "ring", "cli", "integrations", "warmup")
