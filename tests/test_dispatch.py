@@ -284,34 +284,12 @@ def test_explicit_backend_runs(backend, runs):
     assert runs == [backend]
 
 
-def test_explicit_backend_asks_no_other_backend(monkeypatch, runs):
-    """A call that names a backend that can run does not check (or import) the others, its backward neither;
-    explain() still lists every verdict."""
-    class Asked(Exception):
-        pass
-
-    def asked(name):
-        def ask(*args, **kwargs):
-            raise Asked(f"the {name} backend was asked")
-        return ask
-
-    for name, b in backends.REGISTRY.items():
-        if name != "cpu":
-            for method in ("why_not", "reasons", "backward_reasons", "unavailable"):
-                monkeypatch.setattr(b, method, asked(name))
-    monkeypatch.setattr(triton_backend, "load_error", asked("triton"))
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_a_call_asks_no_other_backend(monkeypatch, runs, backend):
+    """A call that names a backend that can run, or whose auto rule's first preference can, does not check (or
+    import) the others, its backward neither (decide() asks every backend for its record: host time a decoding step
+    does not have); explain() still lists every verdict."""
     q, k, v = _qkv(requires_grad=True)
-    out, lse = dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend="cpu", return_lse=True)
-    torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))  # the cpu backward takes the LSE's gradient
-    assert runs == ["cpu"]
-    with pytest.raises(Asked):
-        dilated_attn.explain(q, k, v, SEGS, DILS, backend="cpu")
-
-
-def test_auto_asks_no_other_backend_where_its_first_preference_can_run(monkeypatch, runs):
-    """auto's first preference that can run is the only backend a call asks (decide() asks every backend for its
-    record: host time a decoding step does not have); explain() still lists every verdict."""
-    q, k, v = _qkv()
     if backends.REGISTRY["cpu"].why_not(validate(q, k, v, SEGS, DILS)) is not None:
         pytest.skip("the cpu backend cannot run here (no CPU kernels): auto falls back, asking every backend")
 
@@ -325,11 +303,14 @@ def test_auto_asks_no_other_backend_where_its_first_preference_can_run(monkeypat
 
     for name, b in backends.REGISTRY.items():
         if name != "cpu":
-            monkeypatch.setattr(b, "why_not", asked(name))
-    dilated_attn.dilated_attention(q, k, v, SEGS, DILS)
+            for method in ("why_not", "reasons", "backward_reasons", "unavailable"):
+                monkeypatch.setattr(b, method, asked(name))
+    monkeypatch.setattr(triton_backend, "load_error", asked("triton"))
+    out, lse = dilated_attn.dilated_attention(q, k, v, SEGS, DILS, backend=backend, return_lse=True)
+    torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))  # the cpu backward takes the LSE's gradient
     assert runs == ["cpu"]
     with pytest.raises(Asked):
-        dilated_attn.explain(q, k, v, SEGS, DILS)
+        dilated_attn.explain(q, k, v, SEGS, DILS, backend=backend)
 
 
 _ABOVE_BACKENDS = ("dispatch", "functional", "nn", "ring", "cli", "integrations", "warmup")
