@@ -32,11 +32,23 @@ TORCH_LIBRARY(dilated_attn, m) {
   // ... and their gradient addition: targets[t] += parts[t] (store: =), [b, h, s, d] views of one shape, 1 to 3
   // (cudnn_backward_steps's kernel, which the fa4 backend and the ring call through this op).
   m.def("accumulate(Tensor(a!)[] targets, Tensor[] parts, bool store) -> ()");
+  // The cuda backend's decoding with a KV cache (csrc/cuda/decode.cu; src/dilated_attn/backends/extension.py calls
+  // it): the new k, v written into the caches, every branch of the new queries into out and lse, through the
+  // workspace (stats, partial: the `splits` shares' partial softmaxes; counters: 0 before and after).
+  m.def(
+      "decode(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
+      "int cache_len, Tensor branches, float scale, Tensor(c!) out, Tensor(d!) lse, Tensor(e!) stats, "
+      "Tensor(f!) partial, Tensor(g!) counters, int splits, int stages) -> ()");
 }
 
 namespace dilated_attn::cpu {
 const char* selected_isa();  // csrc/cpu/attention_cpu.cpp
 }
+#ifdef DILATED_ATTN_WITH_CUDA
+namespace dilated_attn::cuda {
+int64_t decode_blocks_per_sm_of(bool bfloat16, int64_t head_dim, int64_t stages);  // csrc/cuda/decode_cuda.cpp
+}
+#endif
 
 #define DA_STR2(x) #x
 #define DA_STR(x) DA_STR2(x)
@@ -67,4 +79,9 @@ static pybind11::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dilated_attn compiled ops (registered under torch.ops.dilated_attn)";
   m.def("build_info", &build_info, "Versions and targets this extension was compiled for");
+#ifdef DILATED_ATTN_WITH_CUDA
+  m.def("decode_blocks_per_sm", &dilated_attn::cuda::decode_blocks_per_sm_of, pybind11::arg("bfloat16"),
+        pybind11::arg("head_dim"), pybind11::arg("stages"),
+        "Blocks of the CUDA decode kernel an SM of the current device holds (0 where it cannot run)");
+#endif
 }

@@ -89,6 +89,100 @@ def test_gpu_triton_decode(dtype, atol, Sq, write, per_batch, head_groups):
     decode_matches_full("triton", dtype, "cuda", Sq, write, per_batch, head_groups, atol=atol)
 
 
+def cuda_decode_cases():
+    """(dtype, head_dim, Hq, Hkv, head_groups, Sq, write, per_batch): both dtypes and head dims, groups of 1 to 16
+    query heads a kv head, both head groupings, one and several new tokens, written or not, lengths per batch."""
+    return [(torch.bfloat16, 128, 16, 4, "all", 1, True, False), (torch.float16, 128, 16, 4, "split", 3, True, True),
+            (torch.bfloat16, 64, 8, 8, "all", 2, False, True), (torch.float16, 64, 32, 2, "all", 1, True, True),
+            (torch.bfloat16, 128, 12, 3, "split", 5, False, False), (torch.float16, 128, 6, 6, "all", 1, False, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, D, Hq, Hkv, head_groups, Sq, write, per_batch", cuda_decode_cases())
+def test_gpu_cuda_decode_kernel_against_float64(dtype, D, Hq, Hkv, head_groups, Sq, write, per_batch):
+    """The cuda backend's decode kernel (csrc/cuda/decode.cu) against the float64 reference: new tokens at the end of
+    odd-length prefixes of a cache of random rows (its rows past them NaN, never to be read), lengths differing per
+    batch element, several shares of each token's keys and a tail tile; the output poisoned before the call; the new
+    rows written into the caches bit for bit. Tolerance: bf16 / fp16 inputs, P rounded to the inputs' dtype before
+    P V (as FlashAttention does), fp32 sums: 2e-2 / 4e-3."""
+    from dilated_attn.backends import decoding
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the CUDA decode kernel needs compute capability 8.0 or newer")
+    segs, dils = [64, 256, 1024], [1, 4, 16]
+    B, Nmax = 3, 1500
+    lengths = [1201, 977, 1023][:B] if per_batch else [1201] * B
+    g = torch.Generator().manual_seed(Hq * D + Sq)
+    full = [torch.randn(B, Nmax, h, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv)]
+    q_all, k_all, v_all = full
+    k_cache = torch.full((B, Nmax, Hkv, D), float("nan"), dtype=dtype, device="cuda")
+    v_cache = k_cache.clone()
+    for b, n in enumerate(lengths):
+        k_cache[b, :n + (0 if write else Sq)] = k_all[b, :n + (0 if write else Sq)].to(dtype)
+        v_cache[b, :n + (0 if write else Sq)] = v_all[b, :n + (0 if write else Sq)].to(dtype)
+    q = torch.stack([q_all[b, n:n + Sq] for b, n in enumerate(lengths)]).to("cuda", dtype)
+    kv = {}
+    if write:
+        kv = dict(k=torch.stack([k_all[b, n:n + Sq] for b, n in enumerate(lengths)]).to("cuda", dtype),
+                  v=torch.stack([v_all[b, n:n + Sq] for b, n in enumerate(lengths)]).to("cuda", dtype))
+    cached = torch.tensor(lengths, device="cuda") if per_batch else lengths[0]
+    from dilated_attn.cache_spec import validate_kvcache
+
+    cp = validate_kvcache(q, k_cache, v_cache, cached, segs, dils, head_groups=head_groups, return_lse=True, **kv)
+    assert decoding.cuda_decode_refusal(cp.problem) is None
+    out, lse = backends.CUDA.forward_kvcache(q, k_cache, v_cache, kv.get("k"), kv.get("v"), cp)
+    out_again, _ = backends.CUDA.forward_kvcache(q, k_cache, v_cache, kv.get("k"), kv.get("v"), cp)
+    assert torch.equal(out, out_again), "two calls differ: the counters were not left at 0"
+    atol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for b, n in enumerate(lengths):
+        rows = slice(0, n + Sq)
+        ref, ref_lse = dilated_attn.dilated_attention(
+            q_all[b:b + 1, rows].to(dtype).double(), k_all[b:b + 1, rows].to(dtype).double(),
+            v_all[b:b + 1, rows].to(dtype).double(), segs, dils, causal=True, head_groups=head_groups,
+            return_lse=True, backend="reference")
+        torch.testing.assert_close(out[b].double().cpu(), ref[0, n:], atol=atol, rtol=0)
+        torch.testing.assert_close(lse[b].double().cpu(), ref_lse[0, :, n:], atol=atol, rtol=0)
+        if write:
+            torch.testing.assert_close(k_cache[b, n:n + Sq].cpu(), kv["k"][b].cpu(), atol=0, rtol=0)
+            assert torch.isnan(k_cache[b, n + Sq:]).all(), "a row past the new ones was written"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_cuda_decode_kernel_poisoned_output_and_graph_capture():
+    """Every element of out and lse is written (buffers filled with NaN before the call are overwritten), and the
+    whole call captured in a CUDA graph replays to the eager result as the lengths tensor advances."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the CUDA decode kernel needs compute capability 8.0 or newer")
+    B, N, Hq, Hkv, D, Nmax = 2, 300, 8, 2, 128, 320
+    q, k, v = sequence(B, N, Hq, Hkv, D, torch.bfloat16, "cuda")
+    caches = [torch.zeros(B, Nmax, Hkv, D, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    step_q, step_k, step_v = q[:, :1].clone(), k[:, :1].clone(), v[:, :1].clone()
+    lengths = torch.zeros(B, dtype=torch.int32, device="cuda")
+    segs, dils = [32, 128], [1, 4]
+
+    def step():
+        return dilated_attn.dilated_attention_with_kvcache(step_q, caches[0], caches[1], lengths, segs, dils,
+                                                           k=step_k, v=step_v, backend="cuda", return_lse=True)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for t in range(N):
+        step_q.copy_(q[:, t:t + 1]), step_k.copy_(k[:, t:t + 1]), step_v.copy_(v[:, t:t + 1])
+        lengths.fill_(t)
+        out.fill_(float("nan")), lse.fill_(float("nan"))
+        graph.replay()
+        want, want_lse = dilated_attn.dilated_attention_with_kvcache(
+            q[:, t:t + 1], caches[2], caches[3], t, segs, dils, k=k[:, t:t + 1], v=v[:, t:t + 1], backend="cuda",
+            return_lse=True)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    torch.testing.assert_close(caches[0], caches[2], atol=0, rtol=0)
+
+
 @pytest.fixture
 def lengths_on_device(monkeypatch):
     """Every cache_seqlens tensor treated as a GPU one is: not read on the host (the path of GPU tensors, CUDA
@@ -179,10 +273,12 @@ def test_gpu_whole_call_captured_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_decode_of_unaligned_and_strided_tensors_equals_the_aligned_one():
-    """Eager calls launch the kernel compiled for their layout directly where every tensor is 16-byte aligned, else
-    through Triton's JIT function: q, k, v one element past an aligned address, and caches with padded rows, give
-    the results of contiguous aligned copies, the cache rows written the same."""
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_decode_of_unaligned_and_strided_tensors_equals_the_aligned_one(backend):
+    """Eager calls launch the Triton kernel compiled for their layout directly where every tensor is 16-byte aligned,
+    else through Triton's JIT function; the CUDA kernel reads aligned copies of q, k, v and the caches' padded rows in
+    place: q, k, v one element past an aligned address, and caches with padded rows, give the results of contiguous
+    aligned copies, the cache rows written the same."""
     B, N, Hq, Hkv, D, Nmax = 2, 40, 4, 2, 64, 48
     q, k, v = sequence(B, N, Hq, Hkv, D, torch.bfloat16, "cuda")
     padded = [torch.zeros(B, Nmax, Hkv, D + 8, dtype=torch.bfloat16, device="cuda")[..., :D] for _ in range(2)]
@@ -195,10 +291,10 @@ def test_gpu_decode_of_unaligned_and_strided_tensors_equals_the_aligned_one():
         rows = slice(t, t + 1)
         got = dilated_attn.dilated_attention_with_kvcache(unaligned(q[:, rows]), *padded, t, SEGS, DILS,
                                                           k=unaligned(k[:, rows]), v=unaligned(v[:, rows]),
-                                                          backend="triton")
+                                                          backend=backend)
         want = dilated_attn.dilated_attention_with_kvcache(q[:, rows].contiguous(), *dense, t, SEGS, DILS,
                                                            k=k[:, rows].contiguous(), v=v[:, rows].contiguous(),
-                                                           backend="triton")
+                                                           backend=backend)
         # kernels compiled for other alignments may order a product's sums otherwise: bf16's tolerance of the other
         # decode tests; the rows written into the caches are copies, equal to the bit
         torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
@@ -272,15 +368,37 @@ def test_memory_and_lengths_are_checked_on_every_call():
 
 
 def test_auto_decodes_with_a_decode_kernel_on_a_gpu():
-    """A KV-cache call's problem puts triton first on a GPU (the one backend with a decode kernel), however large the
-    cache: the fast backends of a forward (cudnn, fa4) would compute each new token over its whole prefix."""
+    """A KV-cache call's problem puts triton first on a GPU, then cuda (the backends with a decode kernel), however
+    large the cache: the fast backends of a forward (cudnn, fa4) would compute each new token over its whole prefix."""
     from dilated_attn import dispatch
     from dilated_attn.spec import Problem
 
     sizes = (1, 65536, 16, 4, 128, [2048, 4096, 8192, 16384], [1, 2, 4, 8])
     decoding = Problem.from_sizes(*sizes, dtype=torch.bfloat16, device="cuda", causal=True, decodes=True)
-    assert dispatch.auto_preference(decoding) == dispatch.AUTO_ORDER["cuda"]
+    assert dispatch.auto_preference(decoding) == dispatch.AUTO_ORDER["cuda"] == ("triton", "cuda", "reference")
     assert Problem.from_sizes(*sizes, dtype=torch.bfloat16, device="cuda", causal=True).decodes is False
+
+
+@pytest.mark.parametrize("capability, dtype, head_dim, heads, kv_heads, branches, refusal", [
+    ((9, 0), torch.bfloat16, 128, 16, 4, 4, None), ((8, 0), torch.float16, 64, 32, 2, 16, None),
+    ((7, 5), torch.bfloat16, 128, 16, 4, 4, "compute capability 8.0"),  # no cp.async, no bf16 mma.sync
+    ((9, 0), torch.float32, 128, 16, 4, 4, "float16 or bfloat16"), ((9, 0), torch.bfloat16, 96, 16, 4, 4, "head_dim"),
+    ((9, 0), torch.bfloat16, 128, 32, 1, 4, "query heads a kv head"),
+    ((9, 0), torch.bfloat16, 128, 16, 4, 17, "branches")])
+def test_cuda_decode_kernel_says_which_calls_it_takes(monkeypatch, capability, dtype, head_dim, heads, kv_heads,
+                                                      branches, refusal):
+    """The CUDA decode kernel's rules (backends/decoding.py), each refusal naming its rule; a refused call goes on to
+    the cuda backend's forward over the prefix (or to triton, under auto)."""
+    from dilated_attn.backends import base, decoding
+    from dilated_attn.spec import Problem
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(base, "_CAPABILITIES", {})
+    segs, dils = [64 * (j + 1) for j in range(branches)], [1] * branches
+    p = Problem.from_sizes(1, 4096, heads, kv_heads, head_dim, segs, dils, dtype=dtype, device="cuda", causal=True,
+                           decodes=True)
+    why = decoding.cuda_decode_refusal(p)
+    assert (why is None) if refusal is None else (refusal in why), why
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

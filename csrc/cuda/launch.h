@@ -112,5 +112,43 @@ struct AccumulateParams {
 cudaError_t launch_merge(const MergeParams& p, ScalarKind kind, bool vectorized, cudaStream_t stream);
 cudaError_t launch_accumulate(const AccumulateParams& p, ScalarKind kind, bool vectorized, cudaStream_t stream);
 
+// The cuda backend's decode kernel (decode.cu: dilated_attention_with_kvcache from Ampere on, float16 or bfloat16,
+// head_dim 64 or 128, at most kMaxDecodeBranches branches, kMaxDecodeKvHeads kv heads and 16 query heads a kv head;
+// every row of q, the caches, k, v and out 16-byte aligned with unit-stride columns). Its arguments are the Triton
+// decode kernel's (src/dilated_attn/backends/triton/decode.py), strides in elements.
+constexpr int kMaxDecodeBranches = 16;
+constexpr int kMaxDecodeKvHeads = 256;
+constexpr int kMaxDecodeGroup = 16;
+
+struct DecodeParams {
+  const void* q;                 // [B, Sq, H, D]
+  void *k_cache, *v_cache;       // [B, Nmax, Hkv, D]
+  const void *k_new, *v_new;     // [B, Sq, Hkv, D], written into the caches at rows cached + i; null: no new rows
+  void* out;                     // like q
+  float* lse;                    // [B, H, Sq] contiguous
+  float* part_stats;             // [B * Sq, splits, H, 2]: each share's running max (base 2) and sum
+  float* part_acc;               // [B * Sq, splits, H, D]: each share's unnormalised output (where its sum > 0)
+  int* counters;                 // [B * Sq, Hkv], 0 between launches: shares done per (token, kv head)
+  const void* cache_seqlens;     // [B] int32 or int64 (seqlens_int64); null: cache_len for every batch element
+  bool seqlens_int64;
+  const int* branches;           // int32 [n_branches, 6]: w, r, head_lo, head_hi, offset_div, offset_base
+  int n_branches;
+  int cache_len;
+  int64_t sq_b, sq_s, sq_h;
+  int64_t sk_b, sk_n, sk_h, sv_b, sv_n, sv_h;
+  int64_t skn_b, skn_s, skn_h, svn_b, svn_s, svn_h;
+  int64_t so_b, so_s, so_h;
+  int sq, heads, group, head_dim;
+  int max_pos;     // the last cache row: positions are clamped into the cache
+  float qk_scale;  // scale * log2(e)
+  int64_t tokens;  // B * Sq: the grid's x
+  int splits;      // shares of a token's keys: the grid's y
+};
+
+// `stages`: 2, 3 or 4 tiles of 16 keys in flight a warp. decode_blocks_per_sm: the blocks of that kernel an SM of the
+// current device holds (0 where it cannot run).
+cudaError_t launch_decode(const DecodeParams& p, ScalarKind kind, int stages, cudaStream_t stream);
+int decode_blocks_per_sm(ScalarKind kind, int head_dim, int stages);
+
 }  // namespace cuda
 }  // namespace dilated_attn

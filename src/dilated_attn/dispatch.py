@@ -106,8 +106,10 @@ def auto_preference(p: Problem) -> tuple[str, ...]:
     Only backends that apply to the device are listed, so passing one over always has a reason worth a
     warning. Further measured thresholds belong here, as conditions on `p` that reorder the list.
 
-    A KV-cache call (`p.decodes`) takes the device's order as it is: triton first on a GPU, the one backend with a
-    decode kernel (the others compute each new token as the last row of a forward over its whole prefix).
+    A KV-cache call (`p.decodes`) takes the device's order as it is: triton first on a GPU, then cuda, the backends
+    with a decode kernel (cuda's from Ampere on, 16-bit, head_dim 64 or 128: backends/decoding.py; it measured even
+    with triton's, benchmarks/README.md, "Decoding"); the others compute each new token as the last row of a forward
+    over its whole prefix.
 
     The fa4 backend, where flash-attn-4 is installed, comes before cudnn where fa4_preferred says so, packed
     sequences included (a few varlen calls per branch for the whole pack; cudnn runs a pack one sequence at a

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from . import decoding
 from .autograd import register_attention_autograd
 from .base import Backend, ForwardOp, device_capability
 from .signature import fake_backward, fake_forward
@@ -84,6 +85,7 @@ if _C is not None:
 
     torch.library.register_fake("dilated_attn::forward")(fake_forward)
     torch.library.register_fake("dilated_attn::backward")(fake_backward)
+    torch.library.register_fake("dilated_attn::decode")(lambda *args: None)  # writes only its given tensors
     register_attention_autograd("dilated_attn::forward", "backward")
 
 
@@ -142,6 +144,21 @@ class CudaBackend(CompiledBackend):
         refusal = requested and tile_table_refusal(requested, device_capability(p.device),
                                                    bool(build_info().get("pascal_tiles_on_newer_gpus")))
         return [refusal] if refusal else []
+
+    def forward_kvcache(self, q, k_cache, v_cache, k, v, cp):
+        # the decode kernel (csrc/cuda/decode.cu) where it takes the call, in eager mode; a traced call
+        # (torch.compile: its checks read the tensors' addresses) or a cache whose rows it cannot read goes to the
+        # Triton decode kernel where that can run, and other calls recompute each new token's prefix
+        if decoding.cuda_decode_refusal(cp.problem) is None:
+            if not torch.compiler.is_compiling():
+                result = decoding.cuda_decode(q, k_cache, v_cache, k, v, cp)
+                if result is not None:
+                    return result
+            from .triton import TRITON
+
+            if TRITON.why_not(cp.problem) is None:
+                return TRITON.forward_kvcache(q, k_cache, v_cache, k, v, cp)
+        return super().forward_kvcache(q, k_cache, v_cache, k, v, cp)
 
 
 CPU = CpuBackend()

@@ -19,6 +19,7 @@ from torch.library import triton_op, wrap_triton
 from ...branches import branch_table, covers_everything
 from ...hilbert import hilbert_index
 from ..autograd import register_attention_autograd
+from ..decoding import branch_rows, workspace
 from ..signature import backward_op, forward_op
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel
@@ -299,43 +300,6 @@ DECODE_PROGRAMS = 256
 DECODE_MAX_SPLITS = 256  # bounds the workspace of a call of few tokens
 
 
-@functools.lru_cache(maxsize=64)
-def _branch_rows(p, device: torch.device) -> torch.Tensor:
-    """The decode kernel's int32 branch table of a KV-cache call's problem (its branches bounded by the cache:
-    Problem.op_branches). Segments are not clipped further: a causal row's segment starts at (P // w) * w whatever
-    the sequence's length (decode.py)."""
-    w, r = p.op_branches()
-    table = branch_table(w, r, max(w), p.num_heads, p.head_groups)
-    rows = [[br.seg_len, br.dilation, br.head_lo, br.head_hi, br.offset_div, br.offset_base] for br in table]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
-
-
-# Each stream's decode workspace, kept between calls: the shares' partial softmaxes, the counters (0 between
-# launches: the kernel sets each back), and an LSE nobody asked for. An eager call allocates only its output.
-_WORKSPACES: dict = {}
-
-
-def _workspace(device: torch.device, stats: int, partial: int, counters: int, lse: int, keep: bool) -> tuple:
-    """(stats, partial, counters, lse) fp32/fp32/int32/fp32 buffers of at least those many elements: where `keep`, the
-    current stream's kept ones, grown where too small; fresh ones in a traced op (torch.compile), on the CPU (Triton's
-    interpreter) and while a CUDA graph is captured (the graph owns them: kept ones would be shared with eager calls
-    on the stream)."""
-    fresh = not keep or device.type != "cuda" or torch.cuda.is_current_stream_capturing()
-    key = None if fresh else (device.index, torch._C._cuda_getCurrentRawStream(device.index))
-    held = _WORKSPACES.get(key) if key is not None else None
-    sizes = (stats, partial, counters, lse)
-    if held is None or any(x.numel() < n for x, n in zip(held, sizes)):
-        if held is not None:  # grown to cover every call so far
-            sizes = tuple(max(n, x.numel()) for n, x in zip(sizes, held))
-        held = (torch.empty(sizes[0], dtype=torch.float32, device=device),
-                torch.empty(sizes[1], dtype=torch.float32, device=device),
-                torch.zeros(sizes[2], dtype=torch.int32, device=device),
-                torch.empty(sizes[3], dtype=torch.float32, device=device))
-        if key is not None:
-            _WORKSPACES[key] = held
-    return held
-
-
 @dataclass(frozen=True)
 class _DecodeLayout:
     """What a decode launch derives from its tensors' layouts and sizes alone, the same every step of a decoding
@@ -400,7 +364,7 @@ def _decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, branches, scale
                 _DECODE_LAYOUTS.clear()
             layout = _DECODE_LAYOUTS[key] = layout_of()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # half torch.empty's host time on an H200's host
-    stats, partial, counters, spare_lse = _workspace(q.device, *layout.sizes, keep=launch is None)
+    stats, partial, counters, spare_lse = workspace(q.device, *layout.sizes, keep=launch is None)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                       device=q.device) if return_lse else spare_lse
     lengths = cache_seqlens if per_batch else branches  # without PER_BATCH not read: the branch table stands in
@@ -481,7 +445,7 @@ def triton_decode(
 def decode(q, k_cache, v_cache, k, v, cp):
     """dilated_attention_with_kvcache's computation on the Triton backend, the new k, v (where given) written into
     the caches first: (out, lse or None where the call did not ask for it)."""
-    branches = _branch_rows(cp.problem, q.device)
+    branches = branch_rows(cp.problem, q.device)
     given = cp.given_seqlens
     lengths, cache_len = (given.to(q.device), 0) if isinstance(given, torch.Tensor) else (None, given)
     if torch.compiler.is_compiling():
