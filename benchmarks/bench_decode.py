@@ -4,19 +4,22 @@
     python benchmarks/bench_decode.py --cached 16384 --sq 4
 
 Rows:
-  decode     dilated_attn.dilated_attention_with_kvcache (backend triton: one launch writes the new k, v into
-             the cache and attends over every branch), the whole call as a user makes it in eager mode (validation
-             and dispatch included), cache_seqlens an int; the host's time is hidden where the flush before it
-             runs longer on the GPU
+  decode     dilated_attn.dilated_attention_with_kvcache (--backend, default auto: triton's decode kernel; each
+             backend's is one launch that writes the new k, v into the cache and attends over every branch), the whole
+             call as a user makes it in eager mode (validation and dispatch included), cache_seqlens an int; the host's
+             time is hidden where the flush before it runs longer on the GPU
   back to back   BACK_TO_BACK such eager calls issued one after another, started with the GPU idle (L2 flushed and
              the host waiting for it, else the flush's GPU time would hide as much host time), the time per call: the
              host's time per call where it takes longer to issue one than the GPU to run it, as in a decoding loop in
              eager mode
   graphed    the same whole call with cache_seqlens a GPU tensor (no device-to-host copy), captured in a CUDA graph
              and replayed, as a decoding loop runs it: the GPU's time
-  kernel     the decode kernel alone without the write (backends/triton/ops.decode), captured in a CUDA graph and
-             replayed
-  kernel, L2 dirty   the same after L2 was filled with written lines (256 MiB zeroed), whose write-back it pays
+  back to back, cuda / graphed, cuda   the same two rows with backend="cuda" (the CUDA decode kernel)
+  kernel, cuda   the CUDA decode kernel alone without the write (backends/decoding.cuda_decode), captured in a CUDA
+             graph and replayed (with --sweep, first each pipeline depth: the fastest is kept)
+  kernel, triton the Triton decode kernel alone (backends/triton/ops.decode), likewise
+  kernel, L2 dirty   --backend's kernel after L2 was filled with written lines (256 MiB zeroed), whose write-back it
+             pays
   recompute  dilated_attention over the whole prefix, causal, for the new token's row (what a model without a
              cache path does; run once per batch element's prefix as one batch)
 The yardstick: the bytes of cached K and V the new tokens attend to (the union of their member rows over the
@@ -102,9 +105,11 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--backend", default="auto", help="the backend of the whole-call rows (default auto)")
     ap.add_argument("--sweep", action="store_true",
-                    help="first time the kernel (CUDA graph) for each count of programs, block of keys, warp count, "
-                         "pipeline depth and register cap (SWEEP), and keep the best")
+                    help="first time the Triton kernel (CUDA graph) for each count of programs, block of keys, warp "
+                         "count, pipeline depth and register cap (SWEEP), and the CUDA kernel for each pipeline depth, "
+                         "and keep the best of each")
     ap.add_argument("--sweep-values", action="append", default=[], metavar="NAME=V1,V2",
                     help="with --sweep, the values of one of SWEEP's names instead of its own ('none' for no register "
                          "cap), e.g. --sweep-values programs=384,512; repeatable")
@@ -134,20 +139,30 @@ def main(argv=None) -> None:
 
     def decode():
         dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new,
-                                                    backend="triton")
+                                                    backend=args.backend)
 
+    from dilated_attn import dispatch
+    from dilated_attn.backends import decoding
     from dilated_attn.backends.triton import ops
     from dilated_attn.cache_spec import validate_kvcache
 
     cp = validate_kvcache(q, k_cache, v_cache, cached, segs, dils)
+    chosen = dispatch.select(cp.problem, args.backend).name
+    say(f"backend {args.backend}: {chosen}")
 
-    def captured():
-        ops.decode(q, k_cache, v_cache, None, None, cp)  # compiled before capture
+    def graph_of(call):
+        call()  # compiled before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            ops.decode(q, k_cache, v_cache, None, None, cp)
+            call()
         return graph
+
+    def captured():
+        return graph_of(lambda: ops.decode(q, k_cache, v_cache, None, None, cp))
+
+    def cuda_kernel():
+        return graph_of(lambda: decoding.cuda_decode(q, k_cache, v_cache, None, None, cp))
 
     sweep, choices = {}, {}
     if args.sweep:
@@ -166,10 +181,14 @@ def main(argv=None) -> None:
             choices[name] = (ops.DECODE_PROGRAMS, dict(ops.DECODE_CONFIG))
             say(f"  kernel, {name}: {sweep[name] * 1e3:8.1f} us")
         ops.DECODE_PROGRAMS, ops.DECODE_CONFIG = choices[min(sweep, key=sweep.get)]
-    graph = captured()
-
-    def kernel():
-        graph.replay()
+        cuda_sweep = {}
+        for stages in (2, 3, 4):
+            decoding.CUDA_DECODE_STAGES = stages
+            cuda_sweep[stages] = median_ms(cuda_kernel().replay, "cuda", args.warmup, args.repeats)
+            sweep[f"cuda, stages={stages}"] = cuda_sweep[stages]
+            say(f"  CUDA kernel, stages={stages}: {cuda_sweep[stages] * 1e3:8.1f} us")
+        decoding.CUDA_DECODE_STAGES = min(cuda_sweep, key=cuda_sweep.get)
+    triton_graph, cuda_graph = captured(), cuda_kernel()
 
     def back_to_back():
         for _ in range(BACK_TO_BACK):
@@ -179,13 +198,18 @@ def main(argv=None) -> None:
 
     def decode_on_device_lengths():
         dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, lengths, segs, dils, k=k_new, v=v_new,
-                                                    backend="triton")
+                                                    backend=args.backend)
 
-    decode_on_device_lengths()  # compiles its kernels before the capture
-    torch.cuda.synchronize()
-    decode_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(decode_graph):
-        decode_on_device_lengths()
+    def decode_on_device_lengths_cuda():
+        dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, lengths, segs, dils, k=k_new, v=v_new,
+                                                    backend="cuda")
+
+    def back_to_back_cuda():
+        for _ in range(BACK_TO_BACK):
+            dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new,
+                                                        backend="cuda")
+
+    decode_graph, decode_graph_cuda = graph_of(decode_on_device_lengths), graph_of(decode_on_device_lengths_cuda)
 
     q_full = torch.randn(B, Nmax, H, D, generator=g, device="cuda", dtype=dtype)
 
@@ -198,7 +222,8 @@ def main(argv=None) -> None:
                                                    dtype=args.dtype, segment_lengths=segs, dilation_rates=dils,
                                                    warmup=args.warmup, repeats=args.repeats),
                     json_path=out, copy_bandwidth_gbs=bandwidth / 1e9, attended_bytes=attended,
-                    ideal_us=ideal_ms * 1e3, kernel_config=dict(ops.DECODE_CONFIG, programs=ops.DECODE_PROGRAMS),
+                    ideal_us=ideal_ms * 1e3, backend=chosen, cuda_kernel_stages=decoding.CUDA_DECODE_STAGES,
+                    kernel_config=dict(ops.DECODE_CONFIG, programs=ops.DECODE_PROGRAMS),
                     kernel_sweep_us={k: v * 1e3 for k, v in sweep.items()})
     # The kernel after L2 was filled with written lines (as a zeroing flush leaves it, or a kernel that wrote more than
     # L2 holds): their write-back falls on it (median_ms's own flush reads, leaving L2 clean)
@@ -209,10 +234,15 @@ def main(argv=None) -> None:
                 ("decode", decode, args.repeats, None),
                 ("back to back", back_to_back, args.repeats, torch.cuda.synchronize),
                 ("graphed", decode_graph.replay, args.repeats, None),
-                ("kernel", kernel, args.repeats, None), ("kernel, L2 dirty", kernel, args.repeats, written.zero_),
+                ("back to back, cuda", back_to_back_cuda, args.repeats, torch.cuda.synchronize),
+                ("graphed, cuda", decode_graph_cuda.replay, args.repeats, None),
+                ("kernel, cuda", cuda_graph.replay, args.repeats, None),
+                ("kernel, triton", triton_graph.replay, args.repeats, None),
+                ("kernel, L2 dirty", (cuda_graph if chosen == "cuda" else triton_graph).replay, args.repeats,
+                 written.zero_),
                 ("recompute", recompute, max(3, args.repeats // 20), None)):
             times[name] = median_ms(fn, "cuda", args.warmup if name != "recompute" else 2, repeats, before_run=before)
-            if name == "back to back":
+            if name.startswith("back to back"):
                 times[name] /= BACK_TO_BACK
             record.add(dict(provider=name, median_us=times[name] * 1e3, over_ideal=times[name] / ideal_ms))
             say(f"{name:>16}: {times[name] * 1e3:10.1f} us  ({times[name] / ideal_ms:.2f}x the copy-bandwidth time)")
@@ -220,16 +250,14 @@ def main(argv=None) -> None:
     record.set(speedup_over_recompute=times["recompute"] / times["decode"])
     record.close()
     if args.host_profile:
-        from dilated_attn import dispatch
-
-        chosen = dispatch.select(cp.problem, "triton")
-        cp_new = validate_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new, backend="triton")
+        backend = dispatch.select(cp.problem, args.backend)
+        cp_new = validate_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new, backend=args.backend)
         parts = {
             "whole call": decode,
             "validate_kvcache": lambda: validate_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new,
-                                                         backend="triton"),
-            "dispatch.select": lambda: dispatch.select(cp.problem, "triton"),
-            "forward_kvcache (one launch)": lambda: chosen.forward_kvcache(q, k_cache, v_cache, k_new, v_new, cp_new),
+                                                         backend=args.backend),
+            "dispatch.select": lambda: dispatch.select(cp.problem, args.backend),
+            "forward_kvcache (one launch)": lambda: backend.forward_kvcache(q, k_cache, v_cache, k_new, v_new, cp_new),
             "the output's allocation": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
         }
         record.set(host_parts_us=host_profile(parts, args.repeats))
