@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -533,9 +534,17 @@ template <typename T, int D, int kStages>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   constexpr int smem = decode_smem_bytes(D, kStages);
   static_assert(smem >= kWarps * 16 * D * 4, "the block's combine reuses the pipeline's memory");
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(decode_kernel<T, D, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (configured != cudaSuccess) return configured;
+  // the shared memory a block may take is set once per device (an attribute of the function on each device)
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit)) {
+    err = cudaFuncSetAttribute(decode_kernel<T, D, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    configured.fetch_or(bit, std::memory_order_relaxed);
+  }
   decode_kernel<T, D, kStages><<<dim3(static_cast<unsigned>(p.tokens), p.splits), kDecodeThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
