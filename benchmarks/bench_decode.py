@@ -137,9 +137,9 @@ def main(argv=None) -> None:
     ideal_ms = attended / bandwidth * 1e3
     say(f"attended K/V: {attended / 2**20:.1f} MiB per call -> {ideal_ms * 1e3:.1f} us at the copy bandwidth")
 
-    def decode():
-        dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new,
-                                                    backend=args.backend)
+    def decode(lengths=cached, backend=args.backend):
+        dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, lengths, segs, dils, k=k_new, v=v_new,
+                                                    backend=backend)
 
     from dilated_attn import dispatch
     from dilated_attn.backends import decoding
@@ -190,26 +190,13 @@ def main(argv=None) -> None:
         decoding.CUDA_DECODE_STAGES = min(cuda_sweep, key=cuda_sweep.get)
     triton_graph, cuda_graph = captured(), cuda_kernel()
 
-    def back_to_back():
+    def back_to_back(backend=args.backend):
         for _ in range(BACK_TO_BACK):
-            decode()
+            decode(backend=backend)
 
     lengths = torch.full((B,), cached, dtype=torch.int32, device="cuda")
-
-    def decode_on_device_lengths():
-        dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, lengths, segs, dils, k=k_new, v=v_new,
-                                                    backend=args.backend)
-
-    def decode_on_device_lengths_cuda():
-        dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, lengths, segs, dils, k=k_new, v=v_new,
-                                                    backend="cuda")
-
-    def back_to_back_cuda():
-        for _ in range(BACK_TO_BACK):
-            dilated_attn.dilated_attention_with_kvcache(q, k_cache, v_cache, cached, segs, dils, k=k_new, v=v_new,
-                                                        backend="cuda")
-
-    decode_graph, decode_graph_cuda = graph_of(decode_on_device_lengths), graph_of(decode_on_device_lengths_cuda)
+    decode_graph = graph_of(lambda: decode(lengths))
+    decode_graph_cuda = graph_of(lambda: decode(lengths, "cuda"))
 
     q_full = torch.randn(B, Nmax, H, D, generator=g, device="cuda", dtype=dtype)
 
@@ -234,7 +221,7 @@ def main(argv=None) -> None:
                 ("decode", decode, args.repeats, None),
                 ("back to back", back_to_back, args.repeats, torch.cuda.synchronize),
                 ("graphed", decode_graph.replay, args.repeats, None),
-                ("back to back, cuda", back_to_back_cuda, args.repeats, torch.cuda.synchronize),
+                ("back to back, cuda", lambda: back_to_back("cuda"), args.repeats, torch.cuda.synchronize),
                 ("graphed, cuda", decode_graph_cuda.replay, args.repeats, None),
                 ("kernel, cuda", cuda_graph.replay, args.repeats, None),
                 ("kernel, triton", triton_graph.replay, args.repeats, None),
