@@ -90,27 +90,35 @@ def test_gpu_triton_decode(dtype, atol, Sq, write, per_batch, head_groups):
 
 
 def cuda_decode_cases():
-    """(dtype, head_dim, Hq, Hkv, head_groups, Sq, write, per_batch): both dtypes and head dims, groups of 1 to 16
-    query heads a kv head, both head groupings, one and several new tokens, written or not, lengths per batch."""
-    return [(torch.bfloat16, 128, 16, 4, "all", 1, True, False), (torch.float16, 128, 16, 4, "split", 3, True, True),
-            (torch.bfloat16, 64, 8, 8, "all", 2, False, True), (torch.float16, 64, 32, 2, "all", 1, True, True),
-            (torch.bfloat16, 128, 12, 3, "split", 5, False, False), (torch.float16, 128, 6, 6, "all", 1, False, False)]
+    """(dtype, head_dim, Hq, Hkv, head_groups, Sq, write, per_batch, segments, dilations): both dtypes and head dims,
+    groups of 1 to 16 query heads a kv head, both head groupings, one and several new tokens, written or not, lengths
+    per batch; LongNet's dilations (each dividing the next), then dilations that do not divide one another (2 and 3)
+    and two branches of one dilation whose segments start together at the last positions (keys two branches share,
+    runs of equal length)."""
+    longnet = ([64, 256, 1024], [1, 4, 16])
+    return [(torch.bfloat16, 128, 16, 4, "all", 1, True, False, *longnet),
+            (torch.float16, 128, 16, 4, "split", 3, True, True, *longnet),
+            (torch.bfloat16, 64, 8, 8, "all", 2, False, True, *longnet),
+            (torch.float16, 64, 32, 2, "all", 1, True, True, *longnet),
+            (torch.bfloat16, 128, 12, 3, "split", 5, False, False, *longnet),
+            (torch.float16, 128, 6, 6, "all", 1, False, False, *longnet),
+            (torch.bfloat16, 128, 8, 2, "all", 2, True, True, [64, 192, 1000], [1, 3, 2]),
+            (torch.float16, 64, 8, 4, "all", 1, True, False, [100, 300, 600, 1200], [2, 2, 4, 8])]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype, D, Hq, Hkv, head_groups, Sq, write, per_batch", cuda_decode_cases())
-def test_gpu_cuda_decode_kernel_against_float64(dtype, D, Hq, Hkv, head_groups, Sq, write, per_batch):
+@pytest.mark.parametrize("dtype, D, Hq, Hkv, head_groups, Sq, write, per_batch, segs, dils", cuda_decode_cases())
+def test_gpu_cuda_decode_kernel_against_float64(dtype, D, Hq, Hkv, head_groups, Sq, write, per_batch, segs, dils):
     """The cuda backend's decode kernel (csrc/cuda/decode.cu) against the float64 reference: new tokens at the end of
     odd-length prefixes of a cache of random rows (its rows past them NaN, never to be read), lengths differing per
-    batch element, several shares of each token's keys and a tail tile; the output poisoned before the call; the new
-    rows written into the caches bit for bit. Tolerance: bf16 / fp16 inputs, P rounded to the inputs' dtype before
-    P V (as FlashAttention does), fp32 sums: 2e-2 / 4e-3."""
+    batch element, several shares of each token's keys and a tail tile; the new rows written into the caches bit for
+    bit (test_gpu_cuda_decode_kernel_poisoned_output_and_graph_capture poisons the outputs). Tolerance: bf16 / fp16
+    inputs, P rounded to the inputs' dtype before P V (as FlashAttention does), fp32 sums: 2e-2 / 4e-3."""
     from dilated_attn.backends import decoding
 
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the CUDA decode kernel needs compute capability 8.0 or newer")
-    segs, dils = [64, 256, 1024], [1, 4, 16]
     B, Nmax = 3, 1500
     lengths = [1201, 977, 1023][:B] if per_batch else [1201] * B
     g = torch.Generator().manual_seed(Hq * D + Sq)
