@@ -3,7 +3,7 @@
 # JSON go under $OUT (default ./gpu_out).
 # The build holds Pascal's tile tables in the sm_70+ code too (DILATED_ATTN_PASCAL_PROXY=1), so that the tests, the
 # sanitizers and bench_cuda_kernels.py run them on this GPU (DILATED_ATTN_CUDA_TILES=pascal or gp100).
-# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|fa4|ring|ring_bench|ring_ab|ab|main|tune|first_call|varlen|decode|tile_order|ncu|tune_fa4|all]...
+# Usage: bash benchmarks/run_on_gpu.sh [tests|sanitize|cuda_kernels|smem|bench|auto|quick|fa4|ring|ring_bench|ring_ab|ab|main|tune|first_call|varlen|decode|decode_floor|tile_order|ncu|tune_fa4|all]...
 #   fa4: the fa4 backend's GPU tests, then benchmarks/bench_gpu.py on N = 65536 (causal and not, Hkv 16, 4, 1) for the
 #        kernels cudnn and fa4 and their first-branch shape alone (${FA4_ARGS}); needs flash-attn-4 installed or on
 #        PYTHONPATH (the wheels travel as ../shared/tools/carry-wheels.sh prints)
@@ -30,6 +30,7 @@
 #   tune: benchmarks/tune.py ${TUNE_ARGS} (the full sweep, merged into the source tree's tuned_configs.json when run
 #         with SKIP_BUILD=1 on a fresh machine, else into the installed package's; copied to $OUT either way)
 #   decode: benchmarks/bench_decode.py ${DECODE_ARGS} (KV-cache decoding against the copy bandwidth)
+#   decode_floor: benchmarks/decode_floor.cu (nvcc): how fast bench_decode's default call's K/V rows can be read at all
 #   varlen: benchmarks/bench_varlen.py ${VARLEN_ARGS} (a pack of 16 sequences against uniform and padded batches)
 #   first_call: benchmarks/first_call.py ${FIRST_ARGS} (first calls with an empty and a warm Triton cache)
 #   main: `python -m dilated_attn` and a GPU run of examples/train_longnet.py (loss curve as JSON)
@@ -87,6 +88,10 @@ for stage in $stages; do
         2>&1 | tee "$OUT/first_call.log" ;;
     decode)
       python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
+    decode_floor)
+      "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" -O3 -std=c++17 -arch=native -o "$OUT/decode_floor" benchmarks/decode_floor.cu &&
+        "$OUT/decode_floor" "$OUT/decode_floor.json" 2>&1 | tee "$OUT/decode_floor.log"
+      rm -f "$OUT/decode_floor" ;;
     varlen)
       python3 benchmarks/bench_varlen.py ${VARLEN_ARGS:-} --out "$OUT/varlen.json" 2>&1 | tee "$OUT/varlen.log" ;;
     tile_order)

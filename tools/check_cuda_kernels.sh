@@ -62,6 +62,10 @@ for src in csrc/cuda/*.cu; do
     || { cat "$WORK/$name.sm_75_90.log"; echo "FAILED: $src for sm_75 and sm_90"; exit 1; }) &
   jobs+=($!)
 done
+# benchmarks/decode_floor.cu (a standalone program run on the GPU machines) for sm_90, so it keeps compiling
+("$NVCC" -std=c++17 -O3 -arch=sm_90 -c benchmarks/decode_floor.cu -o "$WORK/decode_floor.o" 2>"$WORK/decode_floor.log" \
+  || { cat "$WORK/decode_floor.log"; echo "FAILED: benchmarks/decode_floor.cu"; exit 1; }) &
+jobs+=($!)
 for arch in 61 60; do
   (python tools/nvrtc_ptx.py "$(ls "$CUDA12"/cuda_nvrtc/lib/libnvrtc.so.12)" "$WORK/pascal_kernels.cu" \
      "$WORK/pascal.$arch.ptx" --gpu-architecture=compute_$arch -std=c++17 --use_fast_math -default-device \
