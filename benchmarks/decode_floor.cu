@@ -6,7 +6,7 @@
 // token the 65536th (it attends to the most keys). Rows timed (each the median of 50 launches after 10, L2 flushed
 // before each by a 256 MiB memset; no math, the bytes land in registers or shared memory and are dropped):
 //   stream     the distinct K/V rows' bytes as one contiguous buffer, read by a grid-stride loop of 16-byte loads
-//              (the best of a few grid shapes): what the copy engine's bandwidth gives a launch this short
+//              (the best of a few grid shapes): what the memory gives a launch this short
 //   gather     the rows themselves, each warp streaming 16-row tiles of K and V through its own cp.async pipeline
 //              into shared memory, as csrc/cuda/decode.cu does, over the kernel's shares of each token's keys: the
 //              union of the rows (each read once) and the rows as the decode kernels read them (a branch at a time,
@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <ctime>
 #include <set>
 #include <vector>
 
@@ -193,12 +194,27 @@ int main(int argc, char** argv) {
       timer.median_us([&] { CHECK(cudaMemcpyAsync(v, k, size_t(1) << 30, cudaMemcpyDeviceToDevice)); });
   const double bandwidth = 2.0 * (size_t(1) << 30) / (copy_us * 1e-6);
 
+  int driver = 0, runtime = 0;
+  CHECK(cudaDriverGetVersion(&driver));
+  CHECK(cudaRuntimeGetVersion(&runtime));
+  char date[32];
+  const time_t now = time(nullptr);
+  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
   FILE* json = fopen(out_path, "w");
-  fprintf(json, "{\"device\": \"%s\", \"copy_bandwidth_GBps\": %.0f, \"rows\": [\n", prop.name, bandwidth / 1e9);
+  if (json == nullptr) {
+    fprintf(stderr, "cannot write %s\n", out_path);
+    return 1;
+  }
+  fprintf(json, "{\"date\": \"%s\", \"command\": \"bash benchmarks/run_on_gpu.sh decode_floor\", \"device\": \"%s\", ",
+          date, prop.name);
+  fprintf(json, "\"cuda_driver\": %d, \"cuda_runtime\": %d, \"copy_bandwidth_GBps\": %.0f, \"rows\": [\n", driver,
+          runtime, bandwidth / 1e9);
   printf("device: %s; copy bandwidth %.0f GB/s (read + write)\n", prop.name, bandwidth / 1e9);
   bool first = true;
   // every row's time over the distinct rows' bytes at the copy bandwidth (bench_decode.py's yardstick)
-  const double ideal_us = double(kB) * 12288 * 2 * kD * 2 / bandwidth * 1e6;
+  size_t distinct_rows = 0;
+  for (const auto& rows : attended(kN - 1, true)) distinct_rows += rows.size();
+  const double ideal_us = double(kB) * distinct_rows * 2 * kD * 2 / bandwidth * 1e6;
   auto record = [&](const char* row, double bytes, double us, const char* config) {
     printf("%-34s %6.1f MiB %6.1f us  %.2fx the copy-bandwidth time  (%s)\n", row, bytes / (1 << 20), us, us / ideal_us,
            config);
@@ -209,9 +225,9 @@ int main(int argc, char** argv) {
   };
 
   for (bool once : {true, false}) {
+    const auto rows = attended(kN - 1, once);
     std::vector<std::vector<int64_t>> tokens(kB);
     for (int b = 0; b < kB; ++b) {
-      const auto rows = attended(kN - 1, once);
       for (int kvh = 0; kvh < kHkv; ++kvh) {
         for (int n : rows[kvh]) tokens[b].push_back(((int64_t(b) * kN + n) * kHkv + kvh) * kD);
       }
