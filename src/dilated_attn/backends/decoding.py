@@ -19,7 +19,7 @@ from ..branches import branch_table
 from ..cache_spec import CacheProblem
 from ..spec import Problem
 
-__all__ = ["branch_rows", "workspace", "cuda_decode_refusal", "cuda_decode"]
+__all__ = ["branch_rows", "cache_lengths", "workspace", "cuda_decode_refusal", "cuda_decode"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -31,6 +31,13 @@ def branch_rows(p: Problem, device: torch.device) -> torch.Tensor:
     table = branch_table(w, r, max(w), p.num_heads, p.head_groups)
     rows = [[br.seg_len, br.dilation, br.head_lo, br.head_hi, br.offset_div, br.offset_base] for br in table]
     return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def cache_lengths(cp: CacheProblem, device: torch.device) -> tuple:
+    """(lengths, cache_len) as the decode kernels take cache_seqlens: a tensor of per-batch lengths on `device` and 0,
+    or None and the one int the caller gave."""
+    given = cp.given_seqlens
+    return (given.to(device), 0) if isinstance(given, torch.Tensor) else (None, given)
 
 
 # Each stream's decode workspace, kept between calls: the shares' partial softmaxes, the counters (0 between
@@ -127,8 +134,7 @@ def cuda_decode(q, k_cache, v_cache, k, v, cp: CacheProblem):
                                                     keep=not torch.compiler.is_compiling())
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if cp.return_lse else spare_lse
-    given = cp.given_seqlens
-    lengths, cache_len = (given.to(q.device), 0) if isinstance(given, torch.Tensor) else (None, given)
+    lengths, cache_len = cache_lengths(cp, q.device)
     torch.ops.dilated_attn.decode(q, k_cache, v_cache, k, v, lengths, cache_len, branch_rows(cp.problem, q.device),
                                   cp.problem.scale, out, lse, stats, partial, counters, splits, stages)
     return out, lse if cp.return_lse else None

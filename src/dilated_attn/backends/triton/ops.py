@@ -19,7 +19,7 @@ from torch.library import triton_op, wrap_triton
 from ...branches import branch_table, covers_everything
 from ...hilbert import hilbert_index
 from ..autograd import register_attention_autograd
-from ..decoding import branch_rows, workspace
+from ..decoding import branch_rows, cache_lengths, workspace
 from ..signature import backward_op, forward_op
 from . import block_d, configs, float32_precision, interpreting
 from .bwd import DKDV, DQ, _delta_kernel
@@ -446,8 +446,7 @@ def decode(q, k_cache, v_cache, k, v, cp):
     """dilated_attention_with_kvcache's computation on the Triton backend, the new k, v (where given) written into
     the caches first: (out, lse or None where the call did not ask for it)."""
     branches = branch_rows(cp.problem, q.device)
-    given = cp.given_seqlens
-    lengths, cache_len = (given.to(q.device), 0) if isinstance(given, torch.Tensor) else (None, given)
+    lengths, cache_len = cache_lengths(cp, q.device)
     if torch.compiler.is_compiling():
         return triton_decode(q, k_cache, v_cache, k, v, lengths, cache_len, branches, cp.problem.scale)
     return _decode(q, k_cache, v_cache, k, v, lengths, cache_len, branches, cp.problem.scale, cp.return_lse)
