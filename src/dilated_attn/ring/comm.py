@@ -83,13 +83,16 @@ def _exchange_stream_of(device: torch.device) -> torch.cuda.Stream:
     return _exchange_streams[device]
 
 
-def exchange_stream(device: torch.device):
+def exchange_stream(device: torch.device, after_current: bool = True):
     """A context on the exchange's stream of `device`, after what is queued on the current stream now (the
-    current stream where there is no GPU): a collective posted there waits for no kernel queued after it."""
+    current stream where there is no GPU): a collective posted there waits for no kernel queued after it. With
+    `after_current` False it waits for nothing queued on the current stream either (a collective of tensors no
+    kernel there writes: the configuration check's)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     stream = _exchange_stream_of(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    if after_current:
+        stream.wait_stream(torch.cuda.current_stream(device))
     return torch.cuda.stream(stream)
 
 

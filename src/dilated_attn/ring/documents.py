@@ -103,10 +103,12 @@ class DocumentLayout:
 
 
 # What a row costs in each branch beside its query-key pairs, in pairs: the passes over every row that do not grow
-# with the segment (a kernel's work per query tile, the merges, the gathers of a packed call). With pairs alone, two
-# H200 ranks of equal pairs under fa4 (bench_ring.py's documents preset, P = 2) took 40.3 and 43.8 ms, in proportion
-# to their pairs plus about 870 pairs per row and branch (the rank with more short documents held 13% more rows).
-ROW_COST = 870
+# with the segment (a kernel's work per query tile, the merges, the gathers of a packed call). Two placements of
+# bench_ring.py's documents preset on two H200s under fa4, forward+backward: with pairs alone, ranks of equal pairs
+# took 40.3 and 43.8 ms (the second 32558 rows more); with 870 pairs a row and branch, the rank of 3.2e7 more pairs
+# and 9200 fewer rows took 1.0 ms more (42.9 against 41.9). So a row took 0.109 us and a pair (counted for one
+# head) 62.5 ps: a row costs about 1740 pairs, 435 a branch (4 branches).
+ROW_COST = 435
 
 
 def document_work(n: int, segment_lengths: Optional[Sequence[int]], dilation_rates: Optional[Sequence[int]],

@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 
 from .. import backends, dispatch
-from ..functional import dilated_attention_varlen
 from ..spec import Problem, check_cu_seqlens, check_packed_tensors, host_offsets, lse_dtype, validate
 from .autograd import RingAttention, RingConfig, ring_backward, ring_forward
 from .comm import exchange_stream
@@ -40,15 +39,14 @@ __all__ = ["MODES", "RingCall", "DocumentsRun", "plan_call", "run_documents", "e
 @dataclass(frozen=True)
 class DocumentsRun:
     """A ring_attention call under a DocumentLayout on this rank: its own documents' packed call (the first
-    `own_rows` rows; the longest of them `max_seqlen`; `branches` and `options` as dilated_attention_varlen takes
-    them), and its part of the shared documents' ring, or None where it holds none."""
+    `own_rows` rows: `own_problem`, validated, run by the backend `own_backend`), and its part of the shared
+    documents' ring, or None where it holds none."""
 
     layout: DocumentLayout
     rank: int
     own_rows: int
-    max_seqlen: int
-    branches: tuple
-    options: dict
+    own_problem: Problem
+    own_backend: Optional[backends.Backend]
     ring: Optional[RingConfig]
 
 
@@ -200,7 +198,8 @@ def _documents_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, 
     longest = max((b - a for a, b in zip(local, local[1:])), default=0)
     own_problem = dataclasses.replace(p, seq_len=own, cu_seqlens=layout.offsets_tensor("local", rank, q.device),
                                       max_seqlen=longest)
-    chosen = dispatch.select(own_problem, backend).name if own else ""
+    own_backend = dispatch.select(own_problem, backend) if own else None
+    chosen = own_backend.name if own_backend is not None else ""
     ring, sent = None, 0
     if layout.shared_chunks[rank]:
         gw, gr = (tuple(x) for x in p.op_branches(layout.shared))  # bounded as the shared pack's ring sees them
@@ -215,8 +214,7 @@ def _documents_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, 
         ring = _ring_config(like, plan, rank, gw, gr, head_groups, backend, packed=packed)
         chosen = chosen or ring.backend
         sent = plan.bytes_sent(rank, 1, p.head_dim, p.dtype.itemsize)
-    run = DocumentsRun(layout, rank, own, longest, (w, r), dict(causal=causal, scale=scale, head_groups=head_groups,
-                                                                  backend=backend), ring)
+    run = DocumentsRun(layout, rank, own, own_problem, own_backend, ring)
     documents = sum(b > a for a, b in zip(local, local[1:]))
     reason = (f"layout=DocumentLayout: {documents} documents and pieces whole on this rank ({own} rows, no "
               f"transfer)" + (f", and {q.shape[0] - own} rows of documents shared with other ranks, run as rings "
@@ -342,23 +340,23 @@ def explain_ring(q, k, v, segment_lengths=None, dilation_rates=None, *, causal=F
 
 
 def run_documents(q, k, v, run: DocumentsRun, group, post_check=None):
-    """(out [L, Hq, D], lse [Hq, L]) of this rank's rows `q`, `k`, `v` under run.layout. `post_check()` posts
-    ring_attention's configuration check and returns the call that reads it: posted from the exchange stream before
-    the own documents' call is queued and read after it, so that the host waits for the gather while the GPU
-    computes, and before the shared documents' first transfer."""
+    """(out [L, Hq, D], lse [Hq, L]) of this rank's rows `q`, `k`, `v` under run.layout. The own documents' call is
+    queued first: its kernels wait for no collective and no validation (the kept plan's problem). `post_check()`
+    posts ring_attention's configuration check and returns the call that reads it: posted from the exchange stream
+    beside the own documents' kernels (it reads nothing they write) and read after them, so that the host waits for
+    the gather while the GPU computes, and before the shared documents' first transfer."""
     n = run.own_rows
-    check = None
-    if post_check is not None:
-        with exchange_stream(q.device):
-            check = post_check()
     outs, lses = [], []
     if n:
-        offsets = run.layout.offsets_tensor("local", run.rank, q.device)
-        out, lse = dilated_attention_varlen(q[:n], k[:n], v[:n], offsets, *run.branches, max_seqlen=run.max_seqlen,
-                                            return_lse=True, **run.options)
+        # the rows themselves where they are all its own: a slice's backward would write its gradient into zeros
+        # of the whole shard, three passes over each tensor for nothing
+        own = (q, k, v) if n == q.shape[0] else (q[:n], k[:n], v[:n])
+        out, lse = run.own_backend.forward_varlen(*own, run.own_problem)
         outs.append(out)
         lses.append(lse)
-    if check is not None:
+    if post_check is not None:
+        with exchange_stream(q.device, after_current=False):
+            check = post_check()
         check()
     if run.ring is not None:
         out, lse = RingAttention.apply(q[None, n:], k[None, n:], v[None, n:], run.ring, group, None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -167,32 +167,42 @@ def _gradients(q: torch.Tensor, k: torch.Tensor, stores: bool):
             make(k.shape, dtype=q.dtype, device=q.device))
 
 
-def _run_forward(like: torch.Tensor, stored: list, merged: list) -> None:
-    """A forward's calls: `stored` (each writing its rows of the results) on the caller's stream, and `merged` (pairs
-    of a call writing its part, allocated by the caller on its stream, and the merge of that part into the results)
-    on a second stream beside them, each merge on the caller's stream after the stored calls and its own part. The
-    parts fill the stored calls' last waves and launch gaps, and each merge runs beside the parts after it. One
-    stream where there is no second (_second_stream) or nothing beside the stored calls."""
-    side = _second_stream(like) if stored and merged else None
-    if side is None:
-        for run in stored:
-            run()
-        for run, merge in merged:
-            run()
+class _ForwardLanes:
+    """A forward's calls, each launched as soon as it is made (so that the first kernel waits for one call's host
+    work, not every call's): the stored calls (each writing its rows of the results) on the caller's stream, the
+    merged ones (a call writing a part of its own, merged into the results) on a second stream beside them, and each
+    merge on the caller's stream after every stored call and its own part. The parts fill the stored calls' last
+    waves and launch gaps, and each merge runs beside the parts after it. One stream where there is no second
+    (_second_stream) or nothing beside the stored calls (`beside` False): each merge then follows its part."""
+
+    def __init__(self, like: torch.Tensor, beside: bool):
+        self.side = _second_stream(like) if beside else None
+        self.merges: list = []
+        if self.side is not None:
+            self.main = torch.cuda.current_stream(like.device)
+            self.side.wait_stream(self.main)  # q, k, v and the results' initial values
+
+    def merged(self, make_parts: Callable[[], tuple], run: Callable, merge: Callable) -> None:
+        """A merged call: `make_parts()` makes its part (out, lse), `run(out=, lse=)` writes it, `merge(out, lse)`
+        merges it into the results."""
+        if self.side is None:
+            parts = make_parts()
+            run(out=parts[0], lse=parts[1])
+            merge(*parts)
+            return
+        with torch.cuda.stream(self.side):  # the parts are made there: a fill of theirs runs before the call
+            parts = make_parts()
+            run(out=parts[0], lse=parts[1])
+            ready = self.side.record_event()
+        for part in parts:
+            if part.is_cuda:  # read by the merge on the caller's stream: not reused before it has run
+                part.record_stream(self.main)
+        self.merges.append((ready, functools.partial(merge, *parts)))
+
+    def finish(self) -> None:
+        for ready, merge in self.merges:
+            self.main.wait_event(ready)
             merge()
-        return
-    main = torch.cuda.current_stream(like.device)
-    side.wait_stream(main)
-    ready = []
-    with torch.cuda.stream(side):
-        for run, _ in merged:
-            run()
-            ready.append(side.record_event())
-    for run in stored:
-        run()
-    for event, (_, merge) in zip(ready, merged):
-        main.wait_event(event)
-        merge()
 
 
 def _store(into, outs: torch.Tensor, lses: torch.Tensor) -> None:
@@ -204,6 +214,19 @@ def _store(into, outs: torch.Tensor, lses: torch.Tensor) -> None:
     lses.copy_(part_lse)
 
 
+def _parts(out_shape, dtype, lse_shape, lse_dtype_, device, lse_fill: Optional[float] = None) -> tuple:
+    """A merged call's part (out, lse), uninitialised, or with the LSE filled with `lse_fill`."""
+    part_out = torch.empty(out_shape, dtype=dtype, device=device)
+    part_lse = (torch.empty(lse_shape, dtype=lse_dtype_, device=device) if lse_fill is None else
+                torch.full(lse_shape, lse_fill, dtype=lse_dtype_, device=device))
+    return part_out, part_lse
+
+
+def _merge_step(outs, lses, part_out, part_lse) -> None:
+    """A strided step's part merged into its views of the results (`[b, s, h, d]` as the merge's `[b, h, s, d]`)."""
+    _merge(_bshd(outs), lses, _bshd(part_out), part_lse)
+
+
 @forward_op("fa4_forward")
 def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, scale, head_start=0, global_heads=0):
     q, k, v = aligned(q), aligned(k), aligned(v)
@@ -213,21 +236,19 @@ def fa4_forward(q, k, v, segment_lengths, dilation_rates, split_heads, causal, s
     tensors = (q, k, v, out, lse.transpose(1, 2))  # the plan reads LSEs as [B, N, H]
     s = p.schedule(layouts_of(*tensors), kv_sides("q k v out lse"), MAX_CALL_ELEMENTS)
     options = _forward_options(q, causal)
-    stored, merged = [], []
+    lanes = _ForwardLanes(q, beside=0 < s.stored < s.steps.shape[0])
     for i, (qs, ks, vs, outs, lses) in enumerate(s.views(*tensors)):
         qs, ks, vs, outs = _bshd(qs), _bshd(ks), _bshd(vs), _bshd(outs)  # the LSE stays [b, h, s]
         into = functools.partial(direct.forward, fa, qs, ks, vs, scale, causal, options)
         if i < s.stored:
-            in_place = lses.stride(-1) == 1
-            stored.append(functools.partial(into, out=outs, lse=lses) if in_place else
-                          functools.partial(_store, into, outs, lses))
+            if lses.stride(-1) == 1:
+                into(out=outs, lse=lses)
+            else:
+                _store(into, outs, lses)
             continue
-        part_out = torch.empty(qs.shape[:-1] + vs.shape[-1:], dtype=q.dtype, device=q.device)
-        part_lse = torch.empty(lses.shape, dtype=lse.dtype, device=q.device)
-        # the merge's views are [b, h, s, d]
-        merged.append((functools.partial(into, out=part_out, lse=part_lse),
-                       functools.partial(_merge, _bshd(outs), lses, _bshd(part_out), part_lse)))
-    _run_forward(q, stored, merged)
+        make_parts = functools.partial(_parts, qs.shape[:-1] + vs.shape[-1:], q.dtype, lses.shape, lse.dtype, q.device)
+        lanes.merged(make_parts, into, functools.partial(_merge_step, outs, lses))
+    lanes.finish()
     return out, lse
 
 
@@ -341,6 +362,11 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 0, 2)[None]
 
 
+def _merge_pack_call(outs, lses, part_out, part_lse) -> None:
+    """A packed call's part merged into its views of the results (`[rows, heads, D]` and `[heads, rows]`)."""
+    _merge(_heads_first(outs), lses[None], _heads_first(part_out), part_lse[None])
+
+
 def _lengths(call: PackCall, metadata: torch.Tensor) -> dict:
     """FlashAttention's varlen arguments of the call: its runs' starts in the view, and their lengths where the view
     has rows between them."""
@@ -362,23 +388,21 @@ def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilatio
     plan, metadata = pack.plan, pack.metadata
     out, lse = _results(q, (q.shape[1], q.shape[0]), plan.first_stores)
     options = _forward_options(q, causal)
-    stored, merged = [], []
+    stores = plan.first_stores and bool(plan.calls) and bool(plan.calls[0])
+    lanes = _ForwardLanes(q, beside=stores and any(plan.calls[1:]))
     for i, calls in enumerate(plan.calls):
         for call in calls:
             run = functools.partial(direct.forward, fa, _pack_view(q, call), _pack_view(k, call, True),
                                     _pack_view(v, call, True), scale, causal, options, **_lengths(call, metadata))
             outs, lses = _pack_view(out, call), _pack_lse_view(lse, call)
             if i == 0 and plan.first_stores:  # every row of the pack once: written in place
-                stored.append(functools.partial(run, out=outs, lse=lses))
+                run(out=outs, lse=lses)
                 continue
-            part_out = torch.empty(outs.shape, dtype=q.dtype, device=q.device)
             # the rows between runs keep an LSE of -inf, which the merge passes over (their part_out is not read)
-            part_lse = (torch.full((call.n_heads, call.rows), float("-inf"), dtype=lse.dtype, device=q.device)
-                        if call.used else torch.empty((call.n_heads, call.rows), dtype=lse.dtype, device=q.device))
-            merged.append((functools.partial(run, out=part_out, lse=part_lse),
-                           functools.partial(_merge, _heads_first(outs), lses[None], _heads_first(part_out),
-                                             part_lse[None])))
-    _run_forward(q, stored, merged)
+            make_parts = functools.partial(_parts, outs.shape, q.dtype, (call.n_heads, call.rows), lse.dtype,
+                                           q.device, float("-inf") if call.used else None)
+            lanes.merged(make_parts, run, functools.partial(_merge_pack_call, outs, lses))
+    lanes.finish()
     return pack.gather(out), pack.gather(lse, 1)
 
 
