@@ -19,6 +19,18 @@ GPU counts give e and s (two equations), so the model reproduces both runs, exce
 negative: then s = 0 and e is the mean of the two (the table prints how closely it reproduces them). The 2-D mode,
 measured at one size only (2 x 2), takes the ring's and the heads mode's waits and fits e.
 
+Packs placed whole (`--documents`: bench_ring.py's JSON of the documents mode, strong or weak, at one or more GPU
+counts) move no bytes where no document is shared, so a call on P ranks is the busiest rank's share of the work:
+
+    TP(P) = T1/P * balance(P) * (1 + e) + c
+
+balance(P) the busiest rank's work over the mean in place_documents' layout of the pack on P ranks (its work
+includes ROW_COST), e the work a rank does beyond its share (merges, smaller launches), c a call's fixed time (the
+host's before the first kernel), both fitted over the GPU counts given (from one count: c = 0, e all of it).
+Strong scaling keeps the run's pack; weak scaling draws bench_ring.documents(P * tokens a GPU) for each P, T1/P then
+one GPU's time for a rank's share of that pack's work. The transfers of documents shared by rings (where one's work
+exceeds a rank's share and no cut avoids its segments) are not counted: the table gives their share of the rows.
+
 Projected: strong scaling at P = 8 (one node), 16 and 64 (nodes of 8 GPUs): NVLink 450 GB/s inside a node, 50 GB/s a
 GPU between nodes (8 x 50 GB/s a node). A transfer that spans nodes runs at the slower link for its bytes that
 cross. heads needs Hq % P == 0 (16 heads: P <= 16); 2d runs heads inside a node and the ring across nodes.
@@ -30,11 +42,14 @@ backward; benchmarks/README.md), the H200 calibration's e and s, at sizes that f
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
 import torch
+from bench_ring import documents
 
+from dilated_attn import place_documents
 from dilated_attn.cli.measure import flops
 from dilated_attn.ring import ring_plan
 from dilated_attn.ring.comm import RingComm
@@ -204,9 +219,75 @@ def gtx1080(row, fit: dict, name: str, P: int = 2) -> dict:
     return dict(t1_ms=t1, tp_ms=tp, efficiency=t1 / (P * tp))
 
 
+def placement(lengths: list[int], row, P: int) -> tuple[float, float, float]:
+    """(the busiest rank's work over the mean, the share of rows shared by rings, the pack's work) of the pack
+    `lengths` placed on P ranks for the row's branches."""
+    w, r = (None, None) if not row["branches"] else _branches(row)
+    layout = place_documents([0, *itertools.accumulate(lengths)], w, r, causal=row["causal"], num_ranks=P)
+    return max(layout.work) * P / sum(layout.work), layout.shared / layout.total, sum(layout.work)
+
+
+def _pack(row, P: int) -> list[int]:
+    """The row's pack at P ranks: its own lengths (strong scaling), or the documents preset's draw of P times its
+    tokens a GPU (weak)."""
+    return documents(P * row["t1_N"]) if row["N"] != row["t1_N"] else row["lengths"]
+
+
+def calibrate_documents(runs: list[dict]) -> dict:
+    """{(preset, "strong" or "weak", pass): dict(e=, c=, ideal=, reproduced={P: (measured, model)})} of the
+    documents mode's rows. A run's ideal time is TP * efficiency (T1/P; weak: one GPU's time for a rank's share of
+    the work); TP = ideal * balance * (1 + e) + c, fitted over the runs' GPU counts (c = 0 from one count).
+    `ideal(P)` gives the ideal time at other counts (weak: in proportion to a rank's share of the drawn pack's
+    work)."""
+    found: dict = {}
+    for data in runs:
+        for row in data["results"]:
+            if row["mode"] == "documents":
+                found.setdefault((row["preset"], "weak" if row["N"] != row["t1_N"] else "strong"), []).append(row)
+    fitted = {}
+    for (preset, kind), rows in sorted(found.items()):
+        placed = {row["P"]: placement(_pack(row, row["P"]), row, row["P"]) for row in rows}
+        for name, _ in PASSES:
+            points = [(row["P"], row[f"tp_{name}_ms"] * row[f"efficiency_{name}"], row[f"tp_{name}_ms"])
+                      for row in sorted(rows, key=lambda x: x["P"])]
+            xs = [ideal * placed[P][0] for P, ideal, _ in points]
+            ys = [tp for _, _, tp in points]
+            if len(points) == 1:
+                e, c = ys[0] / xs[0] - 1, 0.0
+            else:  # least squares of y = x (1 + e) + c
+                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+                slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+                e, c = slope - 1, my - slope * mx
+            P0, ideal0, _ = points[0]
+            row0 = next(row for row in rows if row["P"] == P0)
+            work0 = placed[P0][2]
+
+            def ideal(P, P0=P0, ideal0=ideal0, row0=row0, work0=work0, kind=kind):
+                if kind == "strong":
+                    return ideal0 * P0 / P
+                return ideal0 * (placement(_pack(row0, P), row0, P)[2] / P) / (work0 / P0)
+
+            fit = dict(e=e, c=c, ideal=ideal, row=row0)
+            fit["reproduced"] = {P: (tp and ideal_p / tp, ideal_p / (ideal_p * placed[P][0] * (1 + e) + c))
+                                 for P, ideal_p, tp in points}
+            fitted[(preset, kind, name)] = fit
+    return fitted
+
+
+def project_documents(fit: dict, P: int) -> dict:
+    """The documents mode's efficiency on P ranks, the layout's balance and the rows shared by rings."""
+    row = fit["row"]
+    balance, shared, _ = placement(_pack(row, P), row, P)
+    ideal = fit["ideal"](P)
+    return dict(efficiency=ideal / (ideal * balance * (1 + fit["e"]) + fit["c"]), balance=balance,
+                shared_rows=shared)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs=2, help="bench_ring.py JSON (strong scaling) at two GPU counts")
+    ap.add_argument("--documents", nargs="+", default=[], metavar="JSON",
+                    help="bench_ring.py JSON with documents-mode rows (packs placed whole), strong or weak")
     ap.add_argument("--gpus", default="8,16,64")
     ap.add_argument("--out", default=None, help="JSON path (default: results/ring_model_<device>.json)")
     args = ap.parse_args(argv)
@@ -257,11 +338,36 @@ def main(argv=None) -> None:
         report["gtx1080_2gpu"][f"{preset}/{mode}/N={N}"] = res
         print(f"  {preset} N={N} {mode}: {res['fwd_bwd']['efficiency']:.1%} / {res['fwd']['efficiency']:.1%} "
               f"(T1 {res['fwd_bwd']['t1_ms']:.0f} / {res['fwd']['t1_ms']:.0f} ms)")
+    if args.documents:
+        documents_report(args.documents, [int(x) for x in args.gpus.split(",")], report)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.results[0])),
                                    f"ring_model_{runs[0]['device']['name'].replace(' ', '_')}.json")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"written: {out}")
+
+
+def documents_report(paths: list[str], gpus: list[int], report: dict) -> None:
+    """The documents mode's fits and projections, printed and into `report` ("documents")."""
+    fitted = calibrate_documents([json.load(open(path)) for path in paths])
+    report["documents"] = dict(sources=[os.path.basename(p) for p in paths], fits={}, projected={})
+    print("packs placed whole (documents mode): e (work per rank beyond its share), c (ms a call beyond it); "
+          "efficiency measured / model")
+    for (preset, kind, name), fit in fitted.items():
+        shown = ", ".join(f"P={P}: {m:.1%} / {x:.1%}" for P, (m, x) in fit["reproduced"].items())
+        print(f"  {preset}/{kind}/{name}: e {fit['e']:.3f}, c {fit['c']:.3f}; {shown}")
+        report["documents"]["fits"][f"{preset}/{kind}/{name}"] = dict(e=fit["e"], c=fit["c"], reproduced={
+            str(P): dict(measured=m, model=x) for P, (m, x) in fit["reproduced"].items()})
+    print("projected, efficiency fwd+bwd / fwd (the layout's busiest rank over the mean; rows shared by rings):")
+    for preset, kind in sorted({(p, k) for p, k, _ in fitted}):
+        cells = []
+        for P in gpus:
+            out = {name: project_documents(fitted[(preset, kind, name)], P) for name, _ in PASSES}
+            report["documents"]["projected"].setdefault(f"{preset}/{kind}", {})[P] = out
+            one = out["fwd"]
+            cells.append(f"P={P}: {out['fwd_bwd']['efficiency']:.1%} / {one['efficiency']:.1%} ({one['balance']:.3f}x"
+                         + (f", {one['shared_rows']:.0%} shared" if one["shared_rows"] else "") + ")")
+        print(f"  {preset}/{kind}: " + "; ".join(cells))
 
 
 if __name__ == "__main__":

@@ -130,3 +130,43 @@ def test_gpu_state_reads_nvidia_smi_by_uuid(monkeypatch):
                        dict(sm_clock_mhz=1800.0, power_w=550.0)]
     assert sampler.summary() == {"sm_clock_mhz": 1800.0, "power_w": 550.0, "clock_event_reasons": "0x24",
                                  "samples": 3}
+
+
+def _ring_model(monkeypatch):
+    """benchmarks/ring_model.py as a module (it imports bench_ring beside it)."""
+    import importlib.util
+    import os
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    monkeypatch.syspath_prepend(here)
+    spec = importlib.util.spec_from_file_location("ring_model", os.path.join(here, "ring_model.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ring_model_fits_packs_placed_whole(monkeypatch):
+    """ring_model's documents fit: from runs made by its own form (TP = T1/P * balance * (1 + e) + c) at two GPU
+    counts it recovers e and c and reproduces both; from one count c is 0 and the run is reproduced; a projection
+    never beats the layout's balance."""
+    rm = _ring_model(monkeypatch)
+    lengths = [1024, 16384, 2048, 12288, 4096, 9216, 15360, 3072, 6144, 11264, 8192, 13312, 5120, 7168, 10240, 6144]
+    base = dict(preset="packed", mode="documents", N=sum(lengths), t1_N=sum(lengths), causal=False, lengths=lengths,
+                branches=[[2048, 1], [4096, 2], [8192, 4], [16384, 8]])
+    t1, e, c = 25.0, 0.05, 0.3
+    runs = []
+    for P in (2, 4):
+        balance = rm.placement(lengths, base, P)[0]
+        tp = t1 / P * balance * (1 + e) + c
+        row = dict(base, P=P, **{f"tp_{n}_ms": tp for n, _ in rm.PASSES},
+                   **{f"efficiency_{n}": t1 / (P * tp) for n, _ in rm.PASSES})
+        runs.append(dict(results=[row]))
+    fit = rm.calibrate_documents(runs)[("packed", "strong", "fwd")]
+    assert fit["e"] == pytest.approx(e) and fit["c"] == pytest.approx(c)
+    assert all(m == pytest.approx(x) for m, x in fit["reproduced"].values()) and set(fit["reproduced"]) == {2, 4}
+    one = rm.calibrate_documents(runs[:1])[("packed", "strong", "fwd_bwd")]
+    assert one["c"] == 0 and all(m == pytest.approx(x) for m, x in one["reproduced"].values())
+    for P in (2, 8, 16):
+        out = rm.project_documents(fit, P)
+        assert out["balance"] >= 1 and out["efficiency"] <= 1 / (out["balance"] * (1 + e)) + 1e-12
+        assert 0 <= out["shared_rows"] <= 1
