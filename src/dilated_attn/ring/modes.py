@@ -346,11 +346,13 @@ def run_documents(q, k, v, run: DocumentsRun, group, post_check=None):
     beside the own documents' kernels (it reads nothing they write) and read after them, so that the host waits for
     the gather while the GPU computes, and before the shared documents' first transfer."""
     n = run.own_rows
+    if n and run.ring is not None:  # one split, whose backward joins the two parts' gradients in one pass (slices'
+        # would each write theirs into zeros of the whole shard, then add the two)
+        own, shared = zip(*(x.split([n, x.shape[0] - n]) for x in (q, k, v)))
+    else:  # all its own or all shared: the rows as they are
+        own = shared = (q, k, v)
     outs, lses = [], []
     if n:
-        # the rows themselves where they are all its own: a slice's backward would write its gradient into zeros
-        # of the whole shard, three passes over each tensor for nothing
-        own = (q, k, v) if n == q.shape[0] else (q[:n], k[:n], v[:n])
         out, lse = run.own_backend.forward_varlen(*own, run.own_problem)
         outs.append(out)
         lses.append(lse)
@@ -359,7 +361,7 @@ def run_documents(q, k, v, run: DocumentsRun, group, post_check=None):
             check = post_check()
         check()
     if run.ring is not None:
-        out, lse = RingAttention.apply(q[None, n:], k[None, n:], v[None, n:], run.ring, group, None)
+        out, lse = RingAttention.apply(*(x[None] for x in shared), run.ring, group, None)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:  # a rank without rows (fewer rows than ranks): empty results, of q's, k's and v's graph still
