@@ -234,11 +234,9 @@ def _pack(row, P: int) -> list[int]:
 
 
 def calibrate_documents(runs: list[dict]) -> dict:
-    """{(preset, "strong" or "weak", pass): dict(e=, c=, ideal=, reproduced={P: (measured, model)})} of the
-    documents mode's rows. A run's ideal time is TP * efficiency (T1/P; weak: one GPU's time for a rank's share of
-    the work); TP = ideal * balance * (1 + e) + c, fitted over the runs' GPU counts (c = 0 from one count).
-    `ideal(P)` gives the ideal time at other counts (weak: in proportion to a rank's share of the drawn pack's
-    work)."""
+    """{(preset, "strong" or "weak", pass): dict(e=, c=, reproduced={P: (measured, model)}, ...)} of the documents
+    mode's rows. A run's ideal time is TP * efficiency (T1/P; weak: one GPU's time for a rank's share of the work);
+    TP = ideal * balance * (1 + e) + c, fitted over the runs' GPU counts (c = 0 from one count)."""
     found: dict = {}
     for data in runs:
         for row in data["results"]:
@@ -259,26 +257,23 @@ def calibrate_documents(runs: list[dict]) -> dict:
                 slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
                 e, c = slope - 1, my - slope * mx
             P0, ideal0, _ = points[0]
-            row0 = next(row for row in rows if row["P"] == P0)
-            work0 = placed[P0][2]
-
-            def ideal(P, P0=P0, ideal0=ideal0, row0=row0, work0=work0, kind=kind):
-                if kind == "strong":
-                    return ideal0 * P0 / P
-                return ideal0 * (placement(_pack(row0, P), row0, P)[2] / P) / (work0 / P0)
-
-            fit = dict(e=e, c=c, ideal=ideal, row=row0)
-            fit["reproduced"] = {P: (tp and ideal_p / tp, ideal_p / (ideal_p * placed[P][0] * (1 + e) + c))
+            fit = dict(e=e, c=c, kind=kind, row=next(row for row in rows if row["P"] == P0), P0=P0, ideal0=ideal0,
+                       work0=placed[P0][2])
+            fit["reproduced"] = {P: (ideal_p / tp, ideal_p / (ideal_p * placed[P][0] * (1 + e) + c))
                                  for P, ideal_p, tp in points}
             fitted[(preset, kind, name)] = fit
     return fitted
 
 
 def project_documents(fit: dict, P: int) -> dict:
-    """The documents mode's efficiency on P ranks, the layout's balance and the rows shared by rings."""
+    """The documents mode's efficiency on P ranks, the layout's balance and the rows shared by rings. The ideal time
+    at P: T1/P (strong), or in proportion to a rank's share of the pack drawn for P (weak)."""
     row = fit["row"]
-    balance, shared, _ = placement(_pack(row, P), row, P)
-    ideal = fit["ideal"](P)
+    balance, shared, work = placement(_pack(row, P), row, P)
+    if fit["kind"] == "strong":
+        ideal = fit["ideal0"] * fit["P0"] / P
+    else:
+        ideal = fit["ideal0"] * (work / P) / (fit["work0"] / fit["P0"])
     return dict(efficiency=ideal / (ideal * balance * (1 + fit["e"]) + fit["c"]), balance=balance,
                 shared_rows=shared)
 
