@@ -227,10 +227,15 @@ def placement(lengths: list[int], row, P: int) -> tuple[float, float, float]:
     return max(layout.work) * P / sum(layout.work), layout.shared / layout.total, sum(layout.work)
 
 
+def _weak(row) -> bool:
+    """Whether a bench_ring row is weak scaling (its T1 ran on one GPU's tokens, not the whole N)."""
+    return row["N"] != row["t1_N"]
+
+
 def _pack(row, P: int) -> list[int]:
     """The row's pack at P ranks: its own lengths (strong scaling), or the documents preset's draw of P times its
     tokens a GPU (weak)."""
-    return documents(P * row["t1_N"]) if row["N"] != row["t1_N"] else row["lengths"]
+    return documents(P * row["t1_N"]) if _weak(row) else row["lengths"]
 
 
 def calibrate_documents(runs: list[dict]) -> dict:
@@ -241,7 +246,7 @@ def calibrate_documents(runs: list[dict]) -> dict:
     for data in runs:
         for row in data["results"]:
             if row["mode"] == "documents":
-                found.setdefault((row["preset"], "weak" if row["N"] != row["t1_N"] else "strong"), []).append(row)
+                found.setdefault((row["preset"], "weak" if _weak(row) else "strong"), []).append(row)
     fitted = {}
     for (preset, kind), rows in sorted(found.items()):
         placed = {row["P"]: placement(_pack(row, row["P"]), row, row["P"]) for row in rows}
