@@ -24,7 +24,8 @@ Providers (each measured in the same process, on the same inputs):
                               dense cuDNN SDPA / FlashAttention-4 over sequences of the first segment length
                               (the first branch's shape alone, where its dilation is 1): the kernels' ceiling;
                               with segments_fa4, each row gives its rate as a fraction of that one's
-                              (of_segments_fa4_rate: the same kernel's dense rate on the same work)
+                              (of_segments_fa4_rate: the same kernel's dense rate on the same work; with
+                              --rounds > 1 also of_segments_fa4_rate_by_round, the median of each round's ratio)
 The device's fp32 FMA peak is measured first (the CUDA kernels' yardstick: they use no tensor cores), and
 every row also gives its fraction of it. Times are medians over --repeats runs after --warmup runs
 (dilated_attn.cli.measure.median_ms: CUDA events, L2 flushed before each run), after a few seconds of load that
@@ -297,23 +298,32 @@ def main(argv=None):
                     del rounds[name]
                     torch.cuda.empty_cache()
             dense_rate = None  # the rate of FlashAttention-4's kernel over the first branch's shape alone
-            for name, samples in sorted(rounds.items(), key=lambda item: item[0] != "segments_fa4"):
-                ms = statistics.median(samples)
+            dense_rounds: list = []  # ... in each round
+
+            def rate_of(name: str, ms: float) -> float:
                 if name == "dense_cudnn" or name.startswith("segments_"):  # all N x n scores, not the branches'
                     n = N if name == "dense_cudnn" else segs[0]
-                    rate = 4.0 * N * n * args.heads * args.dim * (0.5 if causal else 1) * (3.5 if backward else 1)
-                    rate /= ms * 1e9
-                else:
-                    rate = tflops(problem, ms, backward)
+                    work = 4.0 * N * n * args.heads * args.dim * (0.5 if causal else 1) * (3.5 if backward else 1)
+                    return work / (ms * 1e9)
+                return tflops(problem, ms, backward)
+
+            for name, samples in sorted(rounds.items(), key=lambda item: item[0] != "segments_fa4"):
+                ms = statistics.median(samples)
+                rate = rate_of(name, ms)
                 row = dict(N=N, kv_heads=kv_heads, segment_lengths=segs, dilation_rates=dils, causal=causal,
                            provider=name, mode=mode,
                            median_ms=ms, tflops=rate, extra_memory_gib=extra[name] / 2**30,
                            working_memory_gib=(extra[name] - results_bytes(inputs, backward)) / 2**30,
                            fraction_of_fp32_peak=rate / peak, host_ms=host[name])
                 if name == "segments_fa4":
-                    dense_rate = rate
+                    dense_rate, dense_rounds = rate, [rate_of(name, t) for t in samples]
                 elif dense_rate is not None:
                     row["of_segments_fa4_rate"] = rate / dense_rate
+                    if len(samples) > 1 and len(samples) == len(dense_rounds):
+                        # each round's rate against segments_fa4's in the same round (in_turn times them one after
+                        # the other): the GPU's clock drifts by a few percent between rounds, less within one
+                        row["of_segments_fa4_rate_by_round"] = statistics.median(
+                            rate_of(name, t) / d for t, d in zip(samples, dense_rounds))
                 if args.rounds > 1:
                     row["round_medians_ms"] = samples
                 if args.gpu_state:
@@ -325,7 +335,9 @@ def main(argv=None):
                     f"  extra {row['extra_memory_gib']:.2f} GiB (working {row['working_memory_gib']:.2f})"
                     f"  host {row['host_ms']:.3f} ms"
                     + (f"  {100 * row['of_segments_fa4_rate']:.1f}% of segments_fa4's rate"
-                       if "of_segments_fa4_rate" in row else ""))
+                       if "of_segments_fa4_rate" in row else "")
+                    + (f" ({100 * row['of_segments_fa4_rate_by_round']:.1f}% the median of the rounds' ratios)"
+                       if "of_segments_fa4_rate_by_round" in row else ""))
                 if args.gpu_state:
                     say(f"{where} {name:>20} {mode:>7}: by round, ms / SM MHz / W / event reasons: " + ", ".join(
                         f"{t:.2f} / {st.get('sm_clock_mhz', '?')} / {st.get('power_w', '?')} / "
