@@ -298,7 +298,7 @@ def main(argv=None):
                     del rounds[name]
                     torch.cuda.empty_cache()
             dense_rate = None  # the rate of FlashAttention-4's kernel over the first branch's shape alone
-            dense_rounds: list = []  # ... in each round
+            dense_rounds: list = []  # that rate in each round
 
             def rate_of(name: str, ms: float) -> float:
                 if name == "dense_cudnn" or name.startswith("segments_"):  # all N x n scores, not the branches'
