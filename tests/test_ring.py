@@ -1249,3 +1249,24 @@ def test_ranks_that_differ_are_named_plainly():
     assert str(error) == ("ring_attention: every rank of the group must pass the same "
                           "segment_lengths/dilation_rates/cu_seqlens, but rank 1 of the group passes another than "
                           "its rank 0")
+
+
+@pytest.mark.parametrize("P, Hkv, mode", [(2, 4, "ring"), (2, 1, "ring"), (4, 4, "heads")])
+def test_auto_takes_the_mode_that_sends_fewer_bytes_and_the_ring_on_a_tie(P, Hkv, mode):
+    """Dense causal zigzag shards: at P = 2 with as many kv heads as query heads the all-to-all sends what the ring
+    sends (each rank's K/V once), and auto keeps the ring; with one kv head the ring sends less, at P = 4 (4 heads)
+    the all-to-all."""
+    from dilated_attn.ring.layout import Groups
+    from dilated_attn.ring.modes import plan_call
+
+    q = torch.randn(1, 64, 4, 8)
+    kv = torch.randn(1, 64, Hkv, 8)
+    call = plan_call(q, kv, kv, None, None, causal=True, scale=None, head_groups="all", layout="zigzag",
+                     return_lse=False, backend="auto", mode="auto", groups=Groups((None,), (0,), (P,), P, 0))
+    sent = call.bytes_per_rank
+    assert call.mode == mode
+    if mode == "ring":
+        assert sent["ring"] <= sent["heads"] and call.reason == "it sends no more bytes than heads"
+        assert (sent["ring"] == sent["heads"]) == (Hkv == 4)
+    else:
+        assert sent["heads"] < sent["ring"] and call.reason == "it sends fewer bytes than ring"

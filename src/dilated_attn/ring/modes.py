@@ -5,8 +5,8 @@
     heads   an all-to-all trades each rank's sequence shard for a share of the heads (heads.py): Hq % P == 0,
             traffic per rank about 2(Hq + P*hkv)/P of the shard's rows, no merge.
     2d      heads inside the inner group, ring across the outer group (a 2-D DeviceMesh or a pair of groups).
-    auto    2d for a mesh or a pair; else whichever of ring and heads sends fewer bytes per rank (heads only where
-            it can run).
+    auto    2d for a mesh or a pair; else whichever of ring and heads sends fewer bytes per rank (the ring on a
+            tie; heads only where it can run).
 
 Packed sequences (`cu_seqlens`) run in every mode. In the heads mode each rank's share of the heads holds the whole
 pack, on which the single-device backends run dilated_attention_varlen's packed kernels; in the ring (and the 2-D
@@ -158,7 +158,7 @@ def plan_call(q, k, v, segment_lengths, dilation_rates, *, causal, scale, head_g
     heads_wins = share is not None and (packed is not None or sent["heads"] < ring_bytes)
     if mode == "ring" or (mode == "auto" and not heads_wins):
         reason = ("asked for" if mode == "ring" else
-                  f"heads cannot run ({why_not})" if share is None else "it sends fewer bytes than heads")
+                  f"heads cannot run ({why_not})" if share is None else "it sends no more bytes than heads")
         cfg = _ring_config(p, plan, rank, gw, gr, head_groups, backend, packed=packed)
         return RingCall("ring", reason, p, (gw, gr), cfg.backend, sent, ring=cfg)
     reason = ("asked for" if mode == "heads" else "packed sequences run whole in the heads mode" if packed
