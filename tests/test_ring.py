@@ -614,8 +614,31 @@ def _document_cases(P: int) -> list:
     return cases
 
 
+def _early(case, rank):
+    """A case compared with the reference (_compare_f64) while the forward's order is logged: the configuration
+    check's post and read, and each block's query columns and whether its keys are the rank's own."""
+    import dilated_attn.ring.autograd as ring_autograd
+    import dilated_attn.ring.check as ring_check
+
+    log = []
+    block, post, read = ring_autograd.block_forward, ring_check._post_config, ring_check.check_same_config
+
+    def logged_block(ops, q, k, *args, **kw):
+        log.append(["block", q.shape[2]])
+        return block(ops, q, k, *args, **kw)
+
+    ring_autograd.block_forward = logged_block
+    ring_check._post_config = lambda *a, **kw: log.append(["check posted"]) or post(*a, **kw)
+    ring_check.check_same_config = lambda *a, **kw: log.append(["check read"]) or read(*a, **kw)
+    try:
+        errors = _compare_f64(case, rank)
+    finally:
+        ring_autograd.block_forward, ring_check._post_config, ring_check.check_same_config = block, post, read
+    return {"errors": errors, "log": log}
+
+
 JOBS = {"compare_f64": _compare_f64, "mismatch": _mismatch, "die": _die, "jitter": _jitter, "bad_rank": _bad_rank,
-        "twice": _twice, "release": _release}
+        "twice": _twice, "release": _release, "early": _early}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -766,6 +789,24 @@ def test_result_does_not_depend_on_arrival_order(tmp_path):
     cases = [dict(name="dense causal zigzag", shape=(1, 24, 4, 2, 3), causal=True, layout="zigzag"),
              dict(name="spanning", shape=(2, 24, 4, 2, 3), w=[6, 24], r=[2, 3], causal=True)]
     _check(_spawn(4, "gloo", "jitter", cases, tmp_path), cases)
+
+
+def test_dense_forward_computes_while_the_check_is_read(tmp_path):
+    """Dense attention has no local branches to compute while the host waits for the configuration check: the first
+    quarter of the own block's heads runs between the check's post and its read (exactly: _early_heads), the rest
+    after it; GQA keeps each kv head with its query heads, MQA splits the query heads."""
+    cases = [dict(name="dense causal zigzag", shape=(2, 16, 8, 8, 3), causal=True, layout="zigzag"),
+             dict(name="dense, GQA", shape=(1, 16, 8, 4, 3)), dict(name="dense causal, MQA", shape=(1, 16, 4, 1, 3),
+                                                                  causal=True)]
+    results = _spawn(2, "gloo", "early", cases, tmp_path)
+    for rank, per_rank in enumerate(results):
+        for case, res in zip(cases, per_rank):
+            assert res.get("errors") == {}, (rank, case["name"], res)
+            H = case["shape"][2]
+            # the query columns first: 8 kv heads of 8 query heads, 2 of them; 4 of 8, one with its 2; 1 of 4, 1
+            first = {8: 2, 4: 2, 1: 1}[case["shape"][3]]
+            assert res["log"][:4] == [["check posted"], ["block", first], ["check read"], ["block", H - first]], (
+                rank, case["name"], res["log"])
 
 
 def test_one_process_is_dilated_attention():

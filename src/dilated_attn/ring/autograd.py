@@ -344,6 +344,21 @@ def _prepare_exchange(cfg: RingConfig, group, q, k, v) -> _KVExchange:
     return _KVExchange(comm, Exchanged(rows, kc, vc, True, joined, buffers, {}), (send_k, send_v), copies)
 
 
+def _early_heads(group: int, q_columns: int, kv_columns: int) -> Optional[tuple[tuple[slice, slice], ...]]:
+    """The columns (query, kv) of about the first quarter of a block's heads and of the rest, each a block of its
+    own (query column i reads kv column i // group), or None where there is one query column. A quarter of the own
+    block of a dense call (N = 65536 on 2 to 4 GPUs) outlasts the host's time from the check to the first block
+    after the posts (0.3-0.9 ms on H200 hosts), and the other three quarters outlast step 1's transfer, which starts
+    when that quarter ends (a transfer queued while an attention kernel runs starts at that kernel's tail)."""
+    if kv_columns >= 2:  # whole kv columns with their query columns
+        m = max(1, kv_columns // 4)
+        return (slice(0, m * group), slice(0, m)), (slice(m * group, None), slice(m, None))
+    if q_columns >= 2:  # one kv column, read by both parts
+        m = max(1, q_columns // 4)
+        return (slice(0, m), slice(None)), (slice(m, None), slice(None))
+    return None
+
+
 def ring_forward(q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[[], Callable[[], None]]] = None):
     """(out, lse, the Exchanged rows for ring_backward) of this rank's shard (`group`: the ring's process group):
     the local branches, then every head stack's blocks.
@@ -374,28 +389,44 @@ def ring_forward(q, k, v, cfg: RingConfig, group, post_check: Optional[Callable[
            (torch.zeros(x.shape, dtype=q.dtype, device=q.device),
             torch.full((B, x.shape[2], x.shape[1]), -math.inf, dtype=lse_type, device=q.device))
            for cp, x in zip(rows, qc)]
+
+    def blocks_of(src: int) -> list:  # the blocks of src's keys, but the joined ones (run together at the end)
+        return [task for task in plan.tasks[rank][src] if not (task.stack in joined and not task.causal)]
+
+    def run_block(task, keys, values, columns=(slice(None), slice(None))):  # columns: (query, kv) of the stack
+        (s, qs, ks), (q_cols, kv_cols) = _task_slices(task), columns
+        block_forward(ops, qc[s][:, qs, q_cols], keys[s][:, ks, kv_cols], values[s][:, ks, kv_cols], task.causal,
+                      scale, acc[s][0][:, qs, q_cols], acc[s][1][:, q_cols, qs], task.seg_len)
+
+    own = blocks_of(rank)
+    # Where nothing computes before the transfers are posted (no local branches or runs: dense attention), the
+    # first own block's first heads run while the host waits for the check and posts (_early_heads); posted after
+    # them, the check's gather would wait for their kernel to end.
+    early = (_early_heads(plan.stacks[own[0].stack].group, qc[own[0].stack].shape[2], kc[own[0].stack].shape[2])
+             if post_check is not None and own and not plan.local_branches and not plan.runs[rank] else None)
     if post_check is not None:
         with comm.exchange_stream():
             check = post_check()
+        if early is not None:
+            run_block(own[0], kc, vc, early[0])
         check()
     step = ex.post()
     received = {}
     for t in range(plan.P):
-        src = (rank - t) % plan.P
         if t == 0:
-            keys, values = kc, vc
+            keys, values, tasks = kc, vc, own
+            if early is not None:
+                run_block(own[0], kc, vc, early[1])
+                tasks = own[1:]
         else:
             keys, values = received[t] = comm.received_kv(step, t)
             if not eager:
                 step = comm.post_kv(t + 1, kc, vc)
                 if t < plan.P - 1:
                     del received[t]
-        for task in plan.tasks[rank][src]:
-            if task.stack in joined and not task.causal:
-                continue
-            s, qs, ks = _task_slices(task)
-            block_forward(ops, qc[s][:, qs], keys[s][:, ks], values[s][:, ks], task.causal, scale,
-                          acc[s][0][:, qs], acc[s][1][:, :, qs], task.seg_len)
+            tasks = blocks_of((rank - t) % plan.P)
+        for task in tasks:
+            run_block(task, keys, values)
     for s, j in joined.items():
         block_forward(ops, qc[s][:, j.q], buffers[s][0], buffers[s][1], False, scale, acc[s][0][:, j.q],
                       acc[s][1][:, :, j.q])
