@@ -57,6 +57,7 @@ class RowSet:
             self.all_rows = torch.stack(rows, 1).to(device)  # [n, columns]
             self.all_heads = torch.tensor(heads, dtype=torch.long, device=device)
             self.rows, self.heads = self.all_rows[:, self.unique], self.all_heads[self.unique]
+            self._indices: dict = {}  # (batch, every column) -> _index's tensors
 
     @property
     def is_view(self) -> bool:
@@ -73,14 +74,19 @@ class RowSet:
                             (sb, step * sl, column_rows * sl + column_heads * sh, *rest),
                             x.storage_offset() + first * sl + head0 * sh)
 
-    def _index(self, B: int, device, every_column: bool = False):
-        rows, heads = (self.all_rows, self.all_heads) if every_column else (self.rows, self.heads)
-        return (torch.arange(B, device=device).view(B, 1, 1), rows.unsqueeze(0), heads.view(1, 1, -1))
+    def _index(self, B: int, every_column: bool = False):
+        """The pairs as an index of a `[B, L, H, ...]` tensor, made once (the set is kept with its plan): no
+        kernel of its own on each call."""
+        if (B, every_column) not in self._indices:
+            rows, heads = (self.all_rows, self.all_heads) if every_column else (self.rows, self.heads)
+            self._indices[B, every_column] = (torch.arange(B, device=rows.device).view(B, 1, 1), rows.unsqueeze(0),
+                                              heads.view(1, 1, -1))
+        return self._indices[B, every_column]
 
     def gather(self, x):  # [B, L, H, ...] -> [B, n, c, ...]
         if self.is_view:
             return self._view(x)
-        return x[self._index(x.shape[0], x.device, every_column=True)]
+        return x[self._index(x.shape[0], every_column=True)]
 
     def gather_lse(self, x):  # [B, H, L] -> [B, c, n]
         return self.gather(x.transpose(1, 2)).transpose(1, 2)
@@ -89,7 +95,7 @@ class RowSet:
         if self.is_view:
             self._view(x).copy_(values)
         else:
-            x[self._index(x.shape[0], x.device, every_column=True)] = values.to(x.dtype)
+            x[self._index(x.shape[0], every_column=True)] = values.to(x.dtype)
 
     def put_lse(self, x, values):
         self.put(x.transpose(1, 2), values.transpose(1, 2))
@@ -108,7 +114,7 @@ class RowSet:
                 if m != c:
                     summed[:, :, slot[m]] += values[:, :, c]
             values = summed
-        index = self._index(acc.shape[0], acc.device)
+        index = self._index(acc.shape[0])
         acc[index] = (acc[index].to(values.dtype) + values).to(acc.dtype)
 
 
