@@ -856,6 +856,11 @@ def test_aligned_pack_takes_a_uniform_batchs_calls():
     assert many.starts == (0, 32, 56, 128) and many.total == 216
     # moved: a call per offset group (lengths off multiples of 8 give the groups runs of unequal lengths: unstacked)
     assert [len(calls) for calls in many.plan.calls] == [1, 8]
+    # its views' rows between runs all lie between the moved sequences (their results are dropped: not filled);
+    # in place, rows between runs lie within the sequences (another offset's members): filled
+    assert many.plan.gaps_outside and any(call.used for call in many.plan.calls[1])
+    assert not here.gaps_outside and any(call.used for call in here.calls[1])
+    assert not packs.plan_sequences(((0, 32), (32, 17)), 49, (12,), (8,), 8, 8, False).gaps_outside  # 8 -/-> 12
 
 
 # packs whose starts take several residues modulo the dilations, GQA, split heads, a sequence shorter than a dilation;

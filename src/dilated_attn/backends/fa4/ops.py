@@ -398,9 +398,10 @@ def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilatio
             if i == 0 and plan.first_stores:  # every row of the pack once: written in place
                 run(out=outs, lse=lses)
                 continue
-            # the rows between runs keep an LSE of -inf, which the merge passes over (their part_out is not read)
+            # the rows between runs keep an LSE of -inf, which the merge passes over (their part_out is not read);
+            # where they all lie between the moved sequences (gaps_outside) their results are dropped: left unset
             make_parts = functools.partial(_parts, outs.shape, q.dtype, (call.n_heads, call.rows), lse.dtype,
-                                           q.device, float("-inf") if call.used else None)
+                                           q.device, float("-inf") if call.used and not plan.gaps_outside else None)
             lanes.merged(make_parts, run, functools.partial(_merge_pack_call, outs, lses))
     lanes.finish()
     return pack.gather(out), pack.gather(lse, 1)
@@ -429,7 +430,9 @@ def fa4_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens, max_s
             with lanes.next():
                 if written:
                     given = dict(zip(("dq", "dk", "dv"), targets))
-                elif call.used:  # FlashAttention does not write the rows between runs: zeros, which add nothing
+                elif call.used and not plan.gaps_outside:
+                    # FlashAttention does not write the rows between runs: zeros, which add nothing (between the
+                    # moved sequences, gaps_outside, their sums are dropped)
                     given = {name: torch.zeros_like(t) for name, t in zip(("dq", "dk", "dv"), targets)}
                 else:
                     given = {}
