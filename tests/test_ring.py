@@ -616,16 +616,16 @@ def _document_cases(P: int) -> list:
 
 def _early(case, rank):
     """A case compared with the reference (_compare_f64) while the forward's order is logged: the configuration
-    check's post and read, and each block's query columns and whether its keys are the rank's own."""
+    check's post and read, and each block's number of query columns."""
     import dilated_attn.ring.autograd as ring_autograd
     import dilated_attn.ring.check as ring_check
 
     log = []
     block, post, read = ring_autograd.block_forward, ring_check._post_config, ring_check.check_same_config
 
-    def logged_block(ops, q, k, *args, **kw):
+    def logged_block(ops, q, *args, **kw):
         log.append(["block", q.shape[2]])
-        return block(ops, q, k, *args, **kw)
+        return block(ops, q, *args, **kw)
 
     ring_autograd.block_forward = logged_block
     ring_check._post_config = lambda *a, **kw: log.append(["check posted"]) or post(*a, **kw)
@@ -793,7 +793,7 @@ def test_result_does_not_depend_on_arrival_order(tmp_path):
 
 def test_dense_forward_computes_while_the_check_is_read(tmp_path):
     """Dense attention has no local branches to compute while the host waits for the configuration check: the first
-    quarter of the own block's heads runs between the check's post and its read (exactly: _early_heads), the rest
+    quarter of the own block's heads runs between the check's post and its read (autograd._early_heads), the rest
     after it; GQA keeps each kv head with its query heads, MQA splits the query heads."""
     cases = [dict(name="dense causal zigzag", shape=(2, 16, 8, 8, 3), causal=True, layout="zigzag"),
              dict(name="dense, GQA", shape=(1, 16, 8, 4, 3)), dict(name="dense causal, MQA", shape=(1, 16, 4, 1, 3),
