@@ -141,16 +141,20 @@ def _compare_f64(case, rank):
         _GROUP = halves[rank * 2 // world]
     if case.get("mode") == "2d":
         _GROUP = _mesh_pair(case["inner"])
+    import dilated_attn.ring.blocks as blocks
     import dilated_attn.ring.comm as comm
 
-    eager = comm.RingComm.eager
+    eager, memory = comm.RingComm.eager, blocks.Sums.memory
     if case.get("stepwise"):  # the ring's step-by-step exchange, which large transfers take
         comm.RingComm.eager = lambda self, heads, kv_heads: False
+    if case.get("poisoned"):  # the gradient sums' memory NaN: a row read before any block reached it shows
+        blocks.Sums.memory = staticmethod(lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype,
+                                                                                   device=device))
     try:
         return _compare_in_group(_placed(case))
     finally:
         _GROUP = None
-        comm.RingComm.eager = eager
+        comm.RingComm.eager, blocks.Sums.memory = eager, memory
 
 
 def _compare_in_group(case):
@@ -656,6 +660,16 @@ def test_ring_matches_dilated_attention_gloo(world, tmp_path):
     _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradient_sums_start_unwritten_gloo(world, tmp_path):
+    """The backward's float32 sums (blocks.Sums) start as uninitialised memory, here NaN: each row is stored by the
+    first block that reaches it and added by the later ones, in both schedules (every step posted at once, and step
+    by step). (Every row of a plan is reached by some block; Sums.finish zeroes any that is not: test_sums.)"""
+    cases = [dict(c, mode="ring", poisoned=True, name=f"{c['name']} [poisoned]") for c in _named_cases(world)]
+    cases += [dict(c, stepwise=True, name=f"{c['name']} [stepwise]") for c in cases if _posts_at_once(c, world)]
+    _check(_spawn(world, "gloo", "compare_f64", cases, tmp_path), cases)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_head_parallel_modes_match_dilated_attention_gloo(world, tmp_path):
     """The heads mode on 2, 3 and 4 ranks; on 4 also the 2-D mode as 2 x 2 (heads across each pair of consecutive
@@ -807,6 +821,23 @@ def test_dense_forward_computes_while_the_check_is_read(tmp_path):
             first = {8: 2, 4: 2, 1: 1}[case["shape"][3]]
             assert res["log"][:4] == [["check posted"], ["block", first], ["check read"], ["block", H - first]], (
                 rank, case["name"], res["log"])
+
+
+def test_sums():
+    """blocks.Sums: the first part to reach a row is stored (the memory's NaN never read), later parts added, the
+    rows no part reached zeroed by finish(); `[:, lo:hi]` slices rows as a tensor's [:, lo:hi] would."""
+    from dilated_attn.ring.blocks import Sums, accumulate
+
+    sums = Sums(torch.full((2, 10, 3, 4), math.nan, dtype=torch.float64))
+    want = torch.zeros(2, 10, 3, 4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    for a, b in ((2, 5), (4, 8), (3, 4), (8, 8)):
+        part = torch.randn(2, b - a, 3, 4, generator=g, dtype=torch.float64)
+        accumulate([sums[:, 1:][:, a - 1:b - 1]], [part])
+        want[:, a:b] += part
+    torch.testing.assert_close(sums.finish(), want, rtol=0, atol=0)
+    with pytest.raises(IndexError, match=r"\[:, lo:hi\]"):
+        sums[:, ::2]
 
 
 def test_one_process_is_dilated_attention():

@@ -22,6 +22,7 @@ import torch
 from .. import dispatch
 from ..spec import Problem, lse_dtype
 from .blocks import (
+    Sums,
     accumulate,
     block_backward,
     block_forward,
@@ -152,6 +153,15 @@ def compacted_rows(plan: RingPlan, rank: int, device) -> list[CompactedRows]:
 
 def _zeros_like(xs, dtype):
     return [None if x is None else torch.zeros(x.shape, dtype=dtype, device=x.device) for x in xs]
+
+
+def _sums_like(xs, dtype) -> list:
+    return [None if x is None else Sums.empty(x.shape, dtype, x.device) for x in xs]
+
+
+def _finished(xs) -> list:
+    """The tensors of a list of Sums (each finished: zero where no block reached), tensors or None."""
+    return [x.finish() if isinstance(x, Sums) else x for x in xs]
 
 
 def _task_slices(task):
@@ -453,9 +463,10 @@ def ring_backward(q, k, v, out, lse, d_out, d_lse, cfg: RingConfig, group, excha
     stack's float32 sums, added to their rows here with one rounding."""
     b = _Backward(q, k, v, out, lse, d_out, d_lse, cfg, group, exchanged)
     returning, (dq, dk, dv) = (_eager_backward if exchanged.eager else _stepwise_backward)(b)
+    dqc, dkc, dvc = _finished(b.dqc), _finished(b.dkc), _finished(b.dvc)
     for ret, dst in returning:
-        b.comm.add_returned_grads(ret, dst, b.dkc, b.dvc)
-    for cp, g_q, g_k, g_v in zip(b.rows, b.dqc, b.dkc, b.dvc):
+        b.comm.add_returned_grads(ret, dst, dkc, dvc)
+    for cp, g_q, g_k, g_v in zip(b.rows, dqc, dkc, dvc):
         for rowset, grad, sums, w in zip((cp.q, cp.kv, cp.kv), (dq, dk, dv), (g_q, g_k, g_v), b.whole):
             (rowset.put if w else rowset.add)(grad, sums)
     return tuple(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
@@ -503,15 +514,15 @@ class _Backward:
         return grads
 
     def gather(self) -> None:
-        """Each head stack's rows of q, out, dO, LSE and its gradient, and its float32 gradient sums (a whole joined
-        block's dq is its call's own)."""
+        """Each head stack's rows of q, out, dO, LSE and its gradient, and its float32 gradient sums (Sums: the
+        first block to reach a row stores its part there; a whole joined block's dq is its call's own)."""
         rows, joined = self.rows, self.ex.joined
         self.qc, self.oc, self.doc = ([cp.q.gather(x) for cp in rows] for x in (self.q, self.out, self.d_out))
         self.lc = [cp.q.gather_lse(self.lse) for cp in rows]
         self.dlc = [None if self.d_lse is None else cp.q.gather_lse(self.d_lse) for cp in rows]
-        self.dqc = _zeros_like([None if s in joined and joined[s].whole else x for s, x in enumerate(self.qc)],
-                               self.acc_dtype)
-        self.dkc, self.dvc = _zeros_like(self.kc, self.acc_dtype), _zeros_like(self.vc, self.acc_dtype)
+        self.dqc = _sums_like([None if s in joined and joined[s].whole else x for s, x in enumerate(self.qc)],
+                              self.acc_dtype)
+        self.dkc, self.dvc = _sums_like(self.kc, self.acc_dtype), _sums_like(self.vc, self.acc_dtype)
 
     def blocks(self, t: int, keys, values, gk, gv) -> None:
         """The backward of step t's blocks (the keys of rank - t) but the joined ones, their dK/dV added into gk, gv."""
@@ -545,6 +556,7 @@ def _stepwise_backward(b: _Backward):
         keys, values = b.ex.received[t] if t in b.ex.received else comm.received_kv(arrivals.pop(t), t)
         buffer, gk, gv = comm.grad_buffer(t, b.acc_dtype)
         b.blocks(t, keys, values, gk, gv)
+        _finished(gk + gv)  # sent as they are
         del keys, values  # the received rows' memory serves the next ones (in stream order)
         nxt = unposted.pop(0) if unposted else None
         ret, arrival = comm.post_grads(t, buffer, None if nxt is None else (nxt, kc, vc))
@@ -580,6 +592,8 @@ def _eager_backward(b: _Backward):
             gk, gv = _zeros_like([keys, values], b.acc_dtype)
             block_backward(b.ops, *args, False, b.cfg.scale, b.dqc[s][:, j.q], gk, gv)
         for t, (lo, hi) in spans.items():
-            accumulate([held[t][0][s], held[t][1][s]], [gk[:, lo:hi], gv[:, lo:hi]])
+            accumulate([held[t][0][s][:, :], held[t][1][s][:, :]], [gk[:, lo:hi], gv[:, lo:hi]])
+    for t in range(1, P):
+        _finished(held[t][0] + held[t][1])  # sent as they are
     returning = comm.post_all_grads({t: held[t][2] for t in range(1, P)})
     return returning, b.local_branches()

@@ -20,8 +20,8 @@ from ..backends import extension
 from ..merge import merge_into
 from .plan import BranchRun
 
-__all__ = ["BlockOps", "accumulate", "block_ops", "block_forward", "block_backward", "block_gradients",
-           "merge_block", "run_forward", "run_backward"]
+__all__ = ["BlockOps", "Sums", "SumsRows", "accumulate", "block_ops", "block_forward", "block_backward",
+           "block_gradients", "merge_block", "run_forward", "run_backward"]
 
 
 class BlockOps(NamedTuple):
@@ -68,9 +68,85 @@ def _merge_kernel_runs(acc_out, acc_lse, out, lse) -> bool:
             and acc_out.stride(-1) == 1 and out.stride(-1) == 1 and extension.has_kernel("cuda"))
 
 
-def accumulate(sums: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """sums[i] += grads[i], `[B, n, H, D]` each (extension.accumulate on their `[B, H, n, D]` views)."""
-    extension.accumulate([x.transpose(1, 2) for x in sums], [g.transpose(1, 2) for g in grads])
+class Sums:
+    """A float32 (float64) gradient sum `[B, n, H, D]` that starts unwritten: the first part added to a range of its
+    rows is stored there and later ones are added (no zero fill, and no zeros read by the first addition), and
+    finish() zeroes the rows no part reached. `sums[:, a:b]` is its rows a..b as an accumulate target."""
+
+    # Uninitialised memory for sums (tests poison it, so that a row read before any part reached it shows).
+    memory = staticmethod(lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self._written: list[tuple[int, int]] = []  # disjoint, in order
+
+    @classmethod
+    def empty(cls, shape, dtype, device) -> "Sums":
+        return cls(cls.memory(shape, dtype, device))
+
+    def __getitem__(self, index) -> "SumsRows":
+        return SumsRows(self, 0, self.tensor.shape[1])[index]
+
+    def _pieces(self, a: int, b: int) -> list[tuple[int, int, bool]]:
+        """[a, b) as (lo, hi, first) runs: first where no part has reached those rows yet."""
+        pieces, at = [], a
+        for lo, hi in self._written:
+            lo, hi = max(lo, a), min(hi, b)
+            if lo >= hi:
+                continue
+            pieces += [(at, lo, True)] if at < lo else []
+            pieces.append((lo, hi, False))
+            at = hi
+        return pieces + ([(at, b, True)] if at < b else [])
+
+    def _mark(self, a: int, b: int) -> None:
+        merged = []
+        for lo, hi in sorted([*self._written, (a, b)]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        self._written = merged
+
+    def finish(self) -> torch.Tensor:
+        """The sums, zero in the rows no part reached."""
+        for lo, hi, first in self._pieces(0, self.tensor.shape[1]):
+            if first:
+                self.tensor[:, lo:hi].zero_()
+        self._mark(0, self.tensor.shape[1])
+        return self.tensor
+
+
+class SumsRows(NamedTuple):
+    """Rows [a, b) of a Sums; slicing `[:, lo:hi]` is relative to them, as a tensor's."""
+
+    sums: Sums
+    a: int
+    b: int
+
+    def __getitem__(self, index) -> "SumsRows":
+        everything, rows = index
+        if everything != slice(None) or not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise IndexError("Sums rows are sliced as [:, lo:hi]")
+        lo, hi, _ = rows.indices(self.b - self.a)
+        return SumsRows(self.sums, self.a + lo, self.a + max(lo, hi))
+
+
+def accumulate(sums: list, grads: list[torch.Tensor]) -> None:
+    """sums[i] += grads[i], `[B, n, H, D]` each: a tensor, or a Sums' rows, whose unwritten rows take the part as
+    it is (extension.accumulate on their `[B, H, n, D]` views: one call for the stored pairs, one for the added)."""
+    stored, added = [], []
+    for target, grad in zip(sums, grads):
+        if not isinstance(target, SumsRows):
+            added.append((target, grad))
+            continue
+        whole = target.sums
+        for lo, hi, first in whole._pieces(target.a, target.b):
+            (stored if first else added).append((whole.tensor[:, lo:hi], grad[:, lo - target.a: hi - target.a]))
+        whole._mark(target.a, target.b)
+    for pairs, store in ((stored, True), (added, False)):
+        if pairs:
+            extension.accumulate([x.transpose(1, 2) for x, _ in pairs], [g.transpose(1, 2) for _, g in pairs], store)
 
 
 def merge_block(acc_out, acc_lse, out, lse) -> None:

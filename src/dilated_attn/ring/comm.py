@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .blocks import Sums
 from .plan import RingPlan
 
 __all__ = ["RingComm", "Step", "exchange_stream"]
@@ -240,11 +241,12 @@ class RingComm:
         return parts[: len(shapes)], parts[len(shapes):]
 
     def grad_buffer(self, t: int, dtype) -> tuple[torch.Tensor, list, list]:
-        """Zeroed float32 (float64) accumulators of dK and dV per stack for the rows received at step t, as views
-        of one buffer in the order post_grads sends it (all dK, then all dV): it travels without a copy."""
+        """float32 (float64) sums of dK and dV per stack for the rows received at step t (blocks.Sums, finished
+        before the send), views of one buffer in the order post_grads sends it (all dK, then all dV): it travels
+        without a copy."""
         shapes = self.shapes(self.rank, (self.rank - t) % self.plan.P)
-        buf = torch.zeros(2 * sum(math.prod(x) for x in shapes), dtype=dtype, device=self.device)
-        parts = _unpack(buf, shapes + shapes)
+        buf = Sums.memory((2 * sum(math.prod(x) for x in shapes),), dtype, self.device)
+        parts = [Sums(x) for x in _unpack(buf, shapes + shapes)]
         return buf, parts[: len(shapes)], parts[len(shapes):]
 
     def _grad_messages(self, t: int, grads: torch.Tensor) -> tuple[list, list, Optional[torch.Tensor], int]:
