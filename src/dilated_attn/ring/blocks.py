@@ -87,7 +87,7 @@ class Sums:
     def __getitem__(self, index) -> "SumsRows":
         return SumsRows(self, 0, self.tensor.shape[1])[index]
 
-    def _pieces(self, a: int, b: int) -> list[tuple[int, int, bool]]:
+    def runs(self, a: int, b: int) -> list[tuple[int, int, bool]]:
         """[a, b) as (lo, hi, first) runs: first where no part has reached those rows yet."""
         pieces, at = [], a
         for lo, hi in self._written:
@@ -99,7 +99,8 @@ class Sums:
             at = hi
         return pieces + ([(at, b, True)] if at < b else [])
 
-    def _mark(self, a: int, b: int) -> None:
+    def reached(self, a: int, b: int) -> None:
+        """Rows [a, b) have taken a part."""
         merged = []
         for lo, hi in sorted([*self._written, (a, b)]):
             if merged and lo <= merged[-1][1]:
@@ -110,10 +111,10 @@ class Sums:
 
     def finish(self) -> torch.Tensor:
         """The sums, zero in the rows no part reached."""
-        for lo, hi, first in self._pieces(0, self.tensor.shape[1]):
+        for lo, hi, first in self.runs(0, self.tensor.shape[1]):
             if first:
                 self.tensor[:, lo:hi].zero_()
-        self._mark(0, self.tensor.shape[1])
+        self.reached(0, self.tensor.shape[1])
         return self.tensor
 
 
@@ -131,19 +132,23 @@ class SumsRows(NamedTuple):
         lo, hi, _ = rows.indices(self.b - self.a)
         return SumsRows(self.sums, self.a + lo, self.a + max(lo, hi))
 
+    def take(self, part: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """(sums' rows, part's rows, store) runs that add `part` (these rows' part) to these rows, the rows marked
+        as reached."""
+        whole = self.sums
+        taken = [(whole.tensor[:, lo:hi], part[:, lo - self.a: hi - self.a], first)
+                 for lo, hi, first in whole.runs(self.a, self.b)]
+        whole.reached(self.a, self.b)
+        return taken
+
 
 def accumulate(sums: list, grads: list[torch.Tensor]) -> None:
     """sums[i] += grads[i], `[B, n, H, D]` each: a tensor, or a Sums' rows, whose unwritten rows take the part as
     it is (extension.accumulate on their `[B, H, n, D]` views: one call for the stored pairs, one for the added)."""
     stored, added = [], []
     for target, grad in zip(sums, grads):
-        if not isinstance(target, SumsRows):
-            added.append((target, grad))
-            continue
-        whole = target.sums
-        for lo, hi, first in whole._pieces(target.a, target.b):
-            (stored if first else added).append((whole.tensor[:, lo:hi], grad[:, lo - target.a: hi - target.a]))
-        whole._mark(target.a, target.b)
+        for x, part, store in target.take(grad) if isinstance(target, SumsRows) else [(target, grad, False)]:
+            (stored if store else added).append((x, part))
     for pairs, store in ((stored, True), (added, False)):
         if pairs:
             extension.accumulate([x.transpose(1, 2) for x, _ in pairs], [g.transpose(1, 2) for _, g in pairs], store)
